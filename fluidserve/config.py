@@ -1,0 +1,126 @@
+"""Every user-facing knob, as frozen dataclasses validated once in ``__post_init__``.
+
+The CLI is generated from these fields (see ``fluidserve/cli_args.py``): the help text of a
+flag is the ``help`` metadata of its field, so a knob is documented exactly once.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field, fields
+
+SCHEDULERS = (
+    "sarathi",
+    "vllm",
+    "orca",
+    "faster_transformer",
+    "decode_maximal",
+    "hybrid_only",
+    "chunked_only",
+)
+DTYPES = ("float32", "bfloat16", "float16")
+
+
+class ConfigError(ValueError):
+    """A configuration value is invalid; the message names the knob and the reason."""
+
+
+def knob(default, help: str, **kw):  # noqa: A002 - "help" mirrors argparse
+    return field(default=default, metadata={"help": help, **kw})
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Model, KV cache and scheduling knobs shared by `generate`, `serve` and `profile`."""
+
+    model: str | None = knob(
+        None, "Path to a Hugging Face-format model directory. Default: the embedded model."
+    )
+    tokenizer: str | None = knob(None, "Tokenizer directory (default: the model directory).")
+    dtype: str = knob("float32", "Weight and activation dtype.", choices=DTYPES)
+    device: str = knob("cpu", "Torch device: cpu, cuda, cuda:N.")
+    seed: int = knob(0, "Seed for requests that do not carry one.")
+    max_model_len: int | None = knob(
+        None, "Context window in tokens (default: the model's max_position_embeddings)."
+    )
+    scheduler: str = knob("sarathi", "Batching policy.", choices=SCHEDULERS)
+    token_budget: int = knob(
+        512,
+        "Tokens per iteration (prefill chunk tokens + decodes). For vllm/chunked_only it caps"
+        " the prefill tokens of one prefill iteration.",
+    )
+    max_num_seqs: int = knob(128, "Maximum number of running requests.")
+    tile_size: int = knob(
+        1, "Round prefill chunk sizes down to a multiple of this (1 = no rounding)."
+    )
+    queue_policy: str = knob("fcfs", "Order of the waiting queue.", choices=("fcfs", "sjf", "ljf"))
+    block_size: int = knob(16, "Tokens per KV-cache block.")
+    num_kv_blocks: int | None = knob(
+        None, "KV-cache blocks (default: derived from --kv-cache-memory-gb)."
+    )
+    kv_cache_memory_gb: float = knob(
+        1.0, "Memory for the KV cache in GiB, used when --num-kv-blocks is not given."
+    )
+    watermark: float = knob(0.01, "Fraction of KV blocks kept free when admitting new requests.")
+    num_threads: int | None = knob(None, "Torch intra-op threads on CPU (default: torch's).")
+
+    def __post_init__(self) -> None:
+        if self.scheduler not in SCHEDULERS:
+            raise ConfigError(
+                f"scheduler must be one of {', '.join(SCHEDULERS)}, got {self.scheduler!r}"
+            )
+        if self.dtype not in DTYPES:
+            raise ConfigError(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
+        _positive("token_budget", self.token_budget)
+        _positive("max_num_seqs", self.max_num_seqs)
+        _positive("tile_size", self.tile_size)
+        _positive("block_size", self.block_size)
+        if self.num_kv_blocks is not None:
+            _positive("num_kv_blocks", self.num_kv_blocks)
+        if self.max_model_len is not None:
+            _positive("max_model_len", self.max_model_len)
+        if self.num_threads is not None:
+            _positive("num_threads", self.num_threads)
+        if not (self.kv_cache_memory_gb > 0 and math.isfinite(self.kv_cache_memory_gb)):
+            raise ConfigError(f"kv_cache_memory_gb must be > 0, got {self.kv_cache_memory_gb}")
+        if not 0.0 <= self.watermark < 1.0:
+            raise ConfigError(f"watermark must be in [0, 1), got {self.watermark}")
+        if self.tile_size > self.token_budget:
+            raise ConfigError(
+                f"tile_size ({self.tile_size}) must not exceed token_budget ({self.token_budget})"
+            )
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    """HTTP server knobs of `fluidserve serve` (the engine's come from EngineConfig)."""
+
+    host: str = knob("127.0.0.1", "Address to bind.")
+    port: int = knob(8000, "Port to bind.")
+    served_model_name: str | None = knob(
+        None, "Model name clients must use (default: the model directory's name)."
+    )
+    api_key: str | None = knob(None, "Require 'Authorization: Bearer <key>' on /v1 routes.")
+    max_waiting_requests: int = knob(
+        1024, "Requests waiting for admission above which new ones get HTTP 503."
+    )
+    drain_timeout: float = knob(
+        30.0, "Seconds SIGTERM waits for in-flight requests before failing them."
+    )
+    log_requests: bool = knob(False, "Log one line per finished request.")
+
+    def __post_init__(self) -> None:
+        if not 0 < self.port < 65536:
+            raise ConfigError(f"port must be in 1..65535, got {self.port}")
+        _positive("max_waiting_requests", self.max_waiting_requests)
+        if self.drain_timeout < 0:
+            raise ConfigError(f"drain_timeout must be >= 0, got {self.drain_timeout}")
+
+
+def _positive(name: str, value: int) -> None:
+    if value < 1:
+        raise ConfigError(f"{name} must be >= 1, got {value}")
+
+
+def field_names(cls: type) -> list[str]:
+    return [f.name for f in fields(cls)]

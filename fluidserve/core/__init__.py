@@ -1,0 +1,1 @@
+"""Scheduling and KV-block bookkeeping: pure Python, no torch (a test enforces it)."""

@@ -1,0 +1,51 @@
+"""Order of the waiting queue. Preempted requests always go first, so recompute never starves."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from fluidserve.request import Request
+
+QUEUE_POLICIES: dict[str, Callable[[Request, int], tuple]] = {
+    "fcfs": lambda r, seq: (r.arrival_time, seq),
+    "sjf": lambda r, seq: (r.num_prompt_tokens, r.arrival_time, seq),
+    "ljf": lambda r, seq: (-r.num_prompt_tokens, r.arrival_time, seq),
+}
+
+
+class WaitingQueue:
+    def __init__(self, policy: str = "fcfs") -> None:
+        if policy not in QUEUE_POLICIES:
+            raise ValueError(f"unknown queue policy {policy!r}; choose from {list(QUEUE_POLICIES)}")
+        self._key = QUEUE_POLICIES[policy]
+        self._items: dict[str, tuple[Request, int]] = {}
+        self._seq = 0
+        self._ordered: list[Request] | None = []
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+    def __contains__(self, request_id: str) -> bool:
+        return request_id in self._items
+
+    def push(self, req: Request) -> None:
+        self._seq += 1
+        self._items[req.request_id] = (req, self._seq)
+        self._ordered = None
+
+    def remove(self, request_id: str) -> Request | None:
+        item = self._items.pop(request_id, None)
+        if item is not None:
+            self._ordered = None
+        return item[0] if item else None
+
+    def ordered(self) -> list[Request]:
+        if self._ordered is None:
+            items = self._items.values()
+            self._ordered = [
+                r
+                for r, _ in sorted(
+                    items, key=lambda x: (x[0].num_preemptions == 0,) + self._key(*x)
+                )
+            ]
+        return list(self._ordered)

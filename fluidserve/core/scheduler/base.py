@@ -1,0 +1,271 @@
+"""Scheduler base: request bookkeeping shared by every batching policy.
+
+A policy only implements ``schedule()``: which requests compute how many tokens this
+iteration. Admission, KV reservation with preemption-by-recompute, and the state changes
+after an iteration (``update()``) are the same for all of them and live here.
+"""
+
+from __future__ import annotations
+
+import math
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, replace
+
+from fluidserve.core.block_manager import BlockManager
+from fluidserve.core.queue_policy import WaitingQueue
+from fluidserve.core.scheduler.output import RunnerOutput, ScheduledChunk, SchedulerOutput
+from fluidserve.request import Request, RequestStatus
+
+
+class RequestRejected(ValueError):
+    """The request can never run (too long for the context window or the KV cache)."""
+
+
+@dataclass(frozen=True)
+class SchedulerLimits:
+    token_budget: int
+    max_num_seqs: int
+    max_model_len: int
+    tile_size: int = 1
+    queue_policy: str = "fcfs"
+
+
+class Batch:
+    """An iteration under construction: chunks plus the token budget left."""
+
+    def __init__(self, budget: float) -> None:
+        self.left = budget
+        self.chunks: list[ScheduledChunk] = []
+        self.ids: set[str] = set()
+        self.num_prefills = 0
+
+    def add(self, req: Request, n: int) -> None:
+        start = req.num_computed_tokens
+        samples = start + n == req.num_tokens
+        self.chunks.append(
+            ScheduledChunk(
+                request_id=req.request_id,
+                start=start,
+                token_ids=tuple(req.token_slice(start, start + n)),
+                block_table=(),  # filled in by the scheduler once the batch is final
+                samples=samples,
+                params=req.params,
+                seed=req.seed,
+                output_index=len(req.output_token_ids),
+                is_decode=req.is_decode,
+            )
+        )
+        self.ids.add(req.request_id)
+        self.left -= n
+        self.num_prefills += 0 if req.is_decode else 1
+
+
+class Scheduler(ABC):
+    """Decides what runs each iteration. Contract:
+
+    - ``schedule(now)`` returns a SchedulerOutput; it may admit, and preempt by recompute,
+      but it never advances a request's computed tokens.
+    - ``update(output, result, now)`` is the only place request state advances: computed
+      tokens, sampled tokens, stop conditions, finishing and freeing KV blocks.
+    """
+
+    #: Registry name; set by subclasses.
+    name = "base"
+
+    def __init__(self, limits: SchedulerLimits, block_manager: BlockManager) -> None:
+        self.limits = limits
+        self.bm = block_manager
+        self.waiting = WaitingQueue(limits.queue_policy)
+        self.running: list[Request] = []
+        self.requests: dict[str, Request] = {}
+        self.iteration = 0
+        self.num_preemptions = 0
+
+    # ------------------------------------------------------------------ requests in/out
+    def add_request(self, req: Request) -> None:
+        if req.request_id in self.requests:
+            raise RequestRejected(f"duplicate request id {req.request_id!r}")
+        if req.num_prompt_tokens == 0:
+            raise RequestRejected("the prompt is empty")
+        total = req.max_total_tokens
+        if total > self.limits.max_model_len:
+            raise RequestRejected(
+                f"prompt ({req.num_prompt_tokens} tokens) + max_tokens ({req.params.max_tokens})"
+                f" = {total} exceeds the context window of {self.limits.max_model_len} tokens"
+            )
+        if not self.bm.fits_ever(total):
+            raise RequestRejected(
+                f"request needs {self.bm.blocks_for(total)} KV blocks for {total} tokens but the"
+                f" cache has {self.bm.num_blocks - self.bm.watermark_blocks} admissible blocks"
+            )
+        self.requests[req.request_id] = req
+        self.waiting.push(req)
+
+    def finish(self, req: Request, status: RequestStatus, now: float | None = None) -> None:
+        if req.status.finished:
+            return
+        self.waiting.remove(req.request_id)
+        if req in self.running:
+            self.running.remove(req)
+        self.bm.free(req.request_id)
+        req.status = status
+        req.finish_time = now
+        self.requests.pop(req.request_id, None)
+
+    def abort(self, request_id: str, now: float | None = None) -> Request | None:
+        req = self.requests.get(request_id)
+        if req is not None:
+            self.finish(req, RequestStatus.FINISHED_ABORTED, now)
+        return req
+
+    def has_unfinished(self) -> bool:
+        return bool(self.requests)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    # ------------------------------------------------------------------ the iteration
+    @abstractmethod
+    def _build(self, now: float) -> Batch:
+        """Choose the chunks of this iteration (policy-specific)."""
+
+    def schedule(self, now: float) -> SchedulerOutput:
+        self._preempted: list[str] = []
+        batch = self._build(now)
+        self.iteration += 1
+        chunks = [_with_table(c, self.bm.table(c.request_id)) for c in batch.chunks]
+        return SchedulerOutput(self.iteration, chunks, self._preempted)
+
+    def update(self, output: SchedulerOutput, result: RunnerOutput, now: float) -> list[Request]:
+        """Advance state after an iteration; returns requests that got a token or finished."""
+        touched = []
+        for chunk in output.chunks:
+            req = self.requests.get(chunk.request_id)
+            if req is None or req.status is not RequestStatus.RUNNING:
+                continue  # aborted while the iteration ran
+            req.num_computed_tokens += chunk.num_tokens
+            if not chunk.samples:
+                continue
+            token = result.sampled[chunk.request_id]
+            req.output_token_ids.append(token)
+            req.token_times.append(now)
+            touched.append(req)
+            stop = self._stop_status(req, token)
+            if stop is not None:
+                self.finish(req, stop, now)
+        return touched
+
+    def _stop_status(self, req: Request, token: int) -> RequestStatus | None:
+        p = req.params
+        n = len(req.output_token_ids)
+        if n >= p.max_tokens:
+            return RequestStatus.FINISHED_LENGTH
+        if n < p.min_tokens:
+            return None
+        if token in p.stop_token_ids:
+            return RequestStatus.FINISHED_STOPPED
+        if not p.ignore_eos and req.eos_token_id is not None and token == req.eos_token_id:
+            return RequestStatus.FINISHED_STOPPED
+        return None
+
+    # ------------------------------------------------------------------ helpers for policies
+    def _chunk_size(self, req: Request, left: float, chunked: bool, batch: Batch) -> int:
+        """Tokens to grant a prefill: min(remaining, budget left), never negative.
+
+        Unchunked policies grant the whole remainder or nothing, except that the first
+        prefill of an iteration is always granted whole so an over-long prompt cannot starve.
+        """
+        remaining = req.num_remaining
+        if not chunked:
+            if remaining <= left or (batch.num_prefills == 0 and left > 0):
+                return remaining
+            return 0
+        n = int(min(remaining, max(left, 0)))
+        tile = self.limits.tile_size
+        if n < remaining and tile > 1:
+            n -= n % tile
+        return n
+
+    def _admit(self, req: Request, n: int, batch: Batch, now: float) -> bool:
+        """Move the head of the waiting queue to running with a first chunk of ``n`` tokens."""
+        if len(self.running) >= self.limits.max_num_seqs:
+            return False
+        if not self.bm.can_allocate(req.request_id, req.num_computed_tokens + n, admit=True):
+            return False
+        self.bm.allocate(req.request_id, req.num_computed_tokens + n)
+        self.waiting.remove(req.request_id)
+        self.running.append(req)
+        req.status = RequestStatus.RUNNING
+        if req.first_scheduled_time is None:
+            req.first_scheduled_time = now
+        batch.add(req, n)
+        return True
+
+    def _reserve(self, req: Request, n: int, batch: Batch) -> bool:
+        """Make room for ``n`` more tokens of running ``req``, preempting from the tail.
+
+        Victims are the most recently admitted running requests not already in this batch.
+        If only ``req`` itself is left to preempt, it is preempted and False is returned.
+        """
+        total = req.num_computed_tokens + n
+        while not self.bm.allocate(req.request_id, total):
+            victim = next(
+                (
+                    r
+                    for r in reversed(self.running)
+                    if r is not req and r.request_id not in batch.ids
+                ),
+                None,
+            )
+            self._preempt(victim or req)
+            if victim is None:
+                return False
+        return True
+
+    def _preempt(self, req: Request) -> None:
+        self.running.remove(req)
+        self.bm.free(req.request_id)
+        req.num_computed_tokens = 0
+        req.status = RequestStatus.WAITING
+        req.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.push(req)
+        self._preempted.append(req.request_id)
+
+    def _schedule_decodes(self, batch: Batch) -> None:
+        for req in list(self.running):
+            if req.is_decode and req.status is RequestStatus.RUNNING:
+                if self._reserve(req, 1, batch):
+                    batch.add(req, 1)
+
+    def _schedule_prefills(
+        self, batch: Batch, now: float, *, chunked: bool, max_prefills: float = math.inf
+    ) -> None:
+        """Ongoing prefills first, then new requests in queue order, while budget lasts."""
+        for req in list(self.running):
+            if batch.num_prefills >= max_prefills or batch.left <= 0:
+                return
+            if (
+                req.status is not RequestStatus.RUNNING
+                or req.is_decode
+                or req.request_id in batch.ids
+            ):
+                continue
+            n = self._chunk_size(req, batch.left, chunked, batch)
+            if n == 0:
+                return
+            if self._reserve(req, n, batch):
+                batch.add(req, n)
+        if self._preempted:
+            return  # memory is short: admitting now would only preempt again
+        for req in self.waiting.ordered():
+            if batch.num_prefills >= max_prefills or batch.left <= 0:
+                return
+            n = self._chunk_size(req, batch.left, chunked, batch)
+            if n == 0 or not self._admit(req, n, batch, now):
+                return
+
+
+def _with_table(chunk: ScheduledChunk, table: list[int]) -> ScheduledChunk:
+    return replace(chunk, block_table=tuple(table))

@@ -1,0 +1,71 @@
+"""The tensor-free contract between a scheduler and an executor."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from fluidserve.sampling_params import SamplingParams
+
+
+@dataclass(frozen=True)
+class ScheduledChunk:
+    """One request's share of an iteration: ``token_ids`` at positions ``start..start+n``.
+
+    A decode is a chunk of one token. ``samples`` is true when the chunk reaches the end of
+    the request's known tokens, so the executor must sample the next token from its logits.
+    """
+
+    request_id: str
+    start: int
+    token_ids: tuple[int, ...]
+    block_table: tuple[int, ...]
+    samples: bool
+    params: SamplingParams
+    seed: int
+    output_index: int  # index of the token this chunk samples, if it samples
+    is_decode: bool = False
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def context_len(self) -> int:
+        return self.start + len(self.token_ids)
+
+
+@dataclass
+class SchedulerOutput:
+    """One hybrid batch: prefill chunks and decodes travel together, decodes first."""
+
+    iteration: int
+    chunks: list[ScheduledChunk] = field(default_factory=list)
+    preempted: list[str] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(c.num_tokens for c in self.chunks)
+
+    @property
+    def num_decode_tokens(self) -> int:
+        return sum(1 for c in self.chunks if c.is_decode)
+
+    @property
+    def num_prefill_tokens(self) -> int:
+        return self.num_tokens - self.num_decode_tokens
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.chunks
+
+    def composition(self) -> tuple[tuple[str, int], ...]:
+        return tuple((c.request_id, c.num_tokens) for c in self.chunks)
+
+
+@dataclass
+class RunnerOutput:
+    """What an executor returns: one sampled token per sampling chunk, and how long it took."""
+
+    sampled: dict[str, int]
+    execution_time: float
+    logprobs: dict[str, tuple[float, list[tuple[int, float]]]] = field(default_factory=dict)

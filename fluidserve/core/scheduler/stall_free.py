@@ -1,0 +1,42 @@
+"""Hybrid batches: running decodes first, then prefill work, in the same iteration.
+
+``sarathi`` is Sarathi-Serve's stall-free batching (OSDI'24, Algorithm 3): decodes, then
+ongoing prefill chunks, then new requests, each chunk min(remaining, budget left) so the
+iteration never exceeds the token budget and decodes never wait for a prompt.
+The same skeleton with other settings gives the baselines it is compared with:
+
+- ``orca``: decodes plus whole new prompts, no chunking and no token budget.
+- ``hybrid_only`` (paper ablation): hybrid batches of whole prompts under the token budget.
+- ``decode_maximal`` (Sarathi, 2023): at most one prefill chunk per batch, filled with decodes.
+"""
+
+from __future__ import annotations
+
+import math
+
+from fluidserve.core.block_manager import BlockManager
+from fluidserve.core.scheduler.base import Batch, Scheduler, SchedulerLimits
+
+
+class StallFreeScheduler(Scheduler):
+    name = "sarathi"
+
+    def __init__(
+        self,
+        limits: SchedulerLimits,
+        block_manager: BlockManager,
+        *,
+        chunked: bool = True,
+        use_budget: bool = True,
+        max_prefills: float = math.inf,
+    ) -> None:
+        super().__init__(limits, block_manager)
+        self.chunked = chunked
+        self.use_budget = use_budget
+        self.max_prefills = max_prefills
+
+    def _build(self, now: float) -> Batch:
+        batch = Batch(self.limits.token_budget if self.use_budget else math.inf)
+        self._schedule_decodes(batch)
+        self._schedule_prefills(batch, now, chunked=self.chunked, max_prefills=self.max_prefills)
+        return batch

@@ -1,0 +1,92 @@
+"""Offline batch API: ``LLM(model=...).generate(prompts, params)``."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from fluidserve.config import EngineConfig
+from fluidserve.engine.engine import LLMEngine
+from fluidserve.metrics import RequestLatency, request_latency
+from fluidserve.sampling_params import SamplingParams
+
+
+@dataclass
+class CompletionOutput:
+    request_id: str
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    text: str
+    finish_reason: str | None
+    error: str | None = None
+    metrics: RequestLatency | None = None
+    logprobs: list = field(default_factory=list)
+
+
+class LLM:
+    """Runs prompts to completion on one engine. Keyword arguments are EngineConfig fields."""
+
+    def __init__(self, model: str | None = None, **kwargs) -> None:
+        known = {f.name for f in dataclasses.fields(EngineConfig)}
+        unknown = set(kwargs) - known
+        if unknown:
+            raise TypeError(f"unknown LLM options {sorted(unknown)}; valid: {sorted(known)}")
+        engine = kwargs.pop("engine", None)
+        self.config = EngineConfig(model=model, **kwargs)
+        self.engine = engine or LLMEngine(self.config)
+        self.tokenizer = self.engine.tokenizer
+        self._counter = 0
+
+    def generate(
+        self,
+        prompts: str | Sequence[str] | Sequence[Sequence[int]],
+        params: SamplingParams | Sequence[SamplingParams] | None = None,
+        *,
+        use_tqdm: bool = False,
+    ) -> list[CompletionOutput]:
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]  # type: ignore[list-item]
+        if params is None or isinstance(params, SamplingParams):
+            params = [params or SamplingParams()] * len(prompts)
+        if len(params) != len(prompts):
+            raise ValueError(f"{len(prompts)} prompts but {len(params)} sampling params")
+        eng = self.engine
+        order, reqs = [], {}
+        for prompt, p in zip(prompts, params, strict=True):
+            rid = f"gen-{self._counter}"
+            self._counter += 1
+            reqs[rid] = eng.add_request(rid, prompt if isinstance(prompt, str) else list(prompt), p)
+            order.append(rid)
+        texts = {rid: [] for rid in order}
+        logprobs = {rid: [] for rid in order}
+        bar = _progress(len(order)) if use_tqdm else None
+        while eng.has_unfinished():
+            for out in eng.step():
+                texts[out.request_id].append(out.new_text)
+                logprobs[out.request_id].extend(out.new_logprobs)
+                if out.finished and bar is not None:
+                    bar.update(1)
+        if bar is not None:
+            bar.close()
+        return [self._result(reqs[rid], "".join(texts[rid]), logprobs[rid]) for rid in order]
+
+    @staticmethod
+    def _result(req, text: str, logprobs: list) -> CompletionOutput:
+        lat = request_latency(req.arrival_time, req.token_times, req.first_scheduled_time)
+        return CompletionOutput(
+            req.request_id,
+            req.prompt_token_ids,
+            list(req.output_token_ids),
+            text,
+            req.finish_reason,
+            req.error,
+            lat,
+            logprobs,
+        )
+
+
+def _progress(total: int):
+    from tqdm import tqdm
+
+    return tqdm(total=total, desc="generate", unit="req")

@@ -1,0 +1,89 @@
+"""Per-iteration and per-token records, exportable as JSON lines."""
+
+from __future__ import annotations
+
+import json
+from collections import deque
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from fluidserve.core.scheduler.output import SchedulerOutput
+from fluidserve.metrics import request_latency
+from fluidserve.request import Request
+
+
+@dataclass(frozen=True)
+class IterationRecord:
+    iteration: int
+    start: float
+    duration: float
+    num_prefill_tokens: int
+    num_decode_tokens: int
+    num_requests: int
+    num_prefill_requests: int
+    num_preempted: int
+
+
+@dataclass(frozen=True)
+class TokenEvent:
+    request_id: str
+    token_index: int
+    time: float
+
+
+class Telemetry:
+    """Keeps the most recent ``max_records`` iterations and token events (None: all)."""
+
+    def __init__(self, max_records: int | None = None) -> None:
+        self.iterations: deque[IterationRecord] = deque(maxlen=max_records)
+        self.tokens: deque[TokenEvent] = deque(maxlen=max_records)
+        self.finished: deque[dict] = deque(maxlen=max_records)
+
+    def record_iteration(self, plan: SchedulerOutput, start: float, duration: float) -> None:
+        prefill_reqs = sum(1 for c in plan.chunks if not c.is_decode)
+        self.iterations.append(
+            IterationRecord(
+                plan.iteration,
+                start,
+                duration,
+                plan.num_prefill_tokens,
+                plan.num_decode_tokens,
+                len(plan.chunks),
+                prefill_reqs,
+                len(plan.preempted),
+            )
+        )
+
+    def record_token(self, req: Request) -> None:
+        idx = len(req.output_token_ids) - 1
+        self.tokens.append(TokenEvent(req.request_id, idx, req.token_times[idx]))
+
+    def record_finished(self, req: Request) -> None:
+        lat = request_latency(req.arrival_time, req.token_times, req.first_scheduled_time)
+        self.finished.append(
+            {
+                "request_id": req.request_id,
+                "arrival_time": req.arrival_time,
+                "num_prompt_tokens": req.num_prompt_tokens,
+                "num_output_tokens": len(req.output_token_ids),
+                "finish_reason": req.finish_reason,
+                "num_preemptions": req.num_preemptions,
+                "error": req.error,
+                **lat.to_dict(),
+            }
+        )
+
+    def export_jsonl(self, path: str | Path) -> None:
+        with open(path, "w") as f:
+            for kind, rows in (
+                ("iteration", self.iterations),
+                ("token", self.tokens),
+                ("request", self.finished),
+            ):
+                for row in rows:
+                    f.write(
+                        json.dumps(
+                            {"type": kind, **(row if isinstance(row, dict) else asdict(row))}
+                        )
+                        + "\n"
+                    )

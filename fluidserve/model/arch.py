@@ -1,0 +1,118 @@
+"""The Llama-family architecture description, parsed from a Hugging Face ``config.json``."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+
+
+class ModelLoadError(ValueError):
+    """The model directory cannot be served; the message says what is wrong."""
+
+
+@dataclass(frozen=True)
+class ArchConfig:
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    qkv_bias: bool
+    o_bias: bool
+    mlp_bias: bool
+    rope_scaling: dict = field(default_factory=dict)
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+    sliding_window: int | None = None
+    dtype: str | None = None
+
+    @property
+    def num_params(self) -> int:
+        h, f, d = self.hidden_size, self.intermediate_size, self.head_dim
+        attn = h * (self.num_heads + 2 * self.num_kv_heads) * d + self.num_heads * d * h
+        layer = attn + 3 * h * f + 2 * h
+        emb = self.vocab_size * h * (1 if self.tie_word_embeddings else 2)
+        return self.num_layers * layer + emb + h
+
+    def kv_bytes_per_token(self, dtype_bytes: int) -> int:
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * dtype_bytes
+
+
+def read_arch(model_dir: str | Path) -> ArchConfig:
+    path = Path(model_dir) / "config.json"
+    if not path.is_file():
+        raise ModelLoadError(f"{model_dir}: no config.json (not a Hugging Face model directory)")
+    try:
+        cfg = json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise ModelLoadError(f"{path}: invalid JSON ({e})") from None
+    return parse_arch(cfg, str(path))
+
+
+def parse_arch(cfg: dict, where: str = "config.json") -> ArchConfig:
+    archs = cfg.get("architectures") or []
+    arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
+    if arch is None:
+        raise ModelLoadError(
+            f"{where}: architecture {archs or cfg.get('model_type')!r} is not supported;"
+            f" supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
+        )
+
+    def need(key: str) -> int | float:
+        if key not in cfg:
+            raise ModelLoadError(f"{where}: missing required field {key!r}")
+        return cfg[key]
+
+    hidden = int(need("hidden_size"))
+    heads = int(need("num_attention_heads"))
+    act = cfg.get("hidden_act", "silu")
+    if act not in ("silu", "swish"):
+        raise ModelLoadError(f"{where}: hidden_act {act!r} is not supported (only silu)")
+    rope = dict(cfg.get("rope_parameters") or cfg.get("rope_scaling") or {})
+    theta = float(cfg.get("rope_theta", rope.get("rope_theta", 10000.0)))
+    rope_type = rope.get("rope_type", rope.get("type", "default"))
+    if rope_type not in SUPPORTED_ROPE_TYPES:
+        raise ModelLoadError(
+            f"{where}: rope type {rope_type!r} is not supported;"
+            f" supported: {', '.join(SUPPORTED_ROPE_TYPES)}"
+        )
+    rope["rope_type"] = rope_type
+    eos = cfg.get("eos_token_id")
+    eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
+    is_qwen = arch == "Qwen2ForCausalLM"
+    window = cfg.get("sliding_window")
+    if is_qwen and not cfg.get("use_sliding_window", False):
+        window = None
+    return ArchConfig(
+        architecture=arch,
+        vocab_size=int(need("vocab_size")),
+        hidden_size=hidden,
+        intermediate_size=int(need("intermediate_size")),
+        num_layers=int(need("num_hidden_layers")),
+        num_heads=heads,
+        num_kv_heads=int(cfg.get("num_key_value_heads") or heads),
+        head_dim=int(cfg.get("head_dim") or hidden // heads),
+        rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+        rope_theta=theta,
+        max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
+        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+        qkv_bias=is_qwen or bool(cfg.get("attention_bias", False)),
+        o_bias=(not is_qwen) and bool(cfg.get("attention_bias", False)),
+        mlp_bias=bool(cfg.get("mlp_bias", False)),
+        rope_scaling=rope,
+        bos_token_id=cfg.get("bos_token_id"),
+        eos_token_ids=eos_ids,
+        sliding_window=int(window) if window else None,
+        dtype=cfg.get("torch_dtype") or cfg.get("dtype"),
+    )

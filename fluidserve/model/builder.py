@@ -1,0 +1,216 @@
+"""Build Llama-architecture model directories locally: the embedded default and benchmark shapes.
+
+Nothing is downloaded. The tokenizer is a byte-level BPE trained (``tokenizers``) on a small
+text corpus shipped with the package; weights are seeded random normals. The result is an
+ordinary Hugging Face directory, loaded by the same code as any other model.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+from dataclasses import asdict, dataclass
+from importlib import resources
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+
+BUILDER_VERSION = 1
+SPECIAL_TOKENS = ["<unk>", "<s>", "</s>", "<|system|>", "<|user|>", "<|assistant|>"]
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}</s>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
+)
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    vocab_size: int | None = None  # None: the tokenizer's size
+    max_position_embeddings: int = 2048
+    tie_word_embeddings: bool = True
+
+
+SHAPES = {
+    "tiny": ModelShape(256, 768, 4, 8, 4),
+    "small": ModelShape(512, 1408, 8, 8, 4),
+    # ~250M parameters with a Llama-2-like 32000-token vocabulary.
+    "250m": ModelShape(1024, 2816, 20, 16, 8, vocab_size=32000, max_position_embeddings=4096),
+}
+DEFAULT_SHAPE = "tiny"
+
+
+def cache_root() -> Path:
+    env = os.environ.get("FLUIDSERVE_CACHE")
+    base = Path(env) if env else Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache"))
+    return base if env else base / "fluidserve"
+
+
+def corpus_text() -> str:
+    return resources.files("fluidserve.model").joinpath("assets/corpus.txt").read_text()
+
+
+def build_tokenizer(out_dir: Path, vocab_size: int = 2048) -> int:
+    """Train a byte-level BPE on the shipped corpus; write HF tokenizer files. Returns its size."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+
+    tok = Tokenizer(models.BPE(unk_token=None))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=SPECIAL_TOKENS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(corpus_text().splitlines(), trainer=trainer)
+    bos = tok.token_to_id("<s>")
+    tok.post_processor = processors.TemplateProcessing(
+        single="<s> $A", pair="<s> $A <s> $B", special_tokens=[("<s>", bos)]
+    )
+    out_dir.mkdir(parents=True, exist_ok=True)
+    tok.save(str(out_dir / "tokenizer.json"))
+    config = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "bos_token": "<s>",
+        "eos_token": "</s>",
+        "unk_token": "<unk>",
+        "add_bos_token": True,
+        "model_max_length": 1 << 20,
+        "chat_template": CHAT_TEMPLATE,
+    }
+    (out_dir / "tokenizer_config.json").write_text(json.dumps(config, indent=2))
+    return tok.get_vocab_size()
+
+
+def hf_config(shape: ModelShape, vocab_size: int, dtype: str, bos: int, eos: int) -> dict:
+    return {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "hidden_size": shape.hidden_size,
+        "intermediate_size": shape.intermediate_size,
+        "num_hidden_layers": shape.num_layers,
+        "num_attention_heads": shape.num_heads,
+        "num_key_value_heads": shape.num_kv_heads,
+        "head_dim": shape.hidden_size // shape.num_heads,
+        "vocab_size": vocab_size,
+        "max_position_embeddings": shape.max_position_embeddings,
+        "rms_norm_eps": 1e-5,
+        "rope_theta": 10000.0,
+        "hidden_act": "silu",
+        "tie_word_embeddings": shape.tie_word_embeddings,
+        "attention_bias": False,
+        "bos_token_id": bos,
+        "eos_token_id": eos,
+        "torch_dtype": dtype,
+    }
+
+
+def random_weights(cfg: dict, seed: int, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """HF-named tensors, N(0, 0.02) for matrices and ones for norms, from a seeded generator."""
+    g = torch.Generator().manual_seed(seed)
+    h, f, v = cfg["hidden_size"], cfg["intermediate_size"], cfg["vocab_size"]
+    d = cfg["head_dim"]
+    q, kv = cfg["num_attention_heads"] * d, cfg["num_key_value_heads"] * d
+
+    def normal(*shape: int) -> torch.Tensor:
+        return (torch.randn(*shape, generator=g) * 0.02).to(dtype)
+
+    w = {"model.embed_tokens.weight": normal(v, h), "model.norm.weight": torch.ones(h, dtype=dtype)}
+    for i in range(cfg["num_hidden_layers"]):
+        p = f"model.layers.{i}."
+        w |= {
+            p + "self_attn.q_proj.weight": normal(q, h),
+            p + "self_attn.k_proj.weight": normal(kv, h),
+            p + "self_attn.v_proj.weight": normal(kv, h),
+            p + "self_attn.o_proj.weight": normal(h, q),
+            p + "mlp.gate_proj.weight": normal(f, h),
+            p + "mlp.up_proj.weight": normal(f, h),
+            p + "mlp.down_proj.weight": normal(h, f),
+            p + "input_layernorm.weight": torch.ones(h, dtype=dtype),
+            p + "post_attention_layernorm.weight": torch.ones(h, dtype=dtype),
+        }
+    if not cfg["tie_word_embeddings"]:
+        w["lm_head.weight"] = normal(v, h)
+    return w
+
+
+def save_sharded(weights: dict[str, torch.Tensor], out_dir: Path, max_shard_bytes: int) -> None:
+    shards: list[dict[str, torch.Tensor]] = [{}]
+    size = 0
+    for name, t in weights.items():
+        nbytes = t.numel() * t.element_size()
+        if shards[-1] and size + nbytes > max_shard_bytes:
+            shards.append({})
+            size = 0
+        shards[-1][name] = t.contiguous()
+        size += nbytes
+    if len(shards) == 1:
+        save_file(shards[0], str(out_dir / "model.safetensors"), metadata={"format": "pt"})
+        return
+    weight_map = {}
+    for i, shard in enumerate(shards, 1):
+        fname = f"model-{i:05d}-of-{len(shards):05d}.safetensors"
+        save_file(shard, str(out_dir / fname), metadata={"format": "pt"})
+        weight_map |= {name: fname for name in shard}
+    index = {
+        "metadata": {"total_size": sum(t.numel() * t.element_size() for t in weights.values())},
+        "weight_map": weight_map,
+    }
+    (out_dir / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
+
+
+def build_model_dir(
+    out_dir: str | Path,
+    shape: str | ModelShape = DEFAULT_SHAPE,
+    *,
+    dtype: str = "float32",
+    seed: int = 0,
+    max_shard_bytes: int = 2 << 30,
+) -> Path:
+    """Write a complete HF-format Llama model directory (tokenizer included) to ``out_dir``."""
+    if isinstance(shape, str):
+        if shape not in SHAPES:
+            raise ValueError(f"unknown model shape {shape!r}; choose from {', '.join(SHAPES)}")
+        shape = SHAPES[shape]
+    out_dir = Path(out_dir)
+    n_tok = build_tokenizer(out_dir)
+    vocab = shape.vocab_size or n_tok
+    if vocab < n_tok:
+        raise ValueError(f"vocab_size {vocab} is smaller than the tokenizer ({n_tok})")
+    torch_dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[
+        dtype
+    ]
+    cfg = hf_config(shape, vocab, dtype, SPECIAL_TOKENS.index("<s>"), SPECIAL_TOKENS.index("</s>"))
+    (out_dir / "config.json").write_text(json.dumps(cfg, indent=2))
+    save_sharded(random_weights(cfg, seed, torch_dtype), out_dir, max_shard_bytes)
+    return out_dir
+
+
+def cached_model_dir(shape: str = DEFAULT_SHAPE, dtype: str = "float32", seed: int = 0) -> Path:
+    """The model directory for (shape, dtype, seed), built once into the user cache."""
+    key = json.dumps([BUILDER_VERSION, asdict(SHAPES[shape]), dtype, seed, corpus_text()])
+    digest = hashlib.sha256(key.encode()).hexdigest()[:12]
+    target = cache_root() / "models" / f"fluidserve-{shape}-{dtype}-{digest}"
+    if (target / "config.json").is_file():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=target.name + ".", dir=target.parent))
+    try:
+        build_model_dir(tmp, shape, dtype=dtype, seed=seed)
+        try:
+            tmp.rename(target)
+        except OSError:  # built concurrently by another process: keep theirs
+            if not (target / "config.json").is_file():
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return target

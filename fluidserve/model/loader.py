@@ -1,0 +1,126 @@
+"""Load a Hugging Face-format directory: config.json, *.safetensors (single or sharded)."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from fluidserve.model.arch import ArchConfig, ModelLoadError, read_arch
+from fluidserve.model.llama import LlamaForCausalLM, Rotary
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+_LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
+# HF parameter suffix -> (our module path, slot in the fused tensor or None)
+_FUSED = {
+    "self_attn.q_proj": ("self_attn.qkv_proj", 0),
+    "self_attn.k_proj": ("self_attn.qkv_proj", 1),
+    "self_attn.v_proj": ("self_attn.qkv_proj", 2),
+    "mlp.gate_proj": ("mlp.gate_up_proj", 0),
+    "mlp.up_proj": ("mlp.gate_up_proj", 1),
+}
+
+
+def safetensors_files(model_dir: Path) -> list[Path]:
+    index = model_dir / "model.safetensors.index.json"
+    if index.is_file():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except (json.JSONDecodeError, KeyError) as e:
+            raise ModelLoadError(f"{index}: malformed index ({e})") from None
+        files = sorted({model_dir / f for f in weight_map.values()})
+        missing = [f.name for f in files if not f.is_file()]
+        if missing:
+            raise ModelLoadError(f"{model_dir}: shards named in the index are missing: {missing}")
+        return files
+    files = sorted(model_dir.glob("*.safetensors"))
+    if not files:
+        other = [p.name for p in model_dir.glob("*.bin")] + [p.name for p in model_dir.glob("*.pt")]
+        hint = f" (found {other}; only safetensors is supported)" if other else ""
+        raise ModelLoadError(f"{model_dir}: no *.safetensors weight files{hint}")
+    return files
+
+
+def read_weights(files: list[Path]) -> dict[str, torch.Tensor]:
+    out: dict[str, torch.Tensor] = {}
+    for f in files:
+        try:
+            with safe_open(str(f), framework="pt") as fh:
+                for name in fh.keys():  # noqa: SIM118 - safe_open has no __iter__
+                    out[name] = fh.get_tensor(name)
+        except Exception as e:  # safetensors raises its own error types
+            raise ModelLoadError(f"{f}: cannot read safetensors file ({e})") from None
+    return out
+
+
+def map_hf_weights(hf: dict[str, torch.Tensor], cfg: ArchConfig) -> dict[str, torch.Tensor]:
+    """Rename HF tensors to this model's names and fuse QKV and gate/up projections."""
+    out: dict[str, torch.Tensor] = {}
+    parts: dict[str, list[torch.Tensor | None]] = {}
+    for name, t in hf.items():
+        if name.endswith("rotary_emb.inv_freq"):
+            continue
+        m = _LAYER.match(name)
+        if m is None:
+            key = name.removeprefix("model.")
+            if key == "lm_head.weight" and cfg.tie_word_embeddings:
+                continue
+            out[key] = t
+            continue
+        layer, rest = m.groups()
+        module, _, kind = rest.rpartition(".")
+        if module in _FUSED:
+            target, slot = _FUSED[module]
+            key = f"layers.{layer}.{target}.{kind}"
+            parts.setdefault(key, [None, None, None])[slot] = t
+        else:
+            out[f"layers.{layer}.{rest}"] = t
+    for key, ts in parts.items():
+        present = [t for t in ts if t is not None]
+        expected = 3 if "qkv" in key else 2
+        if len(present) != expected:
+            raise ModelLoadError(f"incomplete fused weight {key}: {len(present)}/{expected} parts")
+        out[key] = torch.cat(present, dim=0)
+    return out
+
+
+def load_model(
+    model_dir: str | Path, dtype: str = "float32", device: str = "cpu", max_len: int | None = None
+) -> tuple[ArchConfig, LlamaForCausalLM]:
+    model_dir = Path(model_dir)
+    if not model_dir.is_dir():
+        raise ModelLoadError(f"model directory {str(model_dir)!r} does not exist")
+    cfg = read_arch(model_dir)
+    weights = map_hf_weights(read_weights(safetensors_files(model_dir)), cfg)
+    with torch.device("meta"):
+        expected = dict(LlamaForCausalLM(cfg, 1).state_dict())
+    if cfg.tie_word_embeddings:
+        expected.pop("lm_head.weight", None)
+    missing = sorted(set(expected) - set(weights))
+    unexpected = sorted(set(weights) - set(expected))
+    if missing or unexpected:
+        raise ModelLoadError(
+            f"{model_dir}: weights do not match {cfg.architecture}:"
+            f" missing {missing[:5]}{'...' if len(missing) > 5 else ''},"
+            f" unexpected {unexpected[:5]}{'...' if len(unexpected) > 5 else ''}"
+        )
+    for k, t in weights.items():
+        if tuple(t.shape) != tuple(expected[k].shape):
+            raise ModelLoadError(
+                f"{model_dir}: weight {k} has shape {tuple(t.shape)}, config implies"
+                f" {tuple(expected[k].shape)}"
+            )
+    torch_dtype = DTYPES[dtype]
+    with torch.device("meta"):
+        model = LlamaForCausalLM(cfg, 1)
+    tensors = {k: t.to(device=device, dtype=torch_dtype) for k, t in weights.items()}
+    model.load_state_dict(tensors, strict=False, assign=True)
+    if cfg.tie_word_embeddings:
+        model.lm_head.weight = model.embed_tokens.weight
+    # RoPE tables stay float32 whatever the weight dtype.
+    model.rotary = Rotary(cfg, max_len or cfg.max_position_embeddings).to(device)
+    return cfg, model.eval()

@@ -1,0 +1,72 @@
+"""Tokenizer access (Hugging Face tokenizer files) and incremental detokenization."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from fluidserve.model.arch import ModelLoadError
+
+# Used when a tokenizer has no chat template of its own.
+DEFAULT_CHAT_TEMPLATE = (
+    "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}assistant:{% endif %}"
+)
+
+
+class Tokenizer:
+    def __init__(self, path: str | Path) -> None:
+        from transformers import AutoTokenizer
+
+        path = Path(path)
+        if not (path / "tokenizer.json").is_file() and not (path / "tokenizer.model").is_file():
+            raise ModelLoadError(f"{path}: no tokenizer files (tokenizer.json or tokenizer.model)")
+        try:
+            self.hf = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+        except Exception as e:  # transformers raises many types for broken files
+            raise ModelLoadError(f"{path}: cannot load tokenizer ({e})") from None
+        self.eos_token_id: int | None = self.hf.eos_token_id
+        self.has_chat_template = bool(getattr(self.hf, "chat_template", None))
+
+    def __len__(self) -> int:
+        return len(self.hf)
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return list(self.hf.encode(text, add_special_tokens=add_special_tokens))
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return self.hf.decode(ids, skip_special_tokens=skip_special_tokens)
+
+    def chat(self, messages: list[dict]) -> list[int]:
+        """Token ids of a conversation rendered with the chat template, ready for a reply."""
+        template = None if self.has_chat_template else DEFAULT_CHAT_TEMPLATE
+        text = self.hf.apply_chat_template(
+            messages, tokenize=False, add_generation_prompt=True, chat_template=template
+        )
+        # Templates carry their own special tokens (BOS included when they want one).
+        return self.encode(text, add_special_tokens=not self.has_chat_template)
+
+
+class IncrementalDetokenizer:
+    """Turns a growing list of token ids into text deltas.
+
+    A multi-byte character may span tokens; text is only emitted once the tail decodes
+    without a replacement character, so deltas concatenate to the full decode.
+    """
+
+    def __init__(self, tokenizer: Tokenizer) -> None:
+        self.tok = tokenizer
+        self.ids: list[int] = []
+        self.text = ""
+        self._prefix = 0  # ids[_prefix:_read] decode to the last few emitted characters
+        self._read = 0
+
+    def push(self, token_ids: list[int]) -> str:
+        self.ids.extend(token_ids)
+        prefix_text = self.tok.decode(self.ids[self._prefix : self._read])
+        full = self.tok.decode(self.ids[self._prefix :])
+        if full.endswith("\ufffd") or len(full) <= len(prefix_text):
+            return ""
+        delta = full[len(prefix_text) :]
+        self._prefix, self._read = self._read, len(self.ids)
+        self.text += delta
+        return delta

@@ -1,0 +1,72 @@
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from fluidserve.model.builder import build_tokenizer, cached_model_dir
+
+ARCHS = ("llama", "mistral", "qwen2")
+
+
+def make_hf_model(kind: str, out: Path, vocab: int, *, tied: bool = False, seed: int = 0) -> Path:
+    """A small random-weight model written by transformers itself (the reference)."""
+    import transformers as tf
+
+    common = dict(
+        vocab_size=vocab,
+        hidden_size=64,
+        intermediate_size=160,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        rms_norm_eps=1e-6,
+        tie_word_embeddings=tied,
+        bos_token_id=1,
+        eos_token_id=2,
+    )
+    if kind == "llama":
+        cfg, cls = tf.LlamaConfig(rope_theta=10000.0, **common), tf.LlamaForCausalLM
+    elif kind == "mistral":
+        cfg, cls = (
+            tf.MistralConfig(rope_theta=1e6, sliding_window=None, **common),
+            tf.MistralForCausalLM,
+        )
+    elif kind == "qwen2":
+        cfg, cls = tf.Qwen2Config(rope_theta=1e6, **common), tf.Qwen2ForCausalLM
+    else:
+        raise ValueError(kind)
+    torch.manual_seed(seed)
+    cfg.initializer_range = 0.1  # wider logits: fewer near-ties in greedy comparisons
+    model = cls(cfg).eval()
+    model.save_pretrained(out, safe_serialization=True)
+    return out
+
+
+@pytest.fixture(scope="session")
+def tokenizer_dir(tmp_path_factory) -> Path:
+    d = tmp_path_factory.mktemp("tok")
+    build_tokenizer(d)
+    return d
+
+
+@pytest.fixture(scope="session")
+def hf_models(tmp_path_factory, tokenizer_dir) -> dict[str, Path]:
+    from fluidserve.model.tokenizer import Tokenizer
+
+    vocab = len(Tokenizer(tokenizer_dir))
+    out = {}
+    for kind in ARCHS:
+        d = make_hf_model(kind, tmp_path_factory.mktemp(kind), vocab)
+        for f in tokenizer_dir.iterdir():
+            shutil.copy(f, d / f.name)
+        out[kind] = d
+    return out
+
+
+@pytest.fixture(scope="session")
+def default_model_dir() -> Path:
+    return cached_model_dir()

@@ -1,0 +1,136 @@
+"""`fluidserve` command line: generate | serve | profile | build-model."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+
+from fluidserve.cli_args import add_dataclass_args, dataclass_from_args
+from fluidserve.config import ConfigError, EngineConfig, ServerConfig
+
+
+def _sampling_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("sampling")
+    g.add_argument("--max-tokens", type=int, default=32, help="Tokens to generate per prompt.")
+    g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default).")
+    g.add_argument("--top-p", type=float, default=1.0, help="Nucleus sampling mass.")
+    g.add_argument("--top-k", type=int, default=-1, help="Sample from the k best (-1 = all).")
+    g.add_argument("--sampling-seed", type=int, default=None, help="Per-request sampling seed.")
+    g.add_argument("--stop", action="append", default=[], help="Stop string (repeatable).")
+    g.add_argument("--ignore-eos", action="store_true", help="Keep generating past EOS.")
+
+
+def _cmd_generate(args: argparse.Namespace) -> int:
+    from fluidserve.engine.llm import LLM
+    from fluidserve.sampling_params import SamplingParams
+
+    prompts = list(args.prompt)
+    if args.prompt_file:
+        with open(args.prompt_file) as f:
+            prompts += [line.rstrip("\n") for line in f if line.strip()]
+    if not prompts:
+        print("error: give at least one --prompt or --prompt-file", file=sys.stderr)
+        return 2
+    cfg = dataclass_from_args(EngineConfig, args)
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
+                            top_p=args.top_p, top_k=args.top_k, seed=args.sampling_seed,
+                            stop=tuple(args.stop), ignore_eos=args.ignore_eos)
+    llm = LLM(**vars(cfg))
+    t0 = time.perf_counter()
+    outs = llm.generate(prompts, params, use_tqdm=len(prompts) > 1 and not args.json)
+    elapsed = time.perf_counter() - t0
+    for prompt, out in zip(prompts, outs, strict=True):
+        if args.json:
+            m = out.metrics
+            print(json.dumps({
+                "prompt": prompt, "text": out.text, "token_ids": out.token_ids,
+                "num_prompt_tokens": len(out.prompt_token_ids),
+                "finish_reason": out.finish_reason, "error": out.error,
+                "ttft_s": m.ttft, "tpot_s": m.tpot, "e2e_s": m.e2e,
+            }))
+        else:
+            print(prompt + out.text)
+    if args.telemetry:
+        llm.engine.telemetry.export_jsonl(args.telemetry)
+    n = sum(len(o.token_ids) for o in outs)
+    print(f"{len(outs)} prompts, {n} tokens in {elapsed:.2f}s ({n / elapsed:.1f} tok/s)",
+          file=sys.stderr)
+    return 0
+
+
+def _cmd_build_model(args: argparse.Namespace) -> int:
+    from fluidserve.model.builder import build_model_dir
+
+    out = build_model_dir(args.out, args.shape, dtype=args.dtype, seed=args.seed)
+    from fluidserve.model.arch import read_arch
+
+    print(f"wrote {out} ({read_arch(out).num_params / 1e6:.1f}M parameters, {args.dtype})")
+    return 0
+
+
+def _cmd_serve(args: argparse.Namespace) -> int:
+    from fluidserve.serve.server import run_server
+
+    return run_server(dataclass_from_args(EngineConfig, args),
+                      dataclass_from_args(ServerConfig, args))
+
+
+def _cmd_profile(args: argparse.Namespace) -> int:
+    from fluidserve.bench.profile import run_profile
+
+    return run_profile(args)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from fluidserve.model.builder import SHAPES
+
+    parser = argparse.ArgumentParser(prog="fluidserve", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    gen = sub.add_parser("generate", help="Generate completions offline.")
+    gen.add_argument("--prompt", action="append", default=[], help="Prompt text (repeatable).")
+    gen.add_argument("--prompt-file", help="File with one prompt per line.")
+    gen.add_argument("--json", action="store_true", help="One JSON object per prompt.")
+    gen.add_argument("--telemetry", help="Write per-iteration/per-token records (JSON lines).")
+    _sampling_args(gen)
+    add_dataclass_args(gen, EngineConfig, "engine")
+    gen.set_defaults(func=_cmd_generate)
+
+    srv = sub.add_parser("serve", help="OpenAI-compatible HTTP server.")
+    add_dataclass_args(srv, ServerConfig, "server")
+    add_dataclass_args(srv, EngineConfig, "engine")
+    srv.set_defaults(func=_cmd_serve)
+
+    prof = sub.add_parser("profile", help="Characterize iteration time on this machine.")
+    from fluidserve.bench.profile import add_profile_args
+
+    add_profile_args(prof)
+    prof.set_defaults(func=_cmd_profile)
+
+    bld = sub.add_parser("build-model", help="Write a random-weight Llama model directory.")
+    bld.add_argument("--out", required=True, help="Output directory.")
+    bld.add_argument("--shape", default="250m", choices=sorted(SHAPES), help="Model shape.")
+    bld.add_argument("--dtype", default="bfloat16", choices=("float32", "bfloat16", "float16"))
+    bld.add_argument("--seed", type=int, default=0)
+    bld.set_defaults(func=_cmd_build_model)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return args.func(args)
+    except (ConfigError, ValueError) as e:
+        from fluidserve.model.arch import ModelLoadError
+
+        if isinstance(e, (ConfigError, ModelLoadError)) or type(e) is ValueError:
+            print(f"fluidserve: error: {e}", file=sys.stderr)
+            return 2
+        raise
+
+
+if __name__ == "__main__":
+    sys.exit(main())

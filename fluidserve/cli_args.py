@@ -1,0 +1,40 @@
+"""Map config dataclasses onto argparse: one flag per field, help from the field metadata."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import types
+import typing
+from typing import Any
+
+
+def _base_type(tp: Any) -> tuple[type, bool]:
+    """(underlying type, optional?) for annotations like ``int | None``."""
+    origin = typing.get_origin(tp)
+    if origin in (typing.Union, types.UnionType):
+        args = [a for a in typing.get_args(tp) if a is not type(None)]
+        return args[0], True
+    return tp, False
+
+
+def add_dataclass_args(parser: argparse.ArgumentParser, cls: type, title: str) -> None:
+    group = parser.add_argument_group(title)
+    hints = typing.get_type_hints(cls)
+    for f in dataclasses.fields(cls):
+        flag = "--" + f.name.replace("_", "-")
+        help_text = f.metadata.get("help", "")
+        tp, _ = _base_type(hints[f.name])
+        default = f.default
+        if tp is bool:
+            group.add_argument(flag, action=argparse.BooleanOptionalAction, default=default,
+                               help=help_text)
+            continue
+        shown = "" if default is None else f" (default: {default})"
+        group.add_argument(flag, type=tp, default=default, choices=f.metadata.get("choices"),
+                           help=help_text + shown, metavar=f.name.upper() if tp is not str
+                           or not f.metadata.get("choices") else None)
+
+
+def dataclass_from_args(cls: type, args: argparse.Namespace) -> Any:
+    return cls(**{f.name: getattr(args, f.name) for f in dataclasses.fields(cls)})

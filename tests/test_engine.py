@@ -1,0 +1,149 @@
+"""Engine on a real (tiny, random-weight) model: greedy equivalence, preemption, sampling."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from fluidserve.config import SCHEDULERS
+from fluidserve.engine.llm import LLM
+from fluidserve.sampling_params import SamplingParams
+
+PROMPTS = [
+    "The river rose slowly in the spring, and the people of the valley moved their goats to the"
+    " higher fields. Every morning the baker opened her shop before the sun came over the hills.",
+    "Hi",
+    "A good teacher explains a hard idea twice: once in words and once with a picture.",
+    "Computers follow instructions one after another, very quickly. A program is a list of such"
+    " instructions, written so that people can read it and machines can run it. Good programs"
+    " are short, clear and honest about what they do. They check their inputs.",
+    "Why is the sky blue?",
+]
+MAX_TOKENS = [12, 20, 7, 16, 9]
+
+
+def greedy(i: int) -> SamplingParams:
+    return SamplingParams(max_tokens=MAX_TOKENS[i], temperature=0.0, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def reference(default_model_dir):
+    llm = LLM(model=str(default_model_dir), scheduler="sarathi", token_budget=4096)
+    outs = llm.generate(PROMPTS, [greedy(i) for i in range(len(PROMPTS))])
+    return [o.token_ids for o in outs]
+
+
+@pytest.mark.parametrize("scheduler", SCHEDULERS)
+@pytest.mark.parametrize("budget", [8, 37, 512])
+def test_greedy_outputs_identical_across_schedulers_and_budgets(
+    default_model_dir, reference, scheduler, budget
+):
+    llm = LLM(model=str(default_model_dir), scheduler=scheduler, token_budget=budget,
+              block_size=8)
+    outs = llm.generate(PROMPTS, [greedy(i) for i in range(len(PROMPTS))])
+    assert [o.token_ids for o in outs] == reference
+    assert llm.engine.block_manager.num_free_blocks == llm.engine.block_manager.num_blocks
+
+
+def test_greedy_independent_of_batch_mix(default_model_dir, reference):
+    llm = LLM(model=str(default_model_dir), token_budget=16)
+    alone = [llm.generate(p, greedy(i))[0].token_ids for i, p in enumerate(PROMPTS)]
+    assert alone == reference
+
+
+def test_preemption_under_tiny_kv_cache_loses_nothing(default_model_dir, reference):
+    # 14 blocks of 8 tokens: far less than the 5 requests need together.
+    llm = LLM(model=str(default_model_dir), token_budget=32, block_size=8, num_kv_blocks=14)
+    outs = llm.generate(PROMPTS, [greedy(i) for i in range(len(PROMPTS))])
+    assert llm.engine.scheduler.num_preemptions > 0
+    assert [o.token_ids for o in outs] == reference
+    assert all(o.finish_reason == "length" for o in outs)
+
+
+def test_seeded_sampling_is_reproducible_and_schedule_independent(default_model_dir):
+    params = [SamplingParams(max_tokens=15, temperature=0.9, top_p=0.9, top_k=50, seed=100 + i,
+                             ignore_eos=True) for i in range(len(PROMPTS))]
+    a = LLM(model=str(default_model_dir), scheduler="sarathi", token_budget=8)
+    b = LLM(model=str(default_model_dir), scheduler="vllm", token_budget=512, num_kv_blocks=20,
+            block_size=8)
+    out_a = [o.token_ids for o in a.generate(PROMPTS, params)]
+    out_b = [o.token_ids for o in b.generate(PROMPTS, params)]
+    assert out_a == out_b
+    other = a.generate(PROMPTS[0], SamplingParams(max_tokens=15, temperature=0.9, seed=7,
+                                                  ignore_eos=True))[0].token_ids
+    assert other != out_a[0]
+
+
+def test_top_k_one_is_greedy(default_model_dir, reference):
+    llm = LLM(model=str(default_model_dir))
+    out = llm.generate(PROMPTS[0], SamplingParams(max_tokens=12, temperature=1.5, top_k=1,
+                                                  ignore_eos=True))
+    assert out[0].token_ids == reference[0]
+
+
+def test_stop_strings_and_stop_tokens(default_model_dir, reference):
+    llm = LLM(model=str(default_model_dir))
+    full = llm.generate(PROMPTS[1], greedy(1))[0]
+    # Stop on a string that appears in the greedy text: output ends right before it.
+    word = full.text.strip().split()[1] if len(full.text.split()) > 1 else full.text[2:5]
+    cut = llm.generate(PROMPTS[1], SamplingParams(max_tokens=20, temperature=0.0,
+                                                  ignore_eos=True, stop=(word,)))[0]
+    assert cut.finish_reason == "stop"
+    assert cut.text == full.text[: full.text.find(word)]
+    tok = reference[1][3]
+    by_id = llm.generate(PROMPTS[1], SamplingParams(max_tokens=20, temperature=0.0,
+                                                    stop_token_ids=(tok,)))[0]
+    assert by_id.finish_reason == "stop"
+    assert by_id.token_ids == reference[1][: reference[1].index(tok) + 1]
+
+
+def test_eos_stops_unless_ignored(default_model_dir):
+    llm = LLM(model=str(default_model_dir))
+    eos = llm.tokenizer.eos_token_id
+    p = SamplingParams(max_tokens=10, temperature=0.0, stop_token_ids=())
+    # Force EOS by treating the first greedy token as EOS for this request.
+    first = llm.generate(PROMPTS[2], p)[0].token_ids[0]
+    req_eos = llm.engine.add_request("x", PROMPTS[2], p)
+    req_eos.eos_token_id = first
+    while llm.engine.has_unfinished():
+        llm.engine.step()
+    assert req_eos.finish_reason == "stop" and req_eos.output_token_ids == [first]
+    assert eos is not None
+
+
+def test_prompt_too_long_is_rejected(default_model_dir):
+    llm = LLM(model=str(default_model_dir), max_model_len=64)
+    with pytest.raises(ValueError, match="context window"):
+        llm.generate("word " * 80, SamplingParams(max_tokens=4))
+    with pytest.raises(ValueError, match="token ids"):
+        llm.generate([[1, 2, 10**9]], SamplingParams(max_tokens=4))
+
+
+def test_telemetry_records_tokens_and_iterations(default_model_dir, tmp_path):
+    llm = LLM(model=str(default_model_dir), token_budget=16)
+    outs = llm.generate(PROMPTS[:3], [greedy(i) for i in range(3)])
+    tel = llm.engine.telemetry
+    assert len(tel.tokens) == sum(len(o.token_ids) for o in outs)
+    assert all(r.num_prefill_tokens + r.num_decode_tokens <= 16 for r in tel.iterations)
+    assert sum(r.num_prefill_tokens for r in tel.iterations) == sum(
+        len(o.prompt_token_ids) for o in outs)
+    for o in outs:
+        m = o.metrics
+        assert m.ttft > 0 and len(m.tbt) == len(o.token_ids) - 1 and m.scheduling_delay >= 0
+    path = tmp_path / "t.jsonl"
+    tel.export_jsonl(path)
+    kinds = {json.loads(line)["type"] for line in path.read_text().splitlines()}
+    assert kinds == {"iteration", "token", "request"}
+
+
+def test_executor_failure_fails_the_batch_and_engine_keeps_serving(default_model_dir):
+    llm = LLM(model=str(default_model_dir))
+    real = llm.engine.executor.execute
+    llm.engine.executor.execute = lambda plan: (_ for _ in ()).throw(RuntimeError("boom"))
+    bad = llm.generate("Hello", SamplingParams(max_tokens=3))[0]
+    assert bad.finish_reason == "error" and "boom" in bad.error
+    llm.engine.executor.execute = real
+    assert llm.engine.block_manager.num_free_blocks == llm.engine.block_manager.num_blocks
+    good = llm.generate("Hello", SamplingParams(max_tokens=3, ignore_eos=True))[0]
+    assert good.finish_reason == "length" and len(good.token_ids) == 3

@@ -1,0 +1,227 @@
+"""`fluidserve profile`: characterize the engine on this machine (Sarathi-Serve Figs. 1, 3, 6, 14).
+
+Measures, on a real model through the real executor:
+  (a) iteration time vs tokens in the batch, and where the knee is;
+  (b) decode throughput vs batch size, prefill throughput vs prompt length;
+  (c) chunked-prefill overhead vs chunk size;
+  (d) a generation-stall timeline: ongoing decodes while a long prompt arrives, vllm vs sarathi;
+plus achieved weight bandwidth and FLOP/s against this machine's measured peaks.
+Writes PNG plots and ``profile.json`` to the output directory; the JSON is also the last line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from fluidserve.config import EngineConfig
+from fluidserve.core.scheduler.output import ScheduledChunk, SchedulerOutput
+from fluidserve.model.runner import ModelExecutor
+from fluidserve.sampling_params import SamplingParams
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=1)
+FULL = {
+    "tokens": [1, 8, 16, 32, 64, 128, 256, 384, 512, 768, 1024, 1536, 2048],
+    "batch_sizes": [1, 2, 4, 8, 16, 32, 64],
+    "decode_context": 512,
+    "chunk_prompt": 2048,
+    "chunk_sizes": [128, 256, 512, 1024, 2048],
+    "stall_prompt": 2048,
+    "stall_budget": 256,
+    "stall_decodes": 4,
+}
+QUICK = {
+    "tokens": [1, 16, 64, 128],
+    "batch_sizes": [1, 4],
+    "decode_context": 32,
+    "chunk_prompt": 128,
+    "chunk_sizes": [32, 128],
+    "stall_prompt": 96,
+    "stall_budget": 32,
+    "stall_decodes": 2,
+}
+
+
+def add_profile_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", help="Model directory (default: build the 250m bf16 benchmark model).")
+    p.add_argument("--shape", default="250m", help="Benchmark model shape when --model is not given.")
+    p.add_argument("--dtype", default="bfloat16", choices=("float32", "bfloat16", "float16"))
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--num-threads", type=int, default=None, help="Torch intra-op threads.")
+    p.add_argument("--repeats", type=int, default=3, help="Timed repeats per point (median).")
+    p.add_argument("--quick", action="store_true", help="Small sweeps (a smoke run).")
+    p.add_argument("--output-dir", default=None, help="Default: runs/profile-<time>.")
+    p.add_argument("--no-plots", action="store_true", help="Skip PNG plots.")
+
+
+def _chunk(rid: str, start: int, n: int, bs: int, base_block: int) -> ScheduledChunk:
+    blocks = tuple(range(base_block, base_block + -(-(start + n) // bs)))
+    return ScheduledChunk(rid, start, tuple([5] * n), blocks, True, GREEDY, 0, 0,
+                          is_decode=n == 1 and start > 0)
+
+
+class Timer:
+    def __init__(self, ex: ModelExecutor, repeats: int) -> None:
+        self.ex, self.repeats = ex, repeats
+
+    def run(self, chunks: list[ScheduledChunk]) -> float:
+        return self.ex.execute(SchedulerOutput(0, chunks)).execution_time
+
+    def median(self, chunks: list[ScheduledChunk]) -> float:
+        self.run(chunks)  # warm-up
+        return statistics.median(self.run(chunks) for _ in range(self.repeats))
+
+
+def measure_peaks(device: str, dtype: torch.dtype) -> dict:
+    n = 2048
+    a = torch.randn(n, n, device=device).to(dtype)
+    b = torch.randn(n, n, device=device).to(dtype)
+    torch.matmul(a, b)
+    t0 = time.perf_counter()
+    reps = 5
+    for _ in range(reps):
+        torch.matmul(a, b)
+    flops = 2 * n**3 * reps / (time.perf_counter() - t0)
+    x = torch.empty(256 << 20, dtype=torch.uint8, device=device)  # 256 MiB
+    y = torch.empty_like(x)
+    y.copy_(x)
+    t0 = time.perf_counter()
+    for _ in range(reps):
+        y.copy_(x)
+    bw = 2 * x.numel() * reps / (time.perf_counter() - t0)  # read + write
+    return {"matmul_flops": flops, "memory_bandwidth_bytes_per_s": bw}
+
+
+def iteration_sweep(t: Timer, tokens: list[int]) -> list[dict]:
+    bs = t.ex.block_size
+    out = []
+    for n in tqdm(tokens, desc="(a) iteration time vs tokens", leave=False):
+        s = t.median([_chunk("a", 0, n, bs, 0)])
+        out.append({"tokens": n, "time_s": s, "prefill_tokens_per_s": n / s})
+    return out
+
+
+def knee(points: list[dict]) -> int | None:
+    """Smallest batch size (tokens) whose iteration takes twice as long as a 1-token one."""
+    base = points[0]["time_s"]
+    return next((p["tokens"] for p in points if p["time_s"] >= 2 * base), None)
+
+
+def decode_sweep(t: Timer, batch_sizes: list[int], ctx: int) -> list[dict]:
+    bs = t.ex.block_size
+    per_req = -(-(ctx + 1) // bs)
+    out = []
+    for b in tqdm(batch_sizes, desc="(b) decode throughput vs batch", leave=False):
+        for i in range(b):  # fill each request's context once
+            t.run([_chunk(f"r{i}", 0, ctx, bs, i * per_req)])
+        s = t.median([_chunk(f"r{i}", ctx, 1, bs, i * per_req) for i in range(b)])
+        out.append({"batch_size": b, "context": ctx, "time_s": s, "decode_tokens_per_s": b / s})
+    return out
+
+
+def chunk_sweep(t: Timer, prompt: int, sizes: list[int]) -> list[dict]:
+    bs = t.ex.block_size
+    out = []
+    for c in tqdm(sizes, desc="(c) chunked prefill overhead", leave=False):
+        plans = [[_chunk("a", s, min(c, prompt - s), bs, 0)] for s in range(0, prompt, c)]
+        for p in plans:  # warm-up pass
+            t.run(p)
+        totals = [sum(t.run(p) for p in plans) for _ in range(t.repeats)]
+        out.append({"chunk_size": c, "prompt": prompt, "time_s": statistics.median(totals)})
+    whole = next((p["time_s"] for p in out if p["chunk_size"] >= prompt), out[-1]["time_s"])
+    for p in out:
+        p["overhead"] = p["time_s"] / whole - 1.0
+    return out
+
+
+def stall_timeline(model_dir: str, args, q: dict, scheduler: str) -> dict:
+    from fluidserve.engine.engine import LLMEngine
+
+    cfg = EngineConfig(model=model_dir, dtype=args.dtype, device=args.device, scheduler=scheduler,
+                       token_budget=q["stall_budget"] if scheduler == "sarathi" else 4096,
+                       num_kv_blocks=256 + q["stall_prompt"] // 16 + 16)
+    eng = LLMEngine(cfg)
+    decode = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+    for i in range(q["stall_decodes"]):
+        eng.add_request(f"d{i}", [5 + i] * 32, decode)
+    steps, arrival = 0, 0.0
+    while eng.has_unfinished():
+        if steps == 10:
+            eng.add_request("long", [7] * q["stall_prompt"], SamplingParams(max_tokens=4,
+                                                                            ignore_eos=True))
+            arrival = eng.clock.now()
+        eng.step()
+        steps += 1
+    times: dict[str, list[float]] = {}
+    for ev in eng.telemetry.tokens:
+        times.setdefault(ev.request_id, []).append(ev.time)
+    t0 = min(ts[0] for ts in times.values())
+    gaps = [b - a for rid, ts in times.items() if rid != "long" for a, b in zip(ts, ts[1:],
+                                                                                strict=False)]
+    return {
+        "scheduler": scheduler,
+        "token_budget": cfg.token_budget,
+        "decode_max_tbt_s": max(gaps),
+        "decode_median_tbt_s": statistics.median(gaps),
+        "long_prompt_ttft_s": times["long"][0] - arrival,
+        "token_times": {rid: [x - t0 for x in ts] for rid, ts in times.items()},
+        "long_arrival_s": arrival - t0,
+    }
+
+
+def run_profile(args: argparse.Namespace) -> int:
+    from fluidserve.model.builder import cached_model_dir
+
+    q = QUICK if args.quick else FULL
+    if args.num_threads:
+        torch.set_num_threads(args.num_threads)
+    model_dir = args.model or str(cached_model_dir(args.shape, args.dtype))
+    out_dir = Path(args.output_dir or f"runs/profile-{time.strftime('%Y%m%d-%H%M%S')}")
+    out_dir.mkdir(parents=True, exist_ok=True)
+    need_tokens = max(q["tokens"] + [q["chunk_prompt"]])
+    blocks = max(-(-need_tokens // 16), max(q["batch_sizes"]) * -(-(q["decode_context"] + 1) // 16))
+    ex = ModelExecutor(model_dir, dtype=args.dtype, device=args.device, num_blocks=blocks + 1,
+                       max_model_len=max(need_tokens, q["stall_prompt"] + 64))
+    t = Timer(ex, args.repeats)
+    arch = ex.arch
+    weight_bytes = sum(p.numel() * p.element_size() for p in ex.model.parameters())
+    print(f"model {model_dir}: {arch.num_params / 1e6:.1f}M params, {args.dtype},"
+          f" {torch.get_num_threads()} threads")
+    peaks = measure_peaks(args.device, ex.kv_caches[0][0].dtype)
+    iters = iteration_sweep(t, q["tokens"])
+    decodes = decode_sweep(t, q["batch_sizes"], q["decode_context"])
+    chunks = chunk_sweep(t, q["chunk_prompt"], q["chunk_sizes"])
+    del ex, t
+    stalls = [stall_timeline(model_dir, args, q, s) for s in ("vllm", "sarathi")]
+    decode1 = decodes[0]["time_s"]
+    best_prefill = max(iters, key=lambda p: p["prefill_tokens_per_s"])
+    achieved = {
+        "decode_bs1_weight_bandwidth_bytes_per_s": weight_bytes / decode1,
+        "decode_bs1_fraction_of_peak_bandwidth": weight_bytes / decode1
+        / peaks["memory_bandwidth_bytes_per_s"],
+        "prefill_flops": 2 * arch.num_params * best_prefill["prefill_tokens_per_s"],
+        "prefill_fraction_of_peak_flops": 2 * arch.num_params
+        * best_prefill["prefill_tokens_per_s"] / peaks["matmul_flops"],
+    }
+    result = {
+        "model": str(model_dir), "num_params": arch.num_params, "dtype": args.dtype,
+        "threads": torch.get_num_threads(), "peaks": peaks, "achieved": achieved,
+        "iteration_time": iters, "knee_tokens": knee(iters), "decode": decodes,
+        "chunked_prefill": chunks,
+        "stall": [{k: v for k, v in s.items() if k != "token_times"} for s in stalls],
+    }
+    (out_dir / "profile.json").write_text(json.dumps(result | {"stall_timelines": stalls},
+                                                     indent=1))
+    if not args.no_plots:
+        from fluidserve.bench.profile_plots import plot_profile
+
+        plot_profile(result, stalls, out_dir)
+    print(f"wrote {out_dir}")
+    print(json.dumps(result))
+    return 0

@@ -34,9 +34,15 @@ def _cmd_generate(args: argparse.Namespace) -> int:
         print("error: give at least one --prompt or --prompt-file", file=sys.stderr)
         return 2
     cfg = dataclass_from_args(EngineConfig, args)
-    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
-                            top_p=args.top_p, top_k=args.top_k, seed=args.sampling_seed,
-                            stop=tuple(args.stop), ignore_eos=args.ignore_eos)
+    params = SamplingParams(
+        max_tokens=args.max_tokens,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        seed=args.sampling_seed,
+        stop=tuple(args.stop),
+        ignore_eos=args.ignore_eos,
+    )
     llm = LLM(**vars(cfg))
     t0 = time.perf_counter()
     outs = llm.generate(prompts, params, use_tqdm=len(prompts) > 1 and not args.json)
@@ -44,19 +50,30 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     for prompt, out in zip(prompts, outs, strict=True):
         if args.json:
             m = out.metrics
-            print(json.dumps({
-                "prompt": prompt, "text": out.text, "token_ids": out.token_ids,
-                "num_prompt_tokens": len(out.prompt_token_ids),
-                "finish_reason": out.finish_reason, "error": out.error,
-                "ttft_s": m.ttft, "tpot_s": m.tpot, "e2e_s": m.e2e,
-            }))
+            print(
+                json.dumps(
+                    {
+                        "prompt": prompt,
+                        "text": out.text,
+                        "token_ids": out.token_ids,
+                        "num_prompt_tokens": len(out.prompt_token_ids),
+                        "finish_reason": out.finish_reason,
+                        "error": out.error,
+                        "ttft_s": m.ttft,
+                        "tpot_s": m.tpot,
+                        "e2e_s": m.e2e,
+                    }
+                )
+            )
         else:
             print(prompt + out.text)
     if args.telemetry:
         llm.engine.telemetry.export_jsonl(args.telemetry)
     n = sum(len(o.token_ids) for o in outs)
-    print(f"{len(outs)} prompts, {n} tokens in {elapsed:.2f}s ({n / elapsed:.1f} tok/s)",
-          file=sys.stderr)
+    print(
+        f"{len(outs)} prompts, {n} tokens in {elapsed:.2f}s ({n / elapsed:.1f} tok/s)",
+        file=sys.stderr,
+    )
     return 0
 
 
@@ -73,8 +90,9 @@ def _cmd_build_model(args: argparse.Namespace) -> int:
 def _cmd_serve(args: argparse.Namespace) -> int:
     from fluidserve.serve.server import run_server
 
-    return run_server(dataclass_from_args(EngineConfig, args),
-                      dataclass_from_args(ServerConfig, args))
+    return run_server(
+        dataclass_from_args(EngineConfig, args), dataclass_from_args(ServerConfig, args)
+    )
 
 
 def _cmd_profile(args: argparse.Namespace) -> int:

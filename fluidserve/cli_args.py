@@ -27,13 +27,19 @@ def add_dataclass_args(parser: argparse.ArgumentParser, cls: type, title: str) -
         tp, _ = _base_type(hints[f.name])
         default = f.default
         if tp is bool:
-            group.add_argument(flag, action=argparse.BooleanOptionalAction, default=default,
-                               help=help_text)
+            group.add_argument(
+                flag, action=argparse.BooleanOptionalAction, default=default, help=help_text
+            )
             continue
         shown = "" if default is None else f" (default: {default})"
-        group.add_argument(flag, type=tp, default=default, choices=f.metadata.get("choices"),
-                           help=help_text + shown, metavar=f.name.upper() if tp is not str
-                           or not f.metadata.get("choices") else None)
+        group.add_argument(
+            flag,
+            type=tp,
+            default=default,
+            choices=f.metadata.get("choices"),
+            help=help_text + shown,
+            metavar=f.name.upper() if tp is not str or not f.metadata.get("choices") else None,
+        )
 
 
 def dataclass_from_args(cls: type, args: argparse.Namespace) -> Any:

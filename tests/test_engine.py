@@ -39,8 +39,7 @@ def reference(default_model_dir):
 def test_greedy_outputs_identical_across_schedulers_and_budgets(
     default_model_dir, reference, scheduler, budget
 ):
-    llm = LLM(model=str(default_model_dir), scheduler=scheduler, token_budget=budget,
-              block_size=8)
+    llm = LLM(model=str(default_model_dir), scheduler=scheduler, token_budget=budget, block_size=8)
     outs = llm.generate(PROMPTS, [greedy(i) for i in range(len(PROMPTS))])
     assert [o.token_ids for o in outs] == reference
     assert llm.engine.block_manager.num_free_blocks == llm.engine.block_manager.num_blocks
@@ -62,23 +61,34 @@ def test_preemption_under_tiny_kv_cache_loses_nothing(default_model_dir, referen
 
 
 def test_seeded_sampling_is_reproducible_and_schedule_independent(default_model_dir):
-    params = [SamplingParams(max_tokens=15, temperature=0.9, top_p=0.9, top_k=50, seed=100 + i,
-                             ignore_eos=True) for i in range(len(PROMPTS))]
+    params = [
+        SamplingParams(
+            max_tokens=15, temperature=0.9, top_p=0.9, top_k=50, seed=100 + i, ignore_eos=True
+        )
+        for i in range(len(PROMPTS))
+    ]
     a = LLM(model=str(default_model_dir), scheduler="sarathi", token_budget=8)
-    b = LLM(model=str(default_model_dir), scheduler="vllm", token_budget=512, num_kv_blocks=20,
-            block_size=8)
+    b = LLM(
+        model=str(default_model_dir),
+        scheduler="vllm",
+        token_budget=512,
+        num_kv_blocks=20,
+        block_size=8,
+    )
     out_a = [o.token_ids for o in a.generate(PROMPTS, params)]
     out_b = [o.token_ids for o in b.generate(PROMPTS, params)]
     assert out_a == out_b
-    other = a.generate(PROMPTS[0], SamplingParams(max_tokens=15, temperature=0.9, seed=7,
-                                                  ignore_eos=True))[0].token_ids
+    other = a.generate(
+        PROMPTS[0], SamplingParams(max_tokens=15, temperature=0.9, seed=7, ignore_eos=True)
+    )[0].token_ids
     assert other != out_a[0]
 
 
 def test_top_k_one_is_greedy(default_model_dir, reference):
     llm = LLM(model=str(default_model_dir))
-    out = llm.generate(PROMPTS[0], SamplingParams(max_tokens=12, temperature=1.5, top_k=1,
-                                                  ignore_eos=True))
+    out = llm.generate(
+        PROMPTS[0], SamplingParams(max_tokens=12, temperature=1.5, top_k=1, ignore_eos=True)
+    )
     assert out[0].token_ids == reference[0]
 
 
@@ -87,13 +97,15 @@ def test_stop_strings_and_stop_tokens(default_model_dir, reference):
     full = llm.generate(PROMPTS[1], greedy(1))[0]
     # Stop on a string that appears in the greedy text: output ends right before it.
     word = full.text.strip().split()[1] if len(full.text.split()) > 1 else full.text[2:5]
-    cut = llm.generate(PROMPTS[1], SamplingParams(max_tokens=20, temperature=0.0,
-                                                  ignore_eos=True, stop=(word,)))[0]
+    cut = llm.generate(
+        PROMPTS[1], SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True, stop=(word,))
+    )[0]
     assert cut.finish_reason == "stop"
     assert cut.text == full.text[: full.text.find(word)]
     tok = reference[1][3]
-    by_id = llm.generate(PROMPTS[1], SamplingParams(max_tokens=20, temperature=0.0,
-                                                    stop_token_ids=(tok,)))[0]
+    by_id = llm.generate(
+        PROMPTS[1], SamplingParams(max_tokens=20, temperature=0.0, stop_token_ids=(tok,))
+    )[0]
     assert by_id.finish_reason == "stop"
     assert by_id.token_ids == reference[1][: reference[1].index(tok) + 1]
 
@@ -127,7 +139,8 @@ def test_telemetry_records_tokens_and_iterations(default_model_dir, tmp_path):
     assert len(tel.tokens) == sum(len(o.token_ids) for o in outs)
     assert all(r.num_prefill_tokens + r.num_decode_tokens <= 16 for r in tel.iterations)
     assert sum(r.num_prefill_tokens for r in tel.iterations) == sum(
-        len(o.prompt_token_ids) for o in outs)
+        len(o.prompt_token_ids) for o in outs
+    )
     for o in outs:
         m = o.metrics
         assert m.ttft > 0 and len(m.tbt) == len(o.token_ids) - 1 and m.scheduling_delay >= 0

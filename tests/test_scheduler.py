@@ -19,16 +19,26 @@ from fluidserve.request import Request, RequestStatus
 from fluidserve.sampling_params import SamplingParams
 
 
-def make(name="sarathi", budget=32, blocks=256, block_size=4, max_seqs=64, tile=1, max_len=4096,
-         watermark=0.0, policy="fcfs"):
+def make(
+    name="sarathi",
+    budget=32,
+    blocks=256,
+    block_size=4,
+    max_seqs=64,
+    tile=1,
+    max_len=4096,
+    watermark=0.0,
+    policy="fcfs",
+):
     bm = BlockManager(blocks, block_size, watermark)
     lim = SchedulerLimits(budget, max_seqs, max_len, tile, policy)
     return make_scheduler(name, lim, bm)
 
 
 def req(rid, prompt_len, max_tokens=4, arrival=0.0):
-    return Request(str(rid), list(range(1, prompt_len + 1)), SamplingParams(max_tokens=max_tokens),
-                   arrival)
+    return Request(
+        str(rid), list(range(1, prompt_len + 1)), SamplingParams(max_tokens=max_tokens), arrival
+    )
 
 
 def run(sched, max_iters=10_000, on_step=None):
@@ -49,8 +59,10 @@ def run(sched, max_iters=10_000, on_step=None):
 
 
 def test_core_does_not_import_torch():
-    code = ("import sys, fluidserve.core.scheduler, fluidserve.core.block_manager, "
-            "fluidserve.request, fluidserve.metrics; print('torch' in sys.modules)")
+    code = (
+        "import sys, fluidserve.core.scheduler, fluidserve.core.block_manager, "
+        "fluidserve.request, fluidserve.metrics; print('torch' in sys.modules)"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
 
@@ -174,8 +186,12 @@ def test_decode_maximal_has_at_most_one_prefill_per_batch():
     s = make("decode_maximal", budget=32)
     for i in range(6):
         s.add_request(req(i, 20, max_tokens=5))
-    run(s, on_step=lambda p: (
-        assert_(sum(1 for c in p.chunks if not c.is_decode) <= 1 and p.num_tokens <= 32)))
+    run(
+        s,
+        on_step=lambda p: assert_(
+            sum(1 for c in p.chunks if not c.is_decode) <= 1 and p.num_tokens <= 32
+        ),
+    )
 
 
 def assert_(cond):
@@ -186,8 +202,12 @@ def test_chunked_only_chunks_but_never_mixes():
     s = make("chunked_only", budget=16)
     s.add_request(req("a", 10, max_tokens=8))
     s.add_request(req("b", 50, max_tokens=2))
-    plans = run(s, on_step=lambda p: assert_(
-        p.num_tokens <= 16 and not (p.num_decode_tokens and p.num_prefill_tokens)))
+    plans = run(
+        s,
+        on_step=lambda p: assert_(
+            p.num_tokens <= 16 and not (p.num_decode_tokens and p.num_prefill_tokens)
+        ),
+    )
     assert max(p.num_prefill_tokens for p in plans) == 16
 
 
@@ -259,8 +279,9 @@ def test_abort_frees_blocks_mid_flight():
 
 def test_stop_conditions():
     s = make("sarathi")
-    r = Request("a", [1, 2, 3], SamplingParams(max_tokens=10, stop_token_ids=(9,)), 0.0,
-                eos_token_id=5)
+    r = Request(
+        "a", [1, 2, 3], SamplingParams(max_tokens=10, stop_token_ids=(9,)), 0.0, eos_token_id=5
+    )
     s.add_request(r)
     for tok in (4, 9):
         plan = s.schedule(0.0)

@@ -49,8 +49,12 @@ QUICK = {
 
 
 def add_profile_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", help="Model directory (default: build the 250m bf16 benchmark model).")
-    p.add_argument("--shape", default="250m", help="Benchmark model shape when --model is not given.")
+    p.add_argument(
+        "--model", help="Model directory (default: build the 250m bf16 benchmark model)."
+    )
+    p.add_argument(
+        "--shape", default="250m", help="Benchmark model shape when --model is not given."
+    )
     p.add_argument("--dtype", default="bfloat16", choices=("float32", "bfloat16", "float16"))
     p.add_argument("--device", default="cpu")
     p.add_argument("--num-threads", type=int, default=None, help="Torch intra-op threads.")
@@ -62,8 +66,9 @@ def add_profile_args(p: argparse.ArgumentParser) -> None:
 
 def _chunk(rid: str, start: int, n: int, bs: int, base_block: int) -> ScheduledChunk:
     blocks = tuple(range(base_block, base_block + -(-(start + n) // bs)))
-    return ScheduledChunk(rid, start, tuple([5] * n), blocks, True, GREEDY, 0, 0,
-                          is_decode=n == 1 and start > 0)
+    return ScheduledChunk(
+        rid, start, tuple([5] * n), blocks, True, GREEDY, 0, 0, is_decode=n == 1 and start > 0
+    )
 
 
 class Timer:
@@ -143,9 +148,14 @@ def chunk_sweep(t: Timer, prompt: int, sizes: list[int]) -> list[dict]:
 def stall_timeline(model_dir: str, args, q: dict, scheduler: str) -> dict:
     from fluidserve.engine.engine import LLMEngine
 
-    cfg = EngineConfig(model=model_dir, dtype=args.dtype, device=args.device, scheduler=scheduler,
-                       token_budget=q["stall_budget"] if scheduler == "sarathi" else 4096,
-                       num_kv_blocks=256 + q["stall_prompt"] // 16 + 16)
+    cfg = EngineConfig(
+        model=model_dir,
+        dtype=args.dtype,
+        device=args.device,
+        scheduler=scheduler,
+        token_budget=q["stall_budget"] if scheduler == "sarathi" else 4096,
+        num_kv_blocks=256 + q["stall_prompt"] // 16 + 16,
+    )
     eng = LLMEngine(cfg)
     decode = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
     for i in range(q["stall_decodes"]):
@@ -153,8 +163,9 @@ def stall_timeline(model_dir: str, args, q: dict, scheduler: str) -> dict:
     steps, arrival = 0, 0.0
     while eng.has_unfinished():
         if steps == 10:
-            eng.add_request("long", [7] * q["stall_prompt"], SamplingParams(max_tokens=4,
-                                                                            ignore_eos=True))
+            eng.add_request(
+                "long", [7] * q["stall_prompt"], SamplingParams(max_tokens=4, ignore_eos=True)
+            )
             arrival = eng.clock.now()
         eng.step()
         steps += 1
@@ -162,8 +173,12 @@ def stall_timeline(model_dir: str, args, q: dict, scheduler: str) -> dict:
     for ev in eng.telemetry.tokens:
         times.setdefault(ev.request_id, []).append(ev.time)
     t0 = min(ts[0] for ts in times.values())
-    gaps = [b - a for rid, ts in times.items() if rid != "long" for a, b in zip(ts, ts[1:],
-                                                                                strict=False)]
+    gaps = [
+        b - a
+        for rid, ts in times.items()
+        if rid != "long"
+        for a, b in zip(ts, ts[1:], strict=False)
+    ]
     return {
         "scheduler": scheduler,
         "token_budget": cfg.token_budget,
@@ -186,13 +201,20 @@ def run_profile(args: argparse.Namespace) -> int:
     out_dir.mkdir(parents=True, exist_ok=True)
     need_tokens = max(q["tokens"] + [q["chunk_prompt"]])
     blocks = max(-(-need_tokens // 16), max(q["batch_sizes"]) * -(-(q["decode_context"] + 1) // 16))
-    ex = ModelExecutor(model_dir, dtype=args.dtype, device=args.device, num_blocks=blocks + 1,
-                       max_model_len=max(need_tokens, q["stall_prompt"] + 64))
+    ex = ModelExecutor(
+        model_dir,
+        dtype=args.dtype,
+        device=args.device,
+        num_blocks=blocks + 1,
+        max_model_len=max(need_tokens, q["stall_prompt"] + 64),
+    )
     t = Timer(ex, args.repeats)
     arch = ex.arch
     weight_bytes = sum(p.numel() * p.element_size() for p in ex.model.parameters())
-    print(f"model {model_dir}: {arch.num_params / 1e6:.1f}M params, {args.dtype},"
-          f" {torch.get_num_threads()} threads")
+    print(
+        f"model {model_dir}: {arch.num_params / 1e6:.1f}M params, {args.dtype},"
+        f" {torch.get_num_threads()} threads"
+    )
     peaks = measure_peaks(args.device, ex.kv_caches[0][0].dtype)
     iters = iteration_sweep(t, q["tokens"])
     decodes = decode_sweep(t, q["batch_sizes"], q["decode_context"])
@@ -203,21 +225,31 @@ def run_profile(args: argparse.Namespace) -> int:
     best_prefill = max(iters, key=lambda p: p["prefill_tokens_per_s"])
     achieved = {
         "decode_bs1_weight_bandwidth_bytes_per_s": weight_bytes / decode1,
-        "decode_bs1_fraction_of_peak_bandwidth": weight_bytes / decode1
+        "decode_bs1_fraction_of_peak_bandwidth": weight_bytes
+        / decode1
         / peaks["memory_bandwidth_bytes_per_s"],
         "prefill_flops": 2 * arch.num_params * best_prefill["prefill_tokens_per_s"],
-        "prefill_fraction_of_peak_flops": 2 * arch.num_params
-        * best_prefill["prefill_tokens_per_s"] / peaks["matmul_flops"],
+        "prefill_fraction_of_peak_flops": 2
+        * arch.num_params
+        * best_prefill["prefill_tokens_per_s"]
+        / peaks["matmul_flops"],
     }
     result = {
-        "model": str(model_dir), "num_params": arch.num_params, "dtype": args.dtype,
-        "threads": torch.get_num_threads(), "peaks": peaks, "achieved": achieved,
-        "iteration_time": iters, "knee_tokens": knee(iters), "decode": decodes,
+        "model": str(model_dir),
+        "num_params": arch.num_params,
+        "dtype": args.dtype,
+        "threads": torch.get_num_threads(),
+        "peaks": peaks,
+        "achieved": achieved,
+        "iteration_time": iters,
+        "knee_tokens": knee(iters),
+        "decode": decodes,
         "chunked_prefill": chunks,
         "stall": [{k: v for k, v in s.items() if k != "token_times"} for s in stalls],
     }
-    (out_dir / "profile.json").write_text(json.dumps(result | {"stall_timelines": stalls},
-                                                     indent=1))
+    (out_dir / "profile.json").write_text(
+        json.dumps(result | {"stall_timelines": stalls}, indent=1)
+    )
     if not args.no_plots:
         from fluidserve.bench.profile_plots import plot_profile
 

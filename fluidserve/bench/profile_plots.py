@@ -21,11 +21,18 @@ def plot_profile(result: dict, stalls: list[dict], out: Path) -> None:
     fig, ax = plt.subplots(figsize=(6, 4))
     ax.plot([p["tokens"] for p in it], [p["time_s"] * 1e3 for p in it], "o-")
     if result.get("knee_tokens"):
-        ax.axvline(result["knee_tokens"], ls="--", c="gray", label=f"2x of 1-token time "
-                   f"({result['knee_tokens']} tokens)")
+        ax.axvline(
+            result["knee_tokens"],
+            ls="--",
+            c="gray",
+            label=f"2x of 1-token time ({result['knee_tokens']} tokens)",
+        )
         ax.legend()
-    ax.set(xlabel="tokens in the batch", ylabel="iteration time (ms)",
-           title="Iteration time vs batch tokens (cf. Sarathi-Serve Fig. 6)")
+    ax.set(
+        xlabel="tokens in the batch",
+        ylabel="iteration time (ms)",
+        title="Iteration time vs batch tokens (cf. Sarathi-Serve Fig. 6)",
+    )
     _save(fig, out / "iteration_time.png")
 
     dec = result["decode"]
@@ -40,8 +47,11 @@ def plot_profile(result: dict, stalls: list[dict], out: Path) -> None:
     ch = result["chunked_prefill"]
     fig, ax = plt.subplots(figsize=(6, 4))
     ax.bar([str(p["chunk_size"]) for p in ch], [100 * p["overhead"] for p in ch])
-    ax.set(xlabel="chunk size", ylabel="overhead vs unchunked (%)",
-           title=f"Chunked prefill of a {ch[0]['prompt']}-token prompt (cf. Fig. 14)")
+    ax.set(
+        xlabel="chunk size",
+        ylabel="overhead vs unchunked (%)",
+        title=f"Chunked prefill of a {ch[0]['prompt']}-token prompt (cf. Fig. 14)",
+    )
     _save(fig, out / "chunked_prefill_overhead.png")
 
     fig, axes = plt.subplots(len(stalls), 1, figsize=(8, 2.4 * len(stalls)), sharex=True)
@@ -49,8 +59,11 @@ def plot_profile(result: dict, stalls: list[dict], out: Path) -> None:
         for i, (rid, ts) in enumerate(sorted(s["token_times"].items())):
             ax.plot(ts, [i] * len(ts), "|", ms=12, label=rid)
         ax.axvline(s["long_arrival_s"], c="red", ls=":", label="long prompt arrives")
-        ax.set(title=f"{s['scheduler']} (budget {s['token_budget']}): max decode TBT "
-               f"{s['decode_max_tbt_s'] * 1e3:.0f} ms", yticks=[])
+        ax.set(
+            title=f"{s['scheduler']} (budget {s['token_budget']}): max decode TBT "
+            f"{s['decode_max_tbt_s'] * 1e3:.0f} ms",
+            yticks=[],
+        )
     axes[-1].set_xlabel("time (s)")
     axes[0].legend(loc="upper right", fontsize=7, ncol=3)
     fig.suptitle("Generation stalls: token timeline (cf. Sarathi-Serve Fig. 1a)")

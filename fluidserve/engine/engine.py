@@ -84,9 +84,10 @@ class LLMEngine:
         telemetry: Telemetry | None = None,
     ) -> None:
         self.config = config
+        self.model_dir = config.model
         if executor is None:
-            executor, model_dir = build_model_executor(config)
-            tokenizer = tokenizer or Tokenizer(config.tokenizer or model_dir)
+            executor, self.model_dir = build_model_executor(config)
+            tokenizer = tokenizer or Tokenizer(config.tokenizer or self.model_dir)
         self.executor = executor
         self.tokenizer = tokenizer
         self.clock = clock or WallClock()
@@ -201,9 +202,13 @@ class LLMEngine:
         return delta
 
     def _fail_batch(self, plan: SchedulerOutput, message: str) -> list[RequestOutput]:
+        return self.fail([c.request_id for c in plan.chunks], message)
+
+    def fail(self, request_ids: list[str], message: str) -> list[RequestOutput]:
+        """End these requests with an error the client sees; their KV blocks are freed."""
         outs = []
-        for chunk in plan.chunks:
-            req = self.scheduler.requests.get(chunk.request_id)
+        for rid in request_ids:
+            req = self.scheduler.requests.get(rid)
             if req is None:
                 continue
             req.error = message
@@ -243,7 +248,7 @@ def build_model_executor(config: EngineConfig):
 
     if config.num_threads:
         torch.set_num_threads(config.num_threads)
-    model_dir = config.model or cached_model_dir()
+    model_dir = str(config.model or cached_model_dir())
     executor = ModelExecutor(
         model_dir,
         dtype=config.dtype,

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 from collections import deque
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -38,21 +39,19 @@ class Telemetry:
         self.iterations: deque[IterationRecord] = deque(maxlen=max_records)
         self.tokens: deque[TokenEvent] = deque(maxlen=max_records)
         self.finished: deque[dict] = deque(maxlen=max_records)
+        # Called with each IterationRecord / finished-request dict as it is recorded.
+        self.on_iteration: list[Callable[[IterationRecord], None]] = []
+        self.on_finished: list[Callable[[dict], None]] = []
 
     def record_iteration(self, plan: SchedulerOutput, start: float, duration: float) -> None:
         prefill_reqs = sum(1 for c in plan.chunks if not c.is_decode)
-        self.iterations.append(
-            IterationRecord(
-                plan.iteration,
-                start,
-                duration,
-                plan.num_prefill_tokens,
-                plan.num_decode_tokens,
-                len(plan.chunks),
-                prefill_reqs,
-                len(plan.preempted),
-            )
-        )
+        rec = IterationRecord(
+            plan.iteration, start, duration, plan.num_prefill_tokens, plan.num_decode_tokens,
+            len(plan.chunks), prefill_reqs, len(plan.preempted),
+        )  # fmt: skip
+        self.iterations.append(rec)
+        for fn in self.on_iteration:
+            fn(rec)
 
     def record_token(self, req: Request) -> None:
         idx = len(req.output_token_ids) - 1
@@ -60,18 +59,19 @@ class Telemetry:
 
     def record_finished(self, req: Request) -> None:
         lat = request_latency(req.arrival_time, req.token_times, req.first_scheduled_time)
-        self.finished.append(
-            {
-                "request_id": req.request_id,
-                "arrival_time": req.arrival_time,
-                "num_prompt_tokens": req.num_prompt_tokens,
-                "num_output_tokens": len(req.output_token_ids),
-                "finish_reason": req.finish_reason,
-                "num_preemptions": req.num_preemptions,
-                "error": req.error,
-                **lat.to_dict(),
-            }
-        )
+        row = {
+            "request_id": req.request_id,
+            "arrival_time": req.arrival_time,
+            "num_prompt_tokens": req.num_prompt_tokens,
+            "num_output_tokens": len(req.output_token_ids),
+            "finish_reason": req.finish_reason,
+            "num_preemptions": req.num_preemptions,
+            "error": req.error,
+            **lat.to_dict(),
+        }
+        self.finished.append(row)
+        for fn in self.on_finished:
+            fn(row)
 
     def export_jsonl(self, path: str | Path) -> None:
         with open(path, "w") as f:

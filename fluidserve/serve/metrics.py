@@ -1,0 +1,74 @@
+"""Prometheus metrics for `/metrics`, updated from the engine thread after every iteration."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+from fluidserve.engine.engine import LLMEngine, RequestOutput
+
+LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
+TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
+
+
+class ServerMetrics:
+    def __init__(self) -> None:
+        self.registry = r = CollectorRegistry()
+        p = "fluidserve_"
+        self.requests = Counter(
+            p + "requests", "Finished requests by outcome", ["outcome"], registry=r
+        )
+        self.rejected = Counter(
+            p + "requests_rejected", "Requests refused before admission", ["reason"], registry=r
+        )
+        self.running = Gauge(p + "num_requests_running", "Requests running", registry=r)
+        self.waiting = Gauge(p + "num_requests_waiting", "Requests waiting", registry=r)
+        self.kv_usage = Gauge(p + "kv_cache_usage", "Fraction of KV blocks in use", registry=r)
+        self.preemptions = Counter(p + "preemptions", "Preemptions (recompute)", registry=r)
+        self.iteration_tokens = Histogram(
+            p + "iteration_tokens", "Tokens per iteration", buckets=TOKEN_BUCKETS, registry=r
+        )
+        self.generated = Counter(p + "generation_tokens", "Generated tokens", registry=r)
+        self.ttft = Histogram(
+            p + "time_to_first_token_seconds", "TTFT", buckets=LATENCY_BUCKETS, registry=r
+        )
+        self.tbt = Histogram(
+            p + "time_between_tokens_seconds",
+            "Gap between output tokens",
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.e2e = Histogram(
+            p + "e2e_request_latency_seconds",
+            "Arrival to last token",
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self._preempted = 0
+
+    def attach(self, engine: LLMEngine) -> None:
+        engine.telemetry.on_finished.append(self.observe_finished)
+        engine.telemetry.on_iteration.append(
+            lambda rec: self.iteration_tokens.observe(
+                rec.num_prefill_tokens + rec.num_decode_tokens
+            )
+        )
+
+    def on_step(self, engine: LLMEngine, outs: list[RequestOutput]) -> None:
+        sched = engine.scheduler
+        self.running.set(len(sched.running))
+        self.waiting.set(sched.num_waiting)
+        self.kv_usage.set(engine.block_manager.usage)
+        self.preemptions.inc(sched.num_preemptions - self._preempted)
+        self._preempted = sched.num_preemptions
+        self.generated.inc(sum(len(o.new_token_ids) for o in outs))
+
+    def observe_finished(self, row: dict) -> None:
+        self.requests.labels(row["finish_reason"] or "unknown").inc()
+        if row["ttft"] is not None:
+            self.ttft.observe(row["ttft"])
+            self.e2e.observe(row["e2e"])
+        for gap in row["tbt"]:
+            self.tbt.observe(gap)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

@@ -1,0 +1,82 @@
+"""The command line: generate --json, build-model, profile --quick, config errors."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+from fluidserve.engine.llm import LLM
+from fluidserve.sampling_params import SamplingParams
+
+
+def cli(*args: str, check: bool = True) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "fluidserve.cli", *args],
+        capture_output=True,
+        text=True,
+        check=check,
+        timeout=300,
+    )
+
+
+def test_generate_json_matches_offline_api(default_model_dir):
+    out = cli(
+        "generate",
+        "--model",
+        str(default_model_dir),
+        "--prompt",
+        "The river rose",
+        "--prompt",
+        "Hi",
+        "--max-tokens",
+        "6",
+        "--ignore-eos",
+        "--json",
+        "--token-budget",
+        "8",
+    )
+    rows = [json.loads(line) for line in out.stdout.splitlines()]
+    ref = LLM(model=str(default_model_dir)).generate(
+        ["The river rose", "Hi"], SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+    )
+    assert [r["token_ids"] for r in rows] == [o.token_ids for o in ref]
+    assert all(r["finish_reason"] == "length" and r["ttft_s"] > 0 for r in rows)
+
+
+def test_help_lists_every_engine_knob():
+    import dataclasses
+
+    from fluidserve.config import EngineConfig, ServerConfig
+
+    text = cli("serve", "--help").stdout
+    for cls in (EngineConfig, ServerConfig):
+        for f in dataclasses.fields(cls):
+            assert "--" + f.name.replace("_", "-") in text, f.name
+
+
+def test_bad_config_is_a_clear_error(default_model_dir, tmp_path):
+    r = cli("generate", "--prompt", "x", "--token-budget", "0", check=False)
+    assert r.returncode == 2 and "token_budget must be >= 1" in r.stderr
+    r = cli("generate", "--prompt", "x", "--model", str(tmp_path), check=False)
+    assert r.returncode == 2 and "no config.json" in r.stderr
+
+
+def test_profile_quick_writes_json_and_plots(default_model_dir, tmp_path):
+    out = cli(
+        "profile",
+        "--model",
+        str(default_model_dir),
+        "--dtype",
+        "float32",
+        "--quick",
+        "--repeats",
+        "1",
+        "--output-dir",
+        str(tmp_path),
+    )
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    assert {s["scheduler"] for s in result["stall"]} == {"vllm", "sarathi"}
+    assert result["iteration_time"][0]["tokens"] == 1 and result["peaks"]["matmul_flops"] > 0
+    for name in ("iteration_time", "throughput", "chunked_prefill_overhead", "stall_timeline"):
+        assert (tmp_path / f"{name}.png").stat().st_size > 1000

@@ -1,0 +1,92 @@
+"""Model directories: sharded loading, the embedded model, and clear errors for bad input."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+
+from fluidserve.model.arch import ModelLoadError
+from fluidserve.model.builder import build_model_dir, cached_model_dir
+from fluidserve.model.loader import load_model
+
+
+def test_sharded_and_single_file_load_identically(tmp_path):
+    single = build_model_dir(tmp_path / "a", "tiny", seed=3)
+    sharded = build_model_dir(tmp_path / "b", "tiny", seed=3, max_shard_bytes=1 << 20)
+    assert (sharded / "model.safetensors.index.json").is_file()
+    assert len(list(sharded.glob("*.safetensors"))) > 1
+    _, m1 = load_model(single)
+    _, m2 = load_model(sharded)
+    for (n1, p1), (_, p2) in zip(m1.state_dict().items(), m2.state_dict().items(), strict=True):
+        assert torch.equal(p1, p2), n1
+
+
+def test_embedded_model_is_deterministic(tmp_path, monkeypatch):
+    monkeypatch.setenv("FLUIDSERVE_CACHE", str(tmp_path))
+    d = cached_model_dir()
+    assert d.parent.parent == tmp_path and cached_model_dir() == d
+    again = build_model_dir(tmp_path / "again")
+    assert (d / "model.safetensors").read_bytes() == (again / "model.safetensors").read_bytes()
+    assert (d / "tokenizer.json").read_text() == (again / "tokenizer.json").read_text()
+
+
+@pytest.fixture
+def model_copy(tmp_path, default_model_dir):
+    d = tmp_path / "m"
+    shutil.copytree(default_model_dir, d)
+    return d
+
+
+def edit_config(d, **changes):
+    cfg = json.loads((d / "config.json").read_text())
+    cfg.update(changes)
+    (d / "config.json").write_text(json.dumps(cfg))
+
+
+def test_missing_directory(tmp_path):
+    with pytest.raises(ModelLoadError, match="does not exist"):
+        load_model(tmp_path / "nope")
+
+
+def test_unsupported_architecture(model_copy):
+    edit_config(model_copy, architectures=["GPT2LMHeadModel"])
+    with pytest.raises(ModelLoadError, match="GPT2LMHeadModel.*not supported"):
+        load_model(model_copy)
+
+
+def test_missing_config_field(model_copy):
+    cfg = json.loads((model_copy / "config.json").read_text())
+    del cfg["hidden_size"]
+    (model_copy / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ModelLoadError, match="hidden_size"):
+        load_model(model_copy)
+
+
+def test_shape_mismatch_names_the_weight(model_copy):
+    edit_config(model_copy, intermediate_size=123)
+    with pytest.raises(ModelLoadError, match=r"mlp\.\w+\.weight has shape"):
+        load_model(model_copy)
+
+
+def test_no_safetensors(model_copy):
+    (model_copy / "model.safetensors").rename(model_copy / "pytorch_model.bin")
+    with pytest.raises(ModelLoadError, match="only safetensors"):
+        load_model(model_copy)
+
+
+def test_corrupt_weights_and_config(model_copy):
+    (model_copy / "model.safetensors").write_bytes(b"not a safetensors file")
+    with pytest.raises(ModelLoadError, match="cannot read"):
+        load_model(model_copy)
+    (model_copy / "config.json").write_text("{broken")
+    with pytest.raises(ModelLoadError, match="invalid JSON"):
+        load_model(model_copy)
+
+
+def test_unsupported_rope_type(model_copy):
+    edit_config(model_copy, rope_scaling={"rope_type": "yarn", "factor": 4.0})
+    with pytest.raises(ModelLoadError, match="yarn"):
+        load_model(model_copy)

@@ -8,7 +8,13 @@ import sys
 import time
 
 from fluidserve.cli_args import add_dataclass_args, dataclass_from_args
-from fluidserve.config import ConfigError, EngineConfig, ServerConfig
+from fluidserve.config import (
+    BenchConfig,
+    CapacityConfig,
+    ConfigError,
+    EngineConfig,
+    ServerConfig,
+)
 
 
 def _sampling_args(p: argparse.ArgumentParser) -> None:
@@ -95,6 +101,24 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     )
 
 
+def _cmd_bench(args: argparse.Namespace) -> int:
+    if args.compare:
+        from fluidserve.bench.report import compare_table
+
+        print(compare_table(args.compare))
+        return 0
+    from fluidserve.bench.run import run_bench
+
+    return run_bench(dataclass_from_args(BenchConfig, args))
+
+
+def _cmd_capacity(args: argparse.Namespace) -> int:
+    from fluidserve.bench.capacity_run import run_capacity
+
+    return run_capacity(dataclass_from_args(BenchConfig, args),
+                        dataclass_from_args(CapacityConfig, args), args.launch)
+
+
 def _cmd_profile(args: argparse.Namespace) -> int:
     from fluidserve.bench.profile import run_profile
 
@@ -120,6 +144,20 @@ def build_parser() -> argparse.ArgumentParser:
     add_dataclass_args(srv, ServerConfig, "server")
     add_dataclass_args(srv, EngineConfig, "engine")
     srv.set_defaults(func=_cmd_serve)
+
+    bench = sub.add_parser("bench", help="Evaluate an OpenAI-compatible endpoint (Etalon).")
+    bench.add_argument("--compare", nargs="+", metavar="RUN_DIR",
+                       help="Print the summaries of these run directories side by side.")
+    add_dataclass_args(bench, BenchConfig, "workload and client")
+    bench.set_defaults(func=_cmd_bench)
+
+    cap = sub.add_parser("capacity", help="Largest request rate that meets an SLO.")
+    cap.add_argument("--launch", action="append", default=[], metavar="NAME=FLAGS",
+                     help="Launch `fluidserve serve FLAGS` per probe instead of using"
+                     " --base-url (repeat to compare variants).")
+    add_dataclass_args(cap, CapacityConfig, "SLO and search")
+    add_dataclass_args(cap, BenchConfig, "workload and client")
+    cap.set_defaults(func=_cmd_capacity)
 
     prof = sub.add_parser("profile", help="Characterize iteration time on this machine.")
     from fluidserve.bench.profile import add_profile_args

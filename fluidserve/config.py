@@ -124,3 +124,97 @@ def _positive(name: str, value: int) -> None:
 
 def field_names(cls: type) -> list[str]:
     return [f.name for f in fields(cls)]
+
+
+@dataclass(frozen=True)
+class BenchConfig:
+    """Black-box evaluation of an OpenAI-compatible endpoint (`fluidserve bench`/`capacity`).
+
+    Flag names follow `vllm bench serve` where the concept is shared.
+    """
+
+    base_url: str = knob("http://127.0.0.1:8000", "Server URL.")
+    endpoint: str = knob("/v1/completions", "API route: /v1/completions or /v1/chat/completions.")
+    model: str | None = knob(None, "Model name to send (default: the server's first model).")
+    tokenizer: str | None = knob(
+        None, "Tokenizer directory used to build prompts (default: the embedded model's)."
+    )
+    api_key: str | None = knob(None, "Bearer token for the server.")
+    dataset_name: str = knob(
+        "sharegpt",
+        "Lengths: sharegpt, arxiv, bwb, splitwise_conv, splitwise_code (trace files, or built-in"
+        " stand-ins when absent), fixed, uniform, zipf, TetriInfer LPLD/LPHD/HPLD/HPHD/mixed.",
+    )
+    dataset_path: str | None = knob(None, "CSV with num_prefill_tokens,num_decode_tokens[,arrived_at].")
+    num_prompts: int = knob(100, "Requests to send.")
+    input_len: int | None = knob(None, "Fixed prompt length (implies --dataset-name fixed).")
+    output_len: int | None = knob(None, "Fixed output length (implies --dataset-name fixed).")
+    range_ratio: float = knob(0.5, "uniform: lengths in [(1-r)L, (1+r)L].")
+    prompt_scale: float = knob(1.0, "Multiply trace prompt lengths by this.")
+    output_scale: float = knob(1.0, "Multiply trace output lengths by this.")
+    max_prompt_len: int = knob(2048, "Clip prompt lengths to this.")
+    max_output_len: int = knob(1024, "Clip output lengths to this.")
+    request_rate: float = knob(math.inf, "Requests/s (inf: all at once).")
+    burstiness: float = knob(1.0, "Gamma shape of inter-arrival times (1 = Poisson; CV = 1/sqrt).")
+    arrivals: str = knob("rate", "rate, or trace (the trace's own timestamps).",
+                         choices=("rate", "trace"))
+    max_concurrency: int | None = knob(None, "Cap on requests in flight (closed loop).")
+    seed: int = knob(0, "Workload seed: same seed, same workload.")
+    ignore_eos: bool = knob(True, "Ask the server to ignore EOS so outputs have exact lengths.")
+    temperature: float = knob(0.0, "Sampling temperature sent with each request.")
+    ttft_deadline: float = knob(5.0, "Etalon D_p: target TTFT (s) for the fluidity-index.")
+    tbt_deadline: float = knob(0.2, "Etalon D_d: target time between tokens (s).")
+    profile_prefill: bool = knob(
+        False, "Fit D_p(prompt length) from a prefill profile of the endpoint instead of a constant."
+    )
+    ttft_deadline_factor: float = knob(2.0, "With --profile-prefill: D_p = factor x fitted prefill time.")
+    warmup_requests: int = knob(2, "Requests sent (and excluded) before the measured run.")
+    timeout: float = knob(600.0, "Per-request timeout (s).")
+    output_dir: str | None = knob(None, "Run directory (default: runs/bench-<time>).")
+    plots: bool = knob(True, "Write PNG plots.")
+    label: str | None = knob(None, "Name of this run in comparisons.")
+
+    def __post_init__(self) -> None:
+        if not self.endpoint.startswith("/"):
+            raise ConfigError(f"endpoint must start with '/', got {self.endpoint!r}")
+        if not (self.request_rate > 0):
+            raise ConfigError("request_rate must be > 0 (inf for all at once)")
+        _positive("num_prompts", self.num_prompts)
+        if self.max_concurrency is not None:
+            _positive("max_concurrency", self.max_concurrency)
+        for name in ("ttft_deadline", "tbt_deadline", "timeout", "ttft_deadline_factor",
+                     "burstiness"):
+            if not getattr(self, name) > 0:
+                raise ConfigError(f"{name} must be > 0, got {getattr(self, name)}")
+
+
+SLO_KINDS = ("tbt", "fluidity", "ttft", "tpot")
+
+
+@dataclass(frozen=True)
+class CapacityConfig:
+    """SLO and search knobs of `fluidserve capacity` (the workload comes from BenchConfig)."""
+
+    slo: str = knob("tbt", "tbt: P99 TBT + median scheduling delay; fluidity: 99% of requests"
+                    " with fluidity-index >= 0.9; ttft / tpot: a percentile under a bound.",
+                    choices=SLO_KINDS)
+    tbt_slo: float = knob(0.5, "P99 TBT bound (s) for --slo tbt.")
+    max_scheduling_delay: float = knob(2.0, "Median scheduling-delay bound (s) for --slo tbt.")
+    ttft_slo: float = knob(2.0, "TTFT bound (s) for --slo ttft.")
+    tpot_slo: float = knob(0.2, "TPOT bound (s) for --slo tpot.")
+    slo_percentile: float = knob(99.0, "Percentile for --slo ttft / tpot.")
+    start_rate: float = knob(1.0, "First request rate probed (req/s).")
+    granularity: float = knob(0.025, "Stop when (high - low) / low is below this.")
+    max_probes: int = knob(20, "Stop after this many probes per variant.")
+    server_startup_timeout: float = knob(300.0, "Seconds to wait for a launched server.")
+
+    def __post_init__(self) -> None:
+        if self.slo not in SLO_KINDS:
+            raise ConfigError(f"slo must be one of {SLO_KINDS}")
+        if not 0 < self.granularity < 1:
+            raise ConfigError("granularity must be in (0, 1)")
+        if not self.start_rate > 0:
+            raise ConfigError("start_rate must be > 0")
+        _positive("max_probes", self.max_probes)
+        if not 0 < self.slo_percentile <= 100:
+            raise ConfigError("slo_percentile must be in (0, 100]")

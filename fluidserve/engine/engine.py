@@ -72,6 +72,7 @@ class RequestOutput:
     num_prompt_tokens: int = 0
     num_output_tokens: int = 0
     new_logprobs: list = field(default_factory=list)
+    scheduling_delay: float | None = None  # set when finished: first scheduled - arrival
 
 
 class LLMEngine:
@@ -104,7 +105,6 @@ class LLMEngine:
         self._rng = random.Random(config.seed)
         self._detok: dict[str, IncrementalDetokenizer] = {}
         self._sent: dict[str, int] = {}  # characters of text already emitted per request
-        self._logprobs: dict[str, list] = {}
         self._stop_hold = 0
 
     # ------------------------------------------------------------------ requests
@@ -165,22 +165,15 @@ class LLMEngine:
         self.telemetry.record_token(req)
         token = req.output_token_ids[-1]
         lp = result.logprobs.get(req.request_id)
-        if lp is not None:
-            self._logprobs.setdefault(req.request_id, []).append(lp)
-        text = self._advance_text(req, token)
-        if req.status.finished:
+        out = RequestOutput(req.request_id, [token], self._advance_text(req, token),
+                            finished=req.status.finished, finish_reason=req.finish_reason,
+                            num_prompt_tokens=req.num_prompt_tokens,
+                            num_output_tokens=len(req.output_token_ids),
+                            new_logprobs=[lp] if lp is not None else [])
+        if out.finished:
             self._forget(req)
-        return RequestOutput(
-            req.request_id,
-            [token],
-            text,
-            req.status.finished,
-            req.finish_reason,
-            req.error,
-            req.num_prompt_tokens,
-            len(req.output_token_ids),
-            [lp] if lp is not None else [],
-        )
+            out.scheduling_delay = req.first_scheduled_time - req.arrival_time
+        return out
 
     def _advance_text(self, req: Request, token: int) -> str:
         """Detokenize, apply stop strings, and return the text delta safe to emit now."""
@@ -232,7 +225,6 @@ class LLMEngine:
         self.telemetry.record_finished(req)
         self._detok.pop(req.request_id, None)
         self._sent.pop(req.request_id, None)
-        self._logprobs.pop(req.request_id, None)
 
     def text_of(self, request_id: str) -> str | None:
         det = self._detok.get(request_id)

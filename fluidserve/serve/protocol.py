@@ -15,6 +15,7 @@ MAX_STOP = 16
 
 class StreamOptions(BaseModel):
     include_usage: bool = False
+    continuous_usage_stats: bool = False  # vLLM extension: usage in every chunk
 
 
 class _Common(BaseModel):
@@ -37,6 +38,7 @@ class _Common(BaseModel):
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     logit_bias: dict[str, float] | None = None
+    return_metrics: bool = False  # fluidserve extension: server-side timings in the response
 
     @model_validator(mode="after")
     def _supported(self):
@@ -73,6 +75,10 @@ class _Common(BaseModel):
     @property
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
+
+    @property
+    def continuous_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.continuous_usage_stats)
 
 
 class CompletionRequest(_Common):

@@ -7,16 +7,8 @@ from dataclasses import dataclass, field
 from fluidserve.engine.engine import RequestOutput
 from fluidserve.serve.protocol import new_id, now, usage
 
-__all__ = [
-    "Context",
-    "full_response",
-    "model_list",
-    "new_id",
-    "now",
-    "stream_chunk",
-    "usage_chunk",
-    "chat_chunk",
-]
+__all__ = ["Context", "chat_chunk", "full_response", "model_list", "new_id", "now",
+           "stream_chunk", "usage", "usage_chunk"]
 
 
 @dataclass
@@ -34,6 +26,7 @@ class Context:
     finish_reason: str | None = None
     logprobs: list = field(default_factory=list)  # (token id, logprob, [(id, lp)...])
     _new_logprobs: list = field(default_factory=list)
+    scheduling_delay: float | None = None
 
     def add(self, out: RequestOutput) -> None:
         self.text += out.new_text
@@ -44,6 +37,7 @@ class Context:
         self.logprobs += self._new_logprobs
         if out.finished:
             self.finish_reason = out.finish_reason
+            self.scheduling_delay = out.scheduling_delay
 
     def token_text(self, token_id: int) -> str:
         return (

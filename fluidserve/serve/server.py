@@ -194,27 +194,40 @@ async def _serve(state: ServerState, body, ids: list[int], request: Request, cha
     ctx = R.Context(rid, state.model_name, R.now(), len(ids), chat, state.engine.tokenizer)
     if body.stream:
         return StreamingResponse(
-            _sse(handle, ctx, body.include_usage), media_type="text/event-stream"
+            _sse(handle, ctx, body), media_type="text/event-stream"
         )
-    return await _complete(handle, ctx, request)
+    return await _complete(handle, ctx, request, body)
 
 
-async def _sse(handle, ctx: R.Context, include_usage: bool) -> AsyncIterator[str]:
+async def _sse(handle, ctx: R.Context, body) -> AsyncIterator[str]:
+    def emit(chunk: dict, out=None) -> str:
+        if body.continuous_usage:
+            chunk["usage"] = R.usage(ctx.prompt_tokens, len(ctx.token_ids))
+        if out is not None and out.finished and body.return_metrics:
+            chunk["metrics"] = {"scheduling_delay": out.scheduling_delay}
+        return _data(chunk)
+
     if ctx.chat:
-        yield _data(R.chat_chunk(ctx, {"role": "assistant", "content": ""}, None))
-    async for out in handle:
-        if out.error is not None:
-            yield _data(error_body(out.error, "internal_error", code=500))
-            break
-        ctx.add(out)
-        if out.new_text or out.new_token_ids or out.finished:
-            yield _data(R.stream_chunk(ctx, out))
-    if include_usage and handle.finished:
+        yield emit(R.chat_chunk(ctx, {"role": "assistant", "content": ""}, None))
+    try:
+        async for out in handle:
+            if out.error is not None:
+                yield _data(error_body(out.error, "internal_error", code=500))
+                break
+            ctx.add(out)
+            # One chunk per token, even when its text is held back (a partial character or
+            # a possible stop string), so clients can time every token.
+            yield emit(R.stream_chunk(ctx, out), out)
+    except Exception as e:  # never leave a client with a silently truncated stream
+        log.exception("stream %s failed", ctx.id)
+        handle.abort()
+        yield _data(error_body(f"internal error: {e}", "internal_error", code=500))
+    if body.include_usage and handle.finished and ctx.finish_reason is not None:
         yield _data(R.usage_chunk(ctx))
     yield "data: [DONE]\n\n"
 
 
-async def _complete(handle, ctx: R.Context, request: Request) -> Response:
+async def _complete(handle, ctx: R.Context, request: Request, body) -> Response:
     async def consume():
         async for out in handle:
             if out.error is not None:
@@ -232,7 +245,10 @@ async def _complete(handle, ctx: R.Context, request: Request) -> Response:
     failed = task.result()
     if failed is not None:
         return JSONResponse(error_body(failed.error, "internal_error", code=500), status_code=500)
-    return JSONResponse(R.full_response(ctx))
+    resp = R.full_response(ctx)
+    if body.return_metrics:
+        resp["metrics"] = {"scheduling_delay": ctx.scheduling_delay}
+    return JSONResponse(resp)
 
 
 def _data(obj: dict) -> str:

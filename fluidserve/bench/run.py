@@ -1,0 +1,166 @@
+"""`fluidserve bench`: one seeded workload against one OpenAI-compatible endpoint."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+import math
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import numpy as np
+from tqdm import tqdm
+
+from fluidserve.bench.client import Client, ClientConfig, RequestRecord
+from fluidserve.bench.prompts import PromptBuilder, load_corpus
+from fluidserve.bench.report import (
+    Deadline,
+    constant_deadline,
+    score_fluidity,
+    summarize_run,
+    write_run,
+)
+from fluidserve.bench.workload import WorkloadRequest, WorkloadSpec, build_workload
+from fluidserve.config import BenchConfig
+
+PREFILL_PROFILE_POINTS = 8
+
+
+def workload_spec(cfg: BenchConfig, **override) -> WorkloadSpec:
+    fixed = cfg.input_len is not None or cfg.output_len is not None
+    spec = WorkloadSpec(
+        dataset="fixed" if fixed else cfg.dataset_name, dataset_path=cfg.dataset_path,
+        num_prompts=cfg.num_prompts, input_len=cfg.input_len or 512,
+        output_len=cfg.output_len or 128, range_ratio=cfg.range_ratio,
+        prompt_scale=cfg.prompt_scale, output_scale=cfg.output_scale,
+        max_prompt_len=cfg.max_prompt_len, max_output_len=cfg.max_output_len,
+        request_rate=cfg.request_rate, burstiness=cfg.burstiness, arrivals=cfg.arrivals,
+        seed=cfg.seed,
+    )
+    return dataclasses.replace(spec, **override)
+
+
+def load_tokenizer(cfg: BenchConfig):
+    from fluidserve.model.builder import cached_model_dir
+    from fluidserve.model.tokenizer import Tokenizer
+
+    return Tokenizer(cfg.tokenizer or cached_model_dir())
+
+
+def server_model(cfg: BenchConfig) -> str:
+    headers = {"Authorization": f"Bearer {cfg.api_key}"} if cfg.api_key else {}
+    try:
+        r = httpx.get(cfg.base_url.rstrip("/") + "/v1/models", headers=headers, timeout=30)
+    except httpx.HTTPError as e:
+        raise ValueError(f"cannot reach {cfg.base_url}: {e}") from None
+    if r.status_code != 200:
+        raise ValueError(f"{cfg.base_url}/v1/models answered HTTP {r.status_code}: {r.text[:200]}")
+    data = r.json().get("data") or []
+    if cfg.model:
+        return cfg.model
+    if not data:
+        raise ValueError(f"{cfg.base_url} lists no models; pass --model")
+    return data[0]["id"]
+
+
+class Bench:
+    """A prepared workload (prompts built once) that can be run at any request rate."""
+
+    def __init__(self, cfg: BenchConfig, tokenizer=None, quiet: bool = False) -> None:
+        self.cfg = cfg
+        self.quiet = quiet
+        self.tokenizer = tokenizer or load_tokenizer(cfg)
+        self.model = server_model(cfg)
+        text, self.corpus_source = load_corpus()
+        chat = "chat" in cfg.endpoint
+        self.builder = PromptBuilder(self.tokenizer, text, cfg.seed, add_special_tokens=not chat)
+        self.spec = workload_spec(cfg)
+        self.work, self.length_source = build_workload(self.spec)
+        self.prompts = [self.builder.build(w.prompt_len) for w in self.work]
+        self.client = Client(ClientConfig(cfg.base_url, cfg.endpoint, self.model, cfg.api_key,
+                                          cfg.ignore_eos, cfg.timeout, cfg.max_concurrency,
+                                          cfg.temperature), self.tokenizer)
+        self.ttft_deadline: Deadline = constant_deadline(cfg.ttft_deadline)
+        self.prefill_fit: list[float] | None = None
+
+    def log(self, msg: str) -> None:
+        if not self.quiet:
+            print(msg, file=sys.stderr)
+
+    def _run(self, work: list[WorkloadRequest], prompts: list, desc: str) -> list[RequestRecord]:
+        bar = tqdm(total=len(work), desc=desc, unit="req", disable=self.quiet, file=sys.stderr)
+        try:
+            return asyncio.run(self.client.run(work, prompts, bar))
+        finally:
+            bar.close()
+
+    def warmup(self) -> None:
+        n = self.cfg.warmup_requests
+        if n:
+            work = [WorkloadRequest(i, 0.0, 16, 4) for i in range(n)]
+            self._run(work, [self.builder.build(16) for _ in work], "warm-up")
+
+    def profile_prefill(self) -> None:
+        """Fit TTFT(prompt length) with a quadratic from isolated max_tokens=1 requests."""
+        top = max(w.prompt_len for w in self.work)
+        lengths = np.unique(np.geomspace(16, max(top, 32), PREFILL_PROFILE_POINTS).astype(int))
+        work = [WorkloadRequest(i, 0.0, int(n), 1) for i, n in enumerate(lengths)]
+        ttfts = []
+        for w in tqdm(work, desc="prefill profile", disable=self.quiet, file=sys.stderr):
+            rec = asyncio.run(self.client.run([w], [self.builder.build(w.prompt_len)]))[0]
+            if not rec.ok:
+                raise ValueError(f"prefill profile request failed: {rec.error}")
+            ttfts.append(rec.gaps[0])
+        coeffs = np.polyfit(lengths, ttfts, 2 if len(lengths) > 2 else 1)
+        self.prefill_fit = [float(c) for c in coeffs]
+        factor = self.cfg.ttft_deadline_factor
+        floor = min(ttfts)
+        self.ttft_deadline = lambda p: factor * max(float(np.polyval(coeffs, p)), floor)
+        self.log(f"prefill profile: TTFT(p) ~ {np.poly1d(coeffs)}; D_p = {factor} x that")
+
+    def run(self, request_rate: float | None = None) -> tuple[list[RequestRecord], dict]:
+        work = self.work
+        if request_rate is not None and request_rate != self.spec.request_rate:
+            spec = dataclasses.replace(self.spec, request_rate=request_rate)
+            work = build_workload(spec)[0]
+        rate = request_rate if request_rate is not None else self.spec.request_rate
+        t0 = time.perf_counter()
+        records = self._run(work, self.prompts, f"bench @ {rate:g} req/s")
+        wall = time.perf_counter() - t0
+        score_fluidity(records, self.ttft_deadline, self.cfg.tbt_deadline)
+        summary = summarize_run(records, self.cfg.tbt_deadline)
+        summary |= {
+            "label": self.cfg.label, "base_url": self.cfg.base_url, "endpoint": self.cfg.endpoint,
+            "model": self.model, "request_rate": rate, "wall_time_s": wall,
+            "lengths": self.length_source, "corpus": self.corpus_source,
+            "prompts_inexact_length": self.builder.inexact,
+            "ttft_deadline_s": self.cfg.ttft_deadline if self.prefill_fit is None else None,
+            "prefill_fit": self.prefill_fit,
+            "config": {k: (None if isinstance(v, float) and math.isinf(v) else v)
+                       for k, v in dataclasses.asdict(self.cfg).items() if k != "api_key"},
+        }
+        return records, summary
+
+
+def run_bench(cfg: BenchConfig) -> int:
+    out = Path(cfg.output_dir or f"runs/bench-{time.strftime('%Y%m%d-%H%M%S')}")
+    bench = Bench(cfg)
+    bench.log(f"{len(bench.work)} requests ({bench.length_source}) against {cfg.base_url}"
+              f"{cfg.endpoint}, model {bench.model}")
+    bench.warmup()
+    if cfg.profile_prefill:
+        bench.profile_prefill()
+    records, summary = bench.run()
+    write_run(out, records, summary)
+    if cfg.plots:
+        from fluidserve.bench.plots import plot_run
+
+        plot_run(records, summary, out, cfg.label or str(out.name))
+    if summary["num_failed"]:
+        bench.log(f"{summary['num_failed']} requests failed: {summary['errors']}")
+    bench.log(f"wrote {out}")
+    print(json.dumps(summary, default=float))
+    return 0

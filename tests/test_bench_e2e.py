@@ -1,0 +1,90 @@
+"""`fluidserve bench` and `fluidserve capacity` against a real fluidserve server on localhost."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from fluidserve.cli import main
+
+from .server_utils import InProcessServer
+
+FILES = ("requests.jsonl", "summary.json", "cdfs.png", "token_timeline.png",
+         "miss_rate_vs_tbt.png")
+
+
+@pytest.fixture(scope="module")
+def srv(default_model_dir):
+    with InProcessServer(default_model_dir, name="tiny") as s:
+        yield s
+
+
+def last_json(capsys) -> dict:
+    return json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+
+
+@pytest.mark.parametrize("endpoint", ["/v1/completions", "/v1/chat/completions"])
+def test_bench_writes_every_output(srv, tmp_path, capsys, endpoint):
+    out = tmp_path / "run"
+    rc = main(["bench", "--base-url", srv.url, "--endpoint", endpoint, "--num-prompts", "12",
+               "--dataset-name", "uniform", "--input-len", "40", "--output-len", "9",
+               "--request-rate", "30", "--seed", "3", "--output-dir", str(out),
+               "--tbt-deadline", "0.5"])
+    assert rc == 0
+    summary = last_json(capsys)
+    for f in FILES:
+        assert (out / f).stat().st_size > 0, f
+    assert summary["num_completed"] == 12 and summary["num_failed"] == 0
+    assert summary["model"] == "tiny" and summary["total_output_tokens"] == 12 * 9
+    records = [json.loads(x) for x in (out / "requests.jsonl").read_text().splitlines()]
+    for r in records:
+        # Every token's arrival is recorded: TTFT, then one gap per further token.
+        assert len(r["gaps"]) == r["num_output_tokens"] == 9
+        assert r["fluidity_index"] is not None and r["error"] is None
+        assert r["scheduling_delay"] is not None and r["scheduling_delay"] >= 0
+    if endpoint == "/v1/completions":
+        # Prompts have the exact requested token length (the server counts them too).
+        assert all(r["server_prompt_tokens"] == r["prompt_len"] == 40 for r in records)
+    assert summary["scheduling_delay_s"]["count"] == 12
+    for key in ("fluid_token_generation_rate", "tpot_based_token_rate",
+                "p99_tbt_based_token_rate"):
+        assert summary[key] > 0
+
+
+def test_bench_profile_prefill_and_compare(srv, tmp_path, capsys):
+    common = ["bench", "--base-url", srv.url, "--num-prompts", "6", "--input-len", "30",
+              "--output-len", "5", "--no-plots"]
+    assert main([*common, "--output-dir", str(tmp_path / "a"), "--profile-prefill",
+                 "--max-prompt-len", "200"]) == 0
+    a = last_json(capsys)
+    assert len(a["prefill_fit"]) == 3 and a["ttft_deadline_s"] is None
+    assert main([*common, "--output-dir", str(tmp_path / "b"), "--request-rate", "5"]) == 0
+    capsys.readouterr()
+    assert main(["bench", "--compare", str(tmp_path / "a"), str(tmp_path / "b")]) == 0
+    table = capsys.readouterr().out
+    assert "fluid token rate" in table and " a " in table.splitlines()[0] + " "
+
+
+def test_bench_records_errors_instead_of_hiding_them(srv, tmp_path, capsys):
+    # Prompts longer than the server's 512-token window: every request gets a 400.
+    assert main(["bench", "--base-url", srv.url, "--num-prompts", "3", "--input-len", "600",
+                 "--output-len", "5", "--max-prompt-len", "600", "--no-plots",
+                 "--warmup-requests", "0", "--output-dir", str(tmp_path)]) == 0
+    summary = last_json(capsys)
+    assert summary["num_failed"] == 3 and "context window" in next(iter(summary["errors"]))
+
+
+def test_capacity_against_a_running_endpoint(srv, tmp_path, capsys):
+    args = ["capacity", "--base-url", srv.url, "--num-prompts", "8", "--input-len", "20",
+            "--output-len", "4", "--slo", "ttft", "--ttft-slo", "30", "--start-rate", "2",
+            "--max-probes", "2", "--output-dir", str(tmp_path), "--warmup-requests", "0"]
+    assert main(args) == 0
+    res = last_json(capsys)
+    assert res["capacity_qps"] == 4.0 and res["variants"]["endpoint"]["num_probes"] == 2
+    assert (tmp_path / "capacity_curve.png").stat().st_size > 0
+    cache = json.loads((tmp_path / "probe_cache.json").read_text())
+    assert len(cache) == 2
+    # A rerun answers from the probe cache (no new run directories are needed).
+    assert main(args) == 0
+    assert last_json(capsys)["capacity_qps"] == 4.0

@@ -1,0 +1,198 @@
+"""Etalon metrics on hand-computed timelines, the capacity search, workloads, and the client."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+
+import httpx
+import numpy as np
+import pytest
+
+from fluidserve.bench.capacity import search_capacity, slo_check
+from fluidserve.bench.client import Client, ClientConfig, RequestRecord
+from fluidserve.bench.fluidity import (
+    deadline_counts,
+    fluid_token_rate,
+    fluidity_index,
+    min_tbt_deadline,
+)
+from fluidserve.bench.report import summarize_run
+from fluidserve.bench.workload import (
+    TETRI_DECODE_THRESHOLD,
+    TETRI_PROMPT_THRESHOLD,
+    WorkloadRequest,
+    WorkloadSpec,
+    build_workload,
+)
+from fluidserve.config import CapacityConfig
+from fluidserve.metrics import percentile, request_latency
+
+# Deadlines chosen so every number below is exact in binary floating point.
+DP, DD = 1.0, 0.25
+
+
+def test_on_time_stream_is_fully_fluid():
+    assert deadline_counts([0.5, 0.25, 0.125, 0.25], DP, DD) == (0, 4)
+    assert fluidity_index([0.5, 0.25, 0.125, 0.25], DP, DD) == 1.0
+
+
+def test_slack_from_early_tokens_absorbs_a_later_delay():
+    # The first token is 0.5 s early, so a 0.75 s gap (3 x D_d) still meets its deadline.
+    assert deadline_counts([0.5, 0.75], DP, DD) == (0, 2)
+    assert deadline_counts([1.0, 0.75], DP, DD) == (3, 4)  # no slack: 3 deadlines elapsed
+
+
+def test_a_stall_costs_the_same_early_or_late():
+    early = [0.5, 1.5, 0.25, 0.25, 0.25, 0.25]
+    late = [0.5, 0.25, 0.25, 0.25, 0.25, 1.5]
+    # 1.5 s gap with 0.5 s of banked slack: 1.0 s late = 4 elapsed D_d, charged once each.
+    assert deadline_counts(early, DP, DD) == (4, 9)
+    assert deadline_counts(late, DP, DD) == (4, 9)
+    assert fluidity_index(early, DP, DD) == pytest.approx(5 / 9)
+
+
+def test_a_miss_rebases_later_deadlines_on_the_late_token():
+    # After the stall, tokens on a D_d cadence from the late token are on time again.
+    assert deadline_counts([1.0, 1.0, 0.25, 0.25], DP, DD) == (4, 7)
+    # Without re-basing, the two tokens after it would also have been late.
+
+
+def test_missed_first_token_is_charged_per_elapsed_tbt_deadline():
+    assert deadline_counts([1.5], DP, DD) == (3, 3)  # 1 + floor(0.5 / 0.25)
+    assert fluidity_index([1.5], DP, DD) == 0.0
+
+
+def test_bundled_tokens_count_each_token():
+    # A chunk carrying three tokens after 0.75 s: gaps 0.75, 0, 0.
+    assert deadline_counts([0.5, 0.75, 0.0, 0.0], DP, DD) == (0, 4)
+    assert deadline_counts([1.0, 0.75, 0.0, 0.0], DP, DD) == (3, 6)
+
+
+def test_zero_length_outputs():
+    assert fluidity_index([], DP, DD) == 1.0
+    assert min_tbt_deadline([0.3]) == 0.0
+    lat = request_latency(0.0, [])
+    assert lat.ttft is None and lat.tbt == [] and lat.tpot is None
+    assert math.isnan(percentile([], 50))
+    rate, d = fluid_token_rate([[0.3]])
+    assert math.isnan(rate) and math.isnan(d)
+    s = summarize_run([RequestRecord(0, 10, 5, 0.0, 0.0, error="boom")], 0.2, 1.0)
+    assert s["num_failed"] == 1 and s["num_completed"] == 0 and s["errors"] == {"boom": 1}
+
+
+def test_min_tbt_deadline_is_the_smallest_fluid_deadline():
+    gaps = [0.2] + [0.05] * 30 + [0.8] + [0.05] * 30
+    d = min_tbt_deadline(gaps)
+    assert fluidity_index([0.0] + gaps[1:], 0.0, d) >= 0.9
+    assert deadline_counts([0.0] + gaps[1:], 0.0, d * 0.999, ignore_first=True)[0] > 0.1 * 61
+    # Steady 50 ms tokens: fluid at 50 ms, so the rate is 20 tokens/s.
+    rate, d2 = fluid_token_rate([[0.1] + [0.05] * 20] * 5)
+    assert d2 == pytest.approx(0.05, rel=1e-3) and rate == pytest.approx(20, rel=1e-3)
+
+
+def test_capacity_search_on_a_monotone_oracle():
+    calls = []
+
+    def oracle(rate):
+        calls.append(rate)
+        return rate <= 7.3, {}
+
+    res = search_capacity(oracle, start=1.0)
+    assert res["converged"] and res["capacity_qps"] <= 7.3 <= res["upper_bound_qps"]
+    assert (res["upper_bound_qps"] - res["capacity_qps"]) / res["capacity_qps"] <= 0.025
+    assert len(calls) <= 20 and calls[:4] == [1.0, 2.0, 4.0, 8.0]
+    down = search_capacity(lambda r: (r <= 0.3, {}), start=4.0)
+    assert down["capacity_qps"] <= 0.3 <= down["upper_bound_qps"]
+    never = search_capacity(lambda r: (False, {}), start=1.0, max_probes=6)
+    assert never["capacity_qps"] == 0.0 and never["num_probes"] == 6 and not never["converged"]
+    capped = search_capacity(lambda r: (r <= 1000, {}), start=1.0, max_probes=5)
+    assert capped["capacity_qps"] == 16.0 and capped["upper_bound_qps"] is None
+
+
+def test_slo_checks():
+    s = {"num_completed": 10, "num_failed": 0, "tbt_s": {"p99": 0.09},
+         "scheduling_delay_s": {"p50": 1.0}, "ttft_s": {"p50": 3.0, "p99": 4.0},
+         "tpot_s": {"p99": 0.05}, "fraction_fluid_requests": 0.995}
+    assert slo_check(CapacityConfig(slo="tbt", tbt_slo=0.1))(s)[0]
+    assert not slo_check(CapacityConfig(slo="tbt", tbt_slo=0.08))(s)[0]
+    assert not slo_check(CapacityConfig(slo="tbt", max_scheduling_delay=0.5))(s)[0]
+    assert slo_check(CapacityConfig(slo="fluidity"))(s)[0]
+    assert not slo_check(CapacityConfig(slo="ttft", ttft_slo=3.5))(s)[0]
+    assert slo_check(CapacityConfig(slo="tpot", tpot_slo=0.06))(s)[0]
+    assert not slo_check(CapacityConfig(slo="tpot", tpot_slo=0.06))(s | {"num_failed": 1})[0]
+
+
+def test_workloads_are_seeded_and_shaped():
+    a, src = build_workload(WorkloadSpec(num_prompts=300, request_rate=4.0, seed=5))
+    b, _ = build_workload(WorkloadSpec(num_prompts=300, request_rate=4.0, seed=5))
+    c, _ = build_workload(WorkloadSpec(num_prompts=300, request_rate=4.0, seed=6))
+    assert a == b and a != c
+    gaps = np.diff([r.arrival for r in a])
+    assert np.mean(gaps) == pytest.approx(0.25, rel=0.15)  # Poisson at 4 req/s
+    bursty, _ = build_workload(WorkloadSpec(num_prompts=4000, request_rate=4.0, burstiness=0.25))
+    g = np.diff([r.arrival for r in bursty])
+    assert np.std(g) / np.mean(g) == pytest.approx(2.0, rel=0.15)  # CV = 1/sqrt(0.25)
+    flat, _ = build_workload(WorkloadSpec(num_prompts=10))
+    assert all(r.arrival == 0 for r in flat)
+    fixed, _ = build_workload(WorkloadSpec(dataset="fixed", num_prompts=5, input_len=77,
+                                           output_len=9))
+    assert {(r.prompt_len, r.output_len) for r in fixed} == {(77, 9)}
+    clipped, _ = build_workload(WorkloadSpec(dataset="arxiv", num_prompts=200,
+                                             max_prompt_len=1000, max_output_len=50))
+    assert max(r.prompt_len for r in clipped) <= 1000 and max(r.output_len for r in clipped) <= 50
+
+
+@pytest.mark.parametrize("cls", ["LPLD", "LPHD", "HPLD", "HPHD"])
+def test_tetri_classes(cls):
+    reqs, _ = build_workload(WorkloadSpec(dataset=cls, num_prompts=50, max_prompt_len=8192,
+                                          max_output_len=8192))
+    heavy_p = all(r.prompt_len >= TETRI_PROMPT_THRESHOLD for r in reqs)
+    light_p = all(r.prompt_len < TETRI_PROMPT_THRESHOLD for r in reqs)
+    heavy_d = all(r.output_len >= TETRI_DECODE_THRESHOLD for r in reqs)
+    light_d = all(r.output_len < TETRI_DECODE_THRESHOLD for r in reqs)
+    assert (heavy_p if cls[0] == "H" else light_p) and (heavy_d if cls[2] == "H" else light_d)
+
+
+def test_trace_standins_work_without_data_files(monkeypatch, tmp_path):
+    monkeypatch.setenv("FLUIDSERVE_DATA_DIR", str(tmp_path))
+    reqs, src = build_workload(WorkloadSpec(dataset="sharegpt", num_prompts=3000,
+                                            max_prompt_len=100000, max_output_len=100000))
+    assert "stand-in" in src
+    # The stand-in reproduces the trace's medians (sharegpt: 1730 prompt, 415 output).
+    assert np.median([r.prompt_len for r in reqs]) == pytest.approx(1730, rel=0.08)
+    assert np.median([r.output_len for r in reqs]) == pytest.approx(415, rel=0.08)
+    with pytest.raises(ValueError, match="no arrival timestamps"):
+        build_workload(WorkloadSpec(dataset="splitwise_conv", num_prompts=5, arrivals="trace"))
+
+
+def sse(*objs) -> bytes:
+    return b"".join(b"data: " + json.dumps(o).encode() + b"\n\n" for o in objs) + \
+        b"data: [DONE]\n\n"
+
+
+def test_client_counts_bundled_chunks_and_records_errors():
+    def chunk(text, done=None, usage=None):
+        return {"choices": [{"index": 0, "text": text, "finish_reason": done}], "usage": usage}
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        body = json.loads(request.content)
+        if body["prompt"] == "bad":
+            return httpx.Response(400, json={"error": {"message": "nope", "type": "x"}})
+        if body["prompt"] == "plain":  # no usage per chunk: final usage reconciles
+            return httpx.Response(200, content=sse(chunk("a"), chunk("b c", "length"),
+                                                   {"choices": [], "usage": {
+                                                       "prompt_tokens": 3,
+                                                       "completion_tokens": 4}}))
+        return httpx.Response(200, content=sse(
+            chunk("x", usage={"completion_tokens": 1}),
+            chunk("yyy", usage={"completion_tokens": 4}),
+            chunk("", "length", usage={"completion_tokens": 4})))
+
+    client = Client(ClientConfig("http://test"), transport=httpx.MockTransport(handler))
+    work = [WorkloadRequest(i, 0.0, 3, 4) for i in range(3)]
+    recs = asyncio.run(client.run(work, ["bundled", "plain", "bad"]))
+    assert recs[0].num_output_tokens == 4 and recs[0].gaps[2:] == [0.0, 0.0]
+    assert recs[1].num_output_tokens == 4 and len(recs[1].gaps) == 4
+    assert recs[2].error == "HTTP 400: nope" and recs[2].gaps == []

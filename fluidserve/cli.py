@@ -14,6 +14,7 @@ from fluidserve.config import (
     ConfigError,
     EngineConfig,
     ServerConfig,
+    SimConfig,
 )
 
 
@@ -119,6 +120,15 @@ def _cmd_capacity(args: argparse.Namespace) -> int:
                         dataclass_from_args(CapacityConfig, args), args.launch)
 
 
+def _cmd_simulate(args: argparse.Namespace) -> int:
+    from fluidserve.sim.run import run_simulate
+
+    return run_simulate(dataclass_from_args(SimConfig, args),
+                        dataclass_from_args(EngineConfig, args),
+                        dataclass_from_args(BenchConfig, args),
+                        dataclass_from_args(CapacityConfig, args))
+
+
 def _cmd_profile(args: argparse.Namespace) -> int:
     from fluidserve.bench.profile import run_profile
 
@@ -158,6 +168,17 @@ def build_parser() -> argparse.ArgumentParser:
     add_dataclass_args(cap, CapacityConfig, "SLO and search")
     add_dataclass_args(cap, BenchConfig, "workload and client")
     cap.set_defaults(func=_cmd_capacity)
+
+    from fluidserve.sim.run import ENGINE_FIELDS, WORKLOAD_FIELDS
+
+    sim = sub.add_parser("simulate", help="Run the schedulers against a cost model.")
+    add_dataclass_args(sim, SimConfig, "simulation")
+    add_dataclass_args(sim, EngineConfig, "scheduler", only=ENGINE_FIELDS)
+    add_dataclass_args(sim, BenchConfig, "workload", only=WORKLOAD_FIELDS)
+    add_dataclass_args(sim, CapacityConfig, "SLO and capacity search")
+    # sharegpt_8k keeps requests up to 8k tokens: do not clip them in simulation.
+    sim.set_defaults(max_prompt_len=8192, max_output_len=8192)
+    sim.set_defaults(func=_cmd_simulate)
 
     prof = sub.add_parser("profile", help="Characterize iteration time on this machine.")
     from fluidserve.bench.profile import add_profile_args

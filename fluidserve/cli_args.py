@@ -18,22 +18,26 @@ def _base_type(tp: Any) -> tuple[type, bool]:
     return tp, False
 
 
-def add_dataclass_args(parser: argparse.ArgumentParser, cls: type, title: str) -> None:
+def add_dataclass_args(parser: argparse.ArgumentParser, cls: type, title: str,
+                       only: set[str] | None = None) -> None:
+    """One flag per field (``only``: just these fields); aliases from field metadata."""
     group = parser.add_argument_group(title)
     hints = typing.get_type_hints(cls)
     for f in dataclasses.fields(cls):
-        flag = "--" + f.name.replace("_", "-")
-        help_text = f.metadata.get("help", "")
+        if only is not None and f.name not in only:
+            continue
+        flags = ["--" + f.name.replace("_", "-"), *f.metadata.get("aliases", ())]
+        help_text = f.metadata.get("help", "").replace("%", "%%")  # argparse formats help
         tp, _ = _base_type(hints[f.name])
         default = f.default
         if tp is bool:
             group.add_argument(
-                flag, action=argparse.BooleanOptionalAction, default=default, help=help_text
+                *flags, action=argparse.BooleanOptionalAction, default=default, help=help_text
             )
             continue
-        shown = "" if default is None else f" (default: {default})"
+        shown = "" if default is None else " (default: %(default)s)"
         group.add_argument(
-            flag,
+            *flags,
             type=tp,
             default=default,
             choices=f.metadata.get("choices"),
@@ -43,4 +47,6 @@ def add_dataclass_args(parser: argparse.ArgumentParser, cls: type, title: str) -
 
 
 def dataclass_from_args(cls: type, args: argparse.Namespace) -> Any:
-    return cls(**{f.name: getattr(args, f.name) for f in dataclasses.fields(cls)})
+    """Build ``cls`` from parsed flags; fields without a flag keep their defaults."""
+    return cls(**{f.name: getattr(args, f.name) for f in dataclasses.fields(cls)
+                  if hasattr(args, f.name)})

@@ -141,11 +141,13 @@ class BenchConfig:
     )
     api_key: str | None = knob(None, "Bearer token for the server.")
     dataset_name: str = knob(
-        "sharegpt",
+        "sharegpt", aliases=("--trace",), help=
         "Lengths: sharegpt, arxiv, bwb, splitwise_conv, splitwise_code (trace files, or built-in"
         " stand-ins when absent), fixed, uniform, zipf, TetriInfer LPLD/LPHD/HPLD/HPHD/mixed.",
     )
-    dataset_path: str | None = knob(None, "CSV with num_prefill_tokens,num_decode_tokens[,arrived_at].")
+    dataset_path: str | None = knob(
+        None, "CSV with num_prefill_tokens,num_decode_tokens[,arrived_at]."
+    )
     num_prompts: int = knob(100, "Requests to send.")
     input_len: int | None = knob(None, "Fixed prompt length (implies --dataset-name fixed).")
     output_len: int | None = knob(None, "Fixed output length (implies --dataset-name fixed).")
@@ -165,9 +167,11 @@ class BenchConfig:
     ttft_deadline: float = knob(5.0, "Etalon D_p: target TTFT (s) for the fluidity-index.")
     tbt_deadline: float = knob(0.2, "Etalon D_d: target time between tokens (s).")
     profile_prefill: bool = knob(
-        False, "Fit D_p(prompt length) from a prefill profile of the endpoint instead of a constant."
+        False, "Fit D_p(prompt length) from a prefill profile of the endpoint, not a constant."
     )
-    ttft_deadline_factor: float = knob(2.0, "With --profile-prefill: D_p = factor x fitted prefill time.")
+    ttft_deadline_factor: float = knob(
+        2.0, "With --profile-prefill: D_p = factor x fitted prefill time."
+    )
     warmup_requests: int = knob(2, "Requests sent (and excluded) before the measured run.")
     timeout: float = knob(600.0, "Per-request timeout (s).")
     output_dir: str | None = knob(None, "Run directory (default: runs/bench-<time>).")
@@ -218,3 +222,34 @@ class CapacityConfig:
         _positive("max_probes", self.max_probes)
         if not 0 < self.slo_percentile <= 100:
             raise ConfigError("slo_percentile must be in (0, 100]")
+
+
+@dataclass(frozen=True)
+class SimConfig:
+    """Simulator knobs of `fluidserve simulate` (scheduler knobs come from EngineConfig,
+    the workload from BenchConfig and SLOs from CapacityConfig, under the same flag names)."""
+
+    cost_model: str = knob("gpu", "gpu: measured operator tables + modelled attention and"
+                           " communication; cpu: fitted from a `fluidserve profile` JSON.",
+                           choices=("gpu", "cpu"))
+    model_shape: str = knob("mistral-7b", "Model shape for the gpu cost model.")
+    device: str = knob("a100", "GPU for the gpu cost model: a100, h100, a40.")
+    tp: int = knob(1, "Tensor-parallel degree.")
+    pp: int = knob(1, "Pipeline stages (micro-batches in flight = stages).")
+    cpu_profile: str | None = knob(None, "profile.json for the cpu cost model (default: the"
+                                   " shipped 250M bf16 profile of this machine).")
+    gpu_memory_utilization: float = knob(0.9, "Fraction of GPU memory for weights + KV cache.")
+    capacity: bool = knob(False, "Search the capacity (max QPS meeting the SLO) instead.")
+    find_token_budget: bool = knob(False, "Print the largest token budget meeting --tbt-slo.")
+    budget_decodes: int = knob(32, "--find-token-budget: decodes in the reference batch.")
+    budget_context: int = knob(1024, "--find-token-budget: context of those decodes and the"
+                               " prefix of the prefill chunk.")
+    max_budget: int = knob(8192, "--find-token-budget: largest budget considered.")
+
+    def __post_init__(self) -> None:
+        _positive("tp", self.tp)
+        _positive("pp", self.pp)
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise ConfigError("gpu_memory_utilization must be in (0, 1]")
+        _positive("budget_decodes", self.budget_decodes)
+        _positive("max_budget", self.max_budget)

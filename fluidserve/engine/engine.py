@@ -157,6 +157,11 @@ class LLMEngine:
             log.exception("executor failed on iteration %d", plan.iteration)
             return self._fail_batch(plan, f"internal error while executing the batch: {e}")
         end = self.clock.after(result.execution_time)
+        return self.complete(plan, result, start, end)
+
+    def complete(self, plan: SchedulerOutput, result: RunnerOutput, start: float, end: float
+                 ) -> list[RequestOutput]:
+        """Apply a finished iteration (``step`` does this; a pipelined loop calls it directly)."""
         touched = self.scheduler.update(plan, result, end)
         self.telemetry.record_iteration(plan, start, end - start)
         return [self._output(req, result) for req in touched]

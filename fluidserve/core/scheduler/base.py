@@ -33,10 +33,12 @@ class SchedulerLimits:
 class Batch:
     """An iteration under construction: chunks plus the token budget left."""
 
-    def __init__(self, budget: float) -> None:
+    def __init__(self, budget: float, busy: frozenset[str] = frozenset()) -> None:
         self.left = budget
         self.chunks: list[ScheduledChunk] = []
-        self.ids: set[str] = set()
+        # Requests that may not join: those in this batch and those still in flight in an
+        # earlier pipeline micro-batch.
+        self.ids: set[str] = set(busy)
         self.num_prefills = 0
 
     def add(self, req: Request, n: int) -> None:
@@ -80,6 +82,7 @@ class Scheduler(ABC):
         self.requests: dict[str, Request] = {}
         self.iteration = 0
         self.num_preemptions = 0
+        self._busy: frozenset[str] = frozenset()
 
     # ------------------------------------------------------------------ requests in/out
     def add_request(self, req: Request) -> None:
@@ -130,8 +133,10 @@ class Scheduler(ABC):
     def _build(self, now: float) -> Batch:
         """Choose the chunks of this iteration (policy-specific)."""
 
-    def schedule(self, now: float) -> SchedulerOutput:
+    def schedule(self, now: float, busy: frozenset[str] = frozenset()) -> SchedulerOutput:
+        """Build the next batch. ``busy``: requests in micro-batches still in the pipeline."""
         self._preempted: list[str] = []
+        self._busy = busy
         batch = self._build(now)
         self.iteration += 1
         chunks = [_with_table(c, self.bm.table(c.request_id)) for c in batch.chunks]
@@ -233,9 +238,13 @@ class Scheduler(ABC):
         self.waiting.push(req)
         self._preempted.append(req.request_id)
 
+    def _new_batch(self, budget: float) -> Batch:
+        return Batch(budget, self._busy)
+
     def _schedule_decodes(self, batch: Batch) -> None:
         for req in list(self.running):
-            if req.is_decode and req.status is RequestStatus.RUNNING:
+            if req.is_decode and req.status is RequestStatus.RUNNING and \
+                    req.request_id not in batch.ids:
                 if self._reserve(req, 1, batch):
                     batch.add(req, 1)
 

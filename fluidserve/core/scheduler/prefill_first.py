@@ -22,7 +22,7 @@ class PrefillFirstScheduler(Scheduler):
         self.chunked = chunked
 
     def _build(self, now: float) -> Batch:
-        batch = Batch(self.limits.token_budget)
+        batch = self._new_batch(self.limits.token_budget)
         self._schedule_prefills(batch, now, chunked=self.chunked)
         if batch.chunks:
             return batch

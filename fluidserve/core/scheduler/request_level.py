@@ -16,7 +16,7 @@ class RequestLevelScheduler(Scheduler):
     name = "faster_transformer"
 
     def _build(self, now: float) -> Batch:
-        batch = Batch(math.inf)
+        batch = self._new_batch(math.inf)
         if not self.running:
             for req in self.waiting.ordered():
                 if not self._admit(req, req.num_remaining, batch, now):

@@ -36,7 +36,7 @@ class StallFreeScheduler(Scheduler):
         self.max_prefills = max_prefills
 
     def _build(self, now: float) -> Batch:
-        batch = Batch(self.limits.token_budget if self.use_budget else math.inf)
+        batch = self._new_batch(self.limits.token_budget if self.use_budget else math.inf)
         self._schedule_decodes(batch)
         self._schedule_prefills(batch, now, chunked=self.chunked, max_prefills=self.max_prefills)
         return batch

@@ -1,0 +1,241 @@
+"""Iteration-time cost models for the simulator, picked by name.
+
+A cost model maps a SchedulerOutput (the same object the real executor receives) to the
+time each pipeline stage spends on it. ``gpu``: measured per-layer operator tables from
+../shared/data/profiles plus modelled attention and communication; ``cpu``: fitted from a
+`fluidserve profile` run on this machine.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from functools import cache
+from importlib import resources
+from pathlib import Path
+
+import numpy as np
+
+from fluidserve.core.scheduler.output import SchedulerOutput
+from fluidserve.data import data_dir
+from fluidserve.sim.shapes import DEVICES, SHAPES, STAND_INS, TABLE_SHAPES, TABLES, Shape
+
+LINEAR_OPS = ("input_layernorm", "attn_pre_proj", "attn_rope", "attn_post_proj",
+              "post_attention_layernorm", "mlp_up_proj", "mlp_act", "mlp_down_proj", "add", "add")
+
+
+@dataclass(frozen=True)
+class PlanShape:
+    """What a cost model needs of a batch: token count and attention work."""
+
+    num_tokens: int
+    prefills: tuple[tuple[int, int], ...]  # (chunk length, tokens already in the cache)
+    decode_ctx: tuple[int, ...]  # context length of each decode
+    num_samples: int
+
+    @staticmethod
+    def of(plan: SchedulerOutput) -> PlanShape:
+        pre, dec, samples = [], [], 0
+        for c in plan.chunks:
+            if c.num_tokens == 1 and c.start > 0:
+                dec.append(c.context_len)
+            else:
+                pre.append((c.num_tokens, c.start))
+            samples += c.samples
+        return PlanShape(plan.num_tokens, tuple(pre), tuple(dec), samples)
+
+
+class CostModel(ABC):
+    """Contract: ``stage_times(plan)`` gives seconds per pipeline stage (len == pp)."""
+
+    pp: int = 1
+    note: str = ""
+
+    @abstractmethod
+    def stage_times(self, shape: PlanShape) -> list[float]: ...
+
+    def iteration_time(self, plan: SchedulerOutput) -> float:
+        return sum(self.stage_times(PlanShape.of(plan)))
+
+
+# ----------------------------------------------------------------------------- GPU
+@cache
+def _read_csv(path: Path) -> list[dict]:
+    with open(path, newline="") as f:
+        return list(csv.DictReader(f))
+
+
+def pick_table(shape: Shape, device: str, root: Path) -> tuple[str, str]:
+    """(table, note): the shape's own table on this device, else the nearest stand-in."""
+    options = [TABLES[shape.name]] if shape.name in TABLES else []
+    options += [t for t in STAND_INS.get(shape.name, []) if t not in options]
+    for t in options:
+        if (root / "profiles" / "compute" / device / t / "mlp.csv").is_file():
+            own = TABLE_SHAPES[t] == shape.name
+            note = "" if own else f"{t} on {device} stands in for {shape.name} (op times scaled" \
+                f" by the ratio of their FLOPs)"
+            return t, note
+    raise ValueError(f"no operator table on {device} for {shape.name}; tried {options}")
+
+
+def _op_scale(op: str, target: Shape, source: Shape, tp: int) -> float:
+    """Ratio of an operator's work (FLOPs and weight bytes) for target vs source shape."""
+    def work(s: Shape) -> float:
+        d = s.head_dim
+        return {
+            "attn_pre_proj": s.hidden * (s.heads + 2 * s.kv_heads) * d,
+            "attn_post_proj": s.heads * d * s.hidden,
+            "mlp_up_proj": s.hidden * 2 * s.ffn,
+            "mlp_down_proj": s.ffn * s.hidden,
+            "mlp_act": s.ffn,
+            "attn_rope": (s.heads + s.kv_heads) * d,
+        }.get(op, s.hidden)
+
+    return work(target) / work(source)
+
+
+class GPUCostModel(CostModel):
+    def __init__(self, shape: str, device: str = "a100", tp: int = 1, pp: int = 1, *,
+                 prefill_attention_efficiency: float = 0.55,
+                 decode_attention_efficiency: float = 0.6,
+                 overhead_s: float = 0.004) -> None:
+        if shape not in SHAPES:
+            raise ValueError(f"unknown model shape {shape!r}; choose from {', '.join(SHAPES)}")
+        if device not in DEVICES:
+            raise ValueError(f"unknown device {device!r}; choose from {', '.join(DEVICES)}")
+        root = data_dir()
+        if root is None:
+            raise ValueError("the gpu cost model needs ../shared/data/profiles (set "
+                             "FLUIDSERVE_DATA_DIR)")
+        self.shape, self.dev, self.tp, self.pp = SHAPES[shape], DEVICES[device], tp, pp
+        if self.shape.layers % pp:
+            raise ValueError(f"{self.shape.layers} layers do not split into {pp} stages")
+        self.table, self.note = pick_table(self.shape, device, root)
+        self.eff_p, self.eff_d, self.overhead = (prefill_attention_efficiency,
+                                                 decode_attention_efficiency, overhead_s)
+        self._load_linear(root / "profiles" / "compute" / device / self.table / "mlp.csv")
+        self._load_network(root, device)
+
+    def _load_linear(self, path: Path) -> None:
+        rows = [r for r in _read_csv(path) if int(r["num_tensor_parallel_workers"]) == self.tp]
+        if not rows:
+            raise ValueError(f"{path} has no rows for tensor parallel degree {self.tp}")
+        rows.sort(key=lambda r: int(r["num_tokens"]))
+        src = SHAPES[TABLE_SHAPES[self.table]]
+        self.grid = np.array([int(r["num_tokens"]) for r in rows], float)
+        per_layer = np.zeros(len(rows))
+        for op in LINEAR_OPS:
+            t = np.array([float(r[f"time_stats.{op}.median"]) for r in rows]) / 1e3
+            per_layer += t * _op_scale(op, self.shape, src, self.tp)
+        self.per_layer = per_layer
+        self.emb = np.array([float(r["time_stats.emb.median"]) for r in rows]) / 1e3
+
+    def _load_network(self, root: Path, device: str) -> None:
+        self.all_reduce = self.send_recv = None
+        if self.tp > 1:
+            kind = "pairwise" if self.tp == 2 else "node"
+            self.all_reduce = self._net_table(root, device, kind, "all_reduce", self.tp)
+        if self.pp > 1:
+            self.send_recv = self._net_table(root, device, "pairwise", "send_recv", 2)
+
+    def _net_table(self, root, device, kind, op, workers):
+        folder = self.dev.network[kind]
+        for name in (folder, DEVICES["a100"].network[kind]):
+            path = root / "profiles" / "network" / name / f"{op}.csv"
+            if path.is_file():
+                rows = [r for r in _read_csv(path) if int(r["num_workers"]) == workers]
+                if rows:
+                    if name != folder:
+                        self.note += f"; {name} {op} stands in for {device}"
+                    rows.sort(key=lambda r: int(r["size"]))
+                    return (np.array([int(r["size"]) for r in rows], float),
+                            np.array([float(r[f"time_stats.{op}.median"]) for r in rows]) / 1e3)
+        raise ValueError(f"no {op} profile for {workers} workers on {device}")
+
+    @staticmethod
+    def _interp(grid: np.ndarray, vals: np.ndarray, x: float) -> float:
+        if x <= grid[-1]:
+            return float(np.interp(x, grid, vals))
+        slope = (vals[-1] - vals[-2]) / (grid[-1] - grid[-2])  # extrapolate the last segment
+        return float(vals[-1] + slope * (x - grid[-1]))
+
+    def attention_per_layer(self, s: PlanShape) -> float:
+        sh, tp = self.shape, self.tp
+        heads, kv = sh.heads / tp, max(1.0, sh.kv_heads / tp)
+        d = sh.head_dim
+        t = 0.0
+        for q, start in s.prefills:
+            flops = 4 * d * heads * (q * start + q * (q + 1) / 2)
+            kv_bytes = 2 * (start + q) * kv * d * 2
+            t += max(flops / (self.dev.peak_flops * self.eff_p),
+                     kv_bytes / (self.dev.mem_bandwidth * self.eff_d)) + 5e-6
+        if s.decode_ctx:
+            kv_bytes = 2 * sum(s.decode_ctx) * kv * d * 2
+            t += kv_bytes / (self.dev.mem_bandwidth * self.eff_d) + 5e-6
+        return t
+
+    def stage_times(self, s: PlanShape) -> list[float]:
+        n = s.num_tokens
+        layers = self.shape.layers // self.pp
+        layer = self._interp(self.grid, self.per_layer, n) + self.attention_per_layer(s)
+        if self.all_reduce is not None:  # after attention and after the MLP
+            layer += 2 * self._interp(*self.all_reduce, n * self.shape.hidden * 2)
+        hop = self._interp(*self.send_recv, n * self.shape.hidden * 2) if self.pp > 1 else 0.0
+        times = [layers * layer + (hop if i < self.pp - 1 else 0.0) for i in range(self.pp)]
+        times[0] += self.overhead + self._interp(self.grid, self.emb, n)
+        v = self.shape.vocab / self.tp
+        head_flops = 2 * self.shape.hidden * v * s.num_samples
+        times[-1] += max(head_flops / (self.dev.peak_flops * 0.6),
+                         self.shape.hidden * v * 2 / self.dev.mem_bandwidth)
+        return times
+
+
+# ----------------------------------------------------------------------------- CPU
+class CPUCostModel(CostModel):
+    """time = L(tokens) + alpha * sum(q * cached prefix) + beta * sum(decode context)
+
+    L is the measured iteration time of a fresh prefill of that many tokens (interpolated);
+    alpha (attention over a cached prefix) is fitted from the chunked-prefill runs and beta
+    (decode attention per context token) from the decode sweep of the same profile.
+    """
+
+    def __init__(self, profile: dict) -> None:
+        it = sorted(profile["iteration_time"], key=lambda p: p["tokens"])
+        self.grid = np.array([p["tokens"] for p in it], float)
+        self.times = np.array([p["time_s"] for p in it])
+        self.alpha = self._fit_alpha(profile["chunked_prefill"])
+        self.beta = self._fit_beta(profile["decode"])
+        self.note = f"cpu profile of {profile.get('model', '?')} ({profile.get('dtype', '?')})"
+
+    def L(self, n: int) -> float:
+        return GPUCostModel._interp(self.grid, self.times, n)
+
+    def _fit_alpha(self, runs: list[dict]) -> float:
+        num = den = 0.0
+        for r in runs:
+            c, p = r["chunk_size"], r["prompt"]
+            k = p // c
+            if k < 2:
+                continue
+            prefix_work = c * c * k * (k - 1) / 2  # sum over chunks of q * cached prefix
+            num += (r["time_s"] - k * self.L(c)) * prefix_work
+            den += prefix_work ** 2
+        return max(0.0, num / den) if den else 0.0
+
+    def _fit_beta(self, runs: list[dict]) -> float:
+        xs = np.array([r["batch_size"] * r["context"] for r in runs], float)
+        ys = np.array([r["time_s"] - self.L(r["batch_size"]) for r in runs])
+        return max(0.0, float(xs @ ys / (xs @ xs))) if len(xs) else 0.0
+
+    def stage_times(self, s: PlanShape) -> list[float]:
+        prefix = sum(q * start for q, start in s.prefills)
+        return [self.L(s.num_tokens) + self.alpha * prefix + self.beta * sum(s.decode_ctx)]
+
+
+def load_cpu_profile(path: str | None) -> dict:
+    if path:
+        return json.loads(Path(path).read_text())
+    text = resources.files("fluidserve.sim").joinpath("cpu_profile_250m_bf16.json").read_text()
+    return json.loads(text)

@@ -1,0 +1,150 @@
+"""`fluidserve simulate`: one workload, a capacity search, or a token budget, in simulation."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import sys
+import time
+from pathlib import Path
+
+from fluidserve.bench.capacity import search_capacity, slo_check
+from fluidserve.bench.report import constant_deadline, score_fluidity, summarize_run, write_run
+from fluidserve.bench.workload import build_workload
+from fluidserve.config import BenchConfig, CapacityConfig, EngineConfig, SimConfig
+from fluidserve.core.scheduler.output import ScheduledChunk, SchedulerOutput
+from fluidserve.core.token_budget import find_token_budget
+from fluidserve.sampling_params import SamplingParams
+from fluidserve.sim.cost_model import CostModel, CPUCostModel, GPUCostModel, load_cpu_profile
+from fluidserve.sim.shapes import DEVICES, SHAPES
+from fluidserve.sim.simulate import CostModelExecutor, gpu_kv_blocks, simulate
+
+# Scheduler/cache knobs of EngineConfig that the simulator uses (model knobs do not apply).
+ENGINE_FIELDS = {"scheduler", "token_budget", "max_num_seqs", "tile_size", "queue_policy",
+                 "block_size", "num_kv_blocks", "watermark", "max_model_len"}
+WORKLOAD_FIELDS = {"dataset_name", "dataset_path", "num_prompts", "input_len", "output_len",
+                   "range_ratio", "prompt_scale", "output_scale", "max_prompt_len",
+                   "max_output_len", "request_rate", "burstiness", "arrivals", "seed",
+                   "ttft_deadline", "tbt_deadline", "output_dir", "plots", "label"}
+SIM_MAX_MODEL_LEN = 16384
+
+
+def make_cost_model(sim: SimConfig) -> CostModel:
+    if sim.cost_model == "cpu":
+        if sim.tp != 1 or sim.pp != 1:
+            raise ValueError("the cpu cost model has no tensor/pipeline parallelism")
+        return CPUCostModel(load_cpu_profile(sim.cpu_profile))
+    return GPUCostModel(sim.model_shape, sim.device, sim.tp, sim.pp)
+
+
+def make_executor(sim: SimConfig, eng: EngineConfig, cost: CostModel) -> CostModelExecutor:
+    blocks = eng.num_kv_blocks
+    if blocks is None and sim.cost_model == "gpu":
+        blocks = gpu_kv_blocks(SHAPES[sim.model_shape], DEVICES[sim.device], sim.tp, sim.pp,
+                               eng.block_size, sim.gpu_memory_utilization)
+    if blocks is None:  # cpu: the engine's default cache (1 GiB of the 250M model's KV)
+        blocks = 8192
+    return CostModelExecutor(cost, blocks, eng.block_size, eng.max_model_len or SIM_MAX_MODEL_LEN)
+
+
+def reference_batch(budget: int, decodes: int, context: int) -> SchedulerOutput:
+    """A full stall-free batch: ``decodes`` decodes plus one prefill chunk filling the budget."""
+    p = SamplingParams()
+    d = min(decodes, budget)
+    chunks = [ScheduledChunk(str(i), context, (0,), (), True, p, 0, 0, True) for i in range(d)]
+    if budget > d:
+        chunks.append(ScheduledChunk("p", context, (0,) * (budget - d), (), False, p, 0, 0))
+    return SchedulerOutput(0, chunks)
+
+
+def run_once(sim: SimConfig, eng: EngineConfig, bench: BenchConfig, rate: float | None = None,
+             cost: CostModel | None = None) -> tuple[list, dict]:
+    from fluidserve.bench.run import workload_spec
+
+    cost = cost or make_cost_model(sim)
+    spec = workload_spec(bench, **({"request_rate": rate} if rate is not None else {}))
+    work, source = build_workload(spec)
+    ex = make_executor(sim, eng, cost)
+    t0 = time.perf_counter()
+    res = simulate(work, eng, ex)
+    score_fluidity(res.records, constant_deadline(bench.ttft_deadline), bench.tbt_deadline)
+    summary = summarize_run(res.records, bench.tbt_deadline)
+    summary |= {
+        "label": bench.label, "simulated": True, "request_rate": spec.request_rate,
+        "lengths": source, "cost_model": sim.cost_model, "cost_model_note": cost.note,
+        "model_shape": sim.model_shape if sim.cost_model == "gpu" else None,
+        "device": sim.device if sim.cost_model == "gpu" else "this cpu", "tp": sim.tp,
+        "pp": sim.pp, "scheduler": eng.scheduler, "token_budget": eng.token_budget,
+        "max_num_seqs": eng.max_num_seqs, "kv_blocks": ex.num_blocks,
+        "block_size": eng.block_size, "iterations": res.num_iterations,
+        "preemptions": res.preemptions, "makespan_s": res.makespan,
+        "stage_idle_fraction": res.stage_idle_fraction,
+        "simulation_wall_s": time.perf_counter() - t0,
+    }
+    return res.records, summary
+
+
+def run_simulate(sim: SimConfig, eng: EngineConfig, bench: BenchConfig, cap: CapacityConfig
+                 ) -> int:
+    cost = make_cost_model(sim)
+    if cost.note:
+        print(f"note: {cost.note}", file=sys.stderr)
+    if sim.find_token_budget:
+        return _token_budget(sim, eng, cap, cost)
+    out = Path(bench.output_dir or f"runs/sim-{time.strftime('%Y%m%d-%H%M%S')}")
+    if sim.capacity:
+        return _capacity(sim, eng, bench, cap, cost, out)
+    records, summary = run_once(sim, eng, bench, cost=cost)
+    write_run(out, records, summary)
+    if bench.plots:
+        from fluidserve.bench.plots import plot_run
+
+        plot_run(records, summary, out, bench.label or f"simulated {eng.scheduler}")
+    print(f"wrote {out}", file=sys.stderr)
+    print(json.dumps(summary, default=float))
+    return 0
+
+
+def _token_budget(sim: SimConfig, eng: EngineConfig, cap: CapacityConfig, cost: CostModel) -> int:
+    def batch_time(b: int) -> float:
+        return cost.iteration_time(reference_batch(b, sim.budget_decodes, sim.budget_context))
+
+    budget, t = find_token_budget(batch_time, cap.tbt_slo, eng.tile_size, sim.max_budget)
+    result = {"token_budget": budget, "iteration_time_s": t, "tbt_slo_s": cap.tbt_slo,
+              "tile_size": eng.tile_size, "reference_batch": {"decodes": sim.budget_decodes,
+                                                              "context": sim.budget_context},
+              "cost_model": sim.cost_model, "note": cost.note}
+    print(json.dumps(result))
+    return 0
+
+
+def _capacity(sim, eng, bench, cap, cost, out: Path) -> int:
+    check = slo_check(cap)
+    curve = []
+
+    def probe(rate: float) -> tuple[bool, dict]:
+        records, summary = run_once(sim, eng, bench, rate, cost)
+        write_run(out / f"rate-{rate:.4g}", records, summary)
+        ok, value = check(summary)
+        curve.append({"rate": rate, "value": value, "ok": ok})
+        return ok, {k: summary[k] for k in ("tbt_s", "ttft_s", "scheduling_delay_s",
+                                             "fraction_fluid_requests", "stage_idle_fraction")}
+
+    res = search_capacity(probe, cap.start_rate, cap.granularity, cap.max_probes,
+                          lambda m: print(m, file=sys.stderr))
+    summary = {"capacity_qps": res["capacity_qps"], "upper_bound_qps": res["upper_bound_qps"],
+               "num_probes": res["num_probes"], "converged": res["converged"],
+               "slo": dataclasses.asdict(cap), "scheduler": eng.scheduler,
+               "token_budget": eng.token_budget, "cost_model": sim.cost_model,
+               "model_shape": sim.model_shape, "device": sim.device, "tp": sim.tp, "pp": sim.pp,
+               "note": cost.note, "curve": curve}
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "capacity.json").write_text(json.dumps(summary | {"probes": res["probes"]}, indent=1,
+                                                  default=float))
+    if bench.plots:
+        from fluidserve.bench.plots import plot_capacity
+
+        plot_capacity({eng.scheduler: curve}, "P99 TBT (s)" if cap.slo == "tbt" else cap.slo,
+                      out, cap.tbt_slo if cap.slo == "tbt" else None)
+    print(json.dumps(summary, default=float))
+    return 0

@@ -1,0 +1,113 @@
+"""The simulator: same scheduler code path as the real engine, cost models, pipelines, budget."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from fluidserve.bench.workload import WorkloadSpec, build_workload
+from fluidserve.cli import main
+from fluidserve.config import EngineConfig
+from fluidserve.core.scheduler.output import RunnerOutput
+from fluidserve.core.token_budget import find_token_budget
+from fluidserve.sim.cost_model import CPUCostModel, GPUCostModel, PlanShape, load_cpu_profile
+from fluidserve.sim.run import reference_batch
+from fluidserve.sim.simulate import CostModelExecutor, simulate
+
+
+class Recording:
+    """Wraps an executor: records each batch's composition and reports the cost model's time."""
+
+    def __init__(self, inner, cost) -> None:
+        self.inner, self.cost = inner, cost
+        self.num_blocks, self.block_size = inner.num_blocks, inner.block_size
+        self.max_model_len = inner.max_model_len
+        self.batches: list[tuple] = []
+
+    def execute(self, plan):
+        self.batches.append(plan.composition())
+        result = self.inner.execute(plan)
+        return RunnerOutput(result.sampled, self.cost.iteration_time(plan))
+
+
+@pytest.mark.parametrize("scheduler", ["sarathi", "vllm"])
+def test_simulated_batches_equal_real_engine_batches(default_model_dir, scheduler):
+    from fluidserve.model.runner import ModelExecutor
+
+    cost = CPUCostModel(load_cpu_profile(None))
+    work, _ = build_workload(WorkloadSpec(dataset="uniform", num_prompts=14, input_len=60,
+                                          output_len=10, request_rate=40.0, seed=1))
+    cfg = EngineConfig(scheduler=scheduler, token_budget=32, block_size=8, max_num_seqs=6)
+    real = Recording(ModelExecutor(default_model_dir, block_size=8, num_blocks=64), cost)
+    fake = Recording(CostModelExecutor(cost, 64, 8, real.max_model_len), cost)
+    r_real, r_fake = simulate(work, cfg, real), simulate(work, cfg, fake)
+    assert real.batches == fake.batches and len(real.batches) > 20
+    assert [r.gaps for r in r_real.records] == [r.gaps for r in r_fake.records]
+    assert all(r.num_output_tokens == w.output_len for r, w in zip(r_fake.records, work,
+                                                                     strict=True))
+
+
+def test_gpu_cost_model_is_physically_plausible():
+    m = GPUCostModel("mistral-7b", "a100")
+    assert "Meta-Llama-3-8B" in m.note  # the stand-in table is named
+    decode1 = m.iteration_time(reference_batch(1, 1, 512))
+    assert 0.006 < decode1 < 0.02  # ~14 GB of weights at ~2 TB/s, plus overheads
+    prefill = m.iteration_time(reference_batch(4096, 0, 0))
+    assert 0.15 < prefill < 0.8  # ~60 TFLOP at a fraction of 312 TFLOP/s
+    times = [m.iteration_time(reference_batch(b, 16, 1024)) for b in (64, 256, 1024, 4096)]
+    assert times == sorted(times)
+    tp2 = GPUCostModel("mistral-7b", "a100", tp=2)
+    assert tp2.iteration_time(reference_batch(2048, 0, 0)) < prefill * 0.75
+    assert "stands in" in GPUCostModel("yi-34b", "a100", tp=2).note
+
+
+def test_cpu_cost_model_reproduces_its_profile():
+    prof = load_cpu_profile(None)
+    m = CPUCostModel(prof)
+    for p in prof["decode"]:
+        shape = PlanShape(p["batch_size"], (), (p["context"] + 1,) * p["batch_size"],
+                          p["batch_size"])
+        assert m.stage_times(shape)[0] == pytest.approx(p["time_s"], rel=0.35)
+    assert m.alpha > 0 and m.beta > 0
+
+
+def test_pipeline_bubbles_smaller_with_uniform_microbatches():
+    work, _ = build_workload(WorkloadSpec(num_prompts=150, request_rate=1.5, seed=2,
+                                          max_prompt_len=4096, max_output_len=512))
+    idle = {}
+    for sched in ("sarathi", "vllm"):
+        cost = GPUCostModel("llama-2-70b", "a40", tp=4, pp=2)
+        ex = CostModelExecutor(cost, 20000, 16, 8192)
+        res = simulate(work, EngineConfig(scheduler=sched, token_budget=512), ex)
+        assert all(r.ok and r.num_output_tokens == r.output_len for r in res.records)
+        assert len(res.stage_busy) == 2
+        idle[sched] = max(res.stage_idle_fraction)
+    assert idle["sarathi"] < idle["vllm"]
+
+
+def test_find_token_budget_rounds_to_tiles():
+    def t(b):
+        return (100 + b) / 1024  # exact in binary
+
+    assert find_token_budget(t, 600 / 1024, tile=1) == (500, 600 / 1024)
+    assert find_token_budget(t, 600 / 1024, tile=128)[0] == 384
+    assert find_token_budget(t, 0.05, tile=64)[0] == 0
+    assert find_token_budget(t, 10.0, tile=1, max_budget=2048)[0] == 2048
+
+
+def test_simulate_cli_run_budget_and_capacity(tmp_path, capsys):
+    base = ["simulate", "--model-shape", "mistral-7b", "--device", "a100", "--trace",
+            "sharegpt", "--num-prompts", "120", "--no-plots"]
+    assert main([*base, "--request-rate", "2", "--output-dir", str(tmp_path / "run")]) == 0
+    s = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert s["simulated"] and s["num_completed"] == 120 and s["tbt_s"]["p99"] > 0
+    assert (tmp_path / "run" / "requests.jsonl").is_file()
+    assert main(["simulate", "--find-token-budget", "--tbt-slo", "0.1", "--tile-size", "128"]) == 0
+    b = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert b["token_budget"] % 128 == 0 and 256 <= b["token_budget"] <= 8192
+    assert b["iteration_time_s"] <= 0.1
+    assert main([*base, "--capacity", "--tbt-slo", "0.5", "--max-probes", "6",
+                 "--output-dir", str(tmp_path / "cap")]) == 0
+    c = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert c["capacity_qps"] > 0 and c["num_probes"] <= 6

@@ -104,9 +104,17 @@ def _cmd_serve(args: argparse.Namespace) -> int:
 
 def _cmd_bench(args: argparse.Namespace) -> int:
     if args.compare:
-        from fluidserve.bench.report import compare_table
+        from pathlib import Path
+
+        from fluidserve.bench.report import compare_table, load_run
 
         print(compare_table(args.compare))
+        if args.output_dir and args.plots:
+            from fluidserve.bench.plots import plot_compare
+
+            plot_compare({Path(d).name: load_run(d)[0] for d in args.compare},
+                         Path(args.output_dir))
+            print(f"wrote {Path(args.output_dir) / 'compare_cdfs.png'}", file=sys.stderr)
         return 0
     from fluidserve.bench.run import run_bench
 
@@ -157,7 +165,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     bench = sub.add_parser("bench", help="Evaluate an OpenAI-compatible endpoint (Etalon).")
     bench.add_argument("--compare", nargs="+", metavar="RUN_DIR",
-                       help="Print the summaries of these run directories side by side.")
+                       help="Print the summaries of these run directories side by side (and,"
+                       " with --output-dir, plot their CDFs together).")
     add_dataclass_args(bench, BenchConfig, "workload and client")
     bench.set_defaults(func=_cmd_bench)
 

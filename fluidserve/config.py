@@ -108,6 +108,9 @@ class ServerConfig:
         30.0, "Seconds SIGTERM waits for in-flight requests before failing them."
     )
     log_requests: bool = knob(False, "Log one line per finished request.")
+    telemetry_file: str | None = knob(
+        None, "Write per-iteration and per-request telemetry (JSON lines) here at shutdown."
+    )
 
     def __post_init__(self) -> None:
         if not 0 < self.port < 65536:
@@ -238,6 +241,9 @@ class SimConfig:
     pp: int = knob(1, "Pipeline stages (micro-batches in flight = stages).")
     cpu_profile: str | None = knob(None, "profile.json for the cpu cost model (default: the"
                                    " shipped 250M bf16 profile of this machine).")
+    cpu_calibration: str | None = knob(
+        None, "Comma-separated engine telemetry files (`fluidserve serve --telemetry-file`)"
+        " to refit the cpu cost model on served iterations.")
     gpu_memory_utilization: float = knob(0.9, "Fraction of GPU memory for weights + KV cache.")
     capacity: bool = knob(False, "Search the capacity (max QPS meeting the SLO) instead.")
     find_token_budget: bool = knob(False, "Print the largest token budget meeting --tbt-slo.")

@@ -24,6 +24,6 @@ for name in sarathi vllm; do
 done
 fluidserve bench --compare "$OUT/sarathi" "$OUT/vllm" | tee "$OUT/compare.txt"
 fluidserve capacity "${WORKLOAD[@]}" --slo tbt --tbt-slo 0.5 --max-scheduling-delay 2 \
-  --start-rate "$RATE" --max-probes 6 --granularity 0.1 --output-dir "$OUT/capacity" \
+  --start-rate "$RATE" --max-probes 5 --granularity 0.1 --output-dir "$OUT/capacity" \
   --launch "sarathi=${SERVE[*]} ${SCHED[sarathi]}" --launch "vllm=${SERVE[*]} ${SCHED[vllm]}" \
   | tail -n 1 > "$OUT/capacity.json"

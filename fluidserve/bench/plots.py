@@ -76,3 +76,19 @@ def plot_capacity(curves: dict[str, list[dict]], metric: str, out: Path, slo: fl
     ax.set(xlabel="request rate (req/s)", ylabel=metric, title="Load vs latency (capacity search)")
     ax.legend()
     _save(fig, out / "capacity_curve.png")
+
+
+def plot_compare(runs: dict[str, Sequence[RequestRecord]], out: Path) -> None:
+    """TTFT, TBT and fluidity-index CDFs of several runs overlaid."""
+    fig, axes = plt.subplots(1, 3, figsize=(13, 3.8))
+    for name, records in runs.items():
+        ok = [r for r in records if r.ok and r.gaps]
+        _cdf(axes[0], [r.gaps[0] for r in ok], name)
+        _cdf(axes[1], [g for r in ok for g in r.gaps[1:]], name)
+        _cdf(axes[2], [r.fluidity_index for r in ok if r.fluidity_index is not None], name)
+    axes[0].set(xlabel="TTFT (s)", ylabel="CDF", title="Time to first token")
+    axes[1].set(xlabel="TBT (s)", title="Time between tokens", xscale="log")
+    axes[2].set(xlabel="fluidity-index", title="Fluidity-index")
+    axes[0].legend()
+    out.mkdir(parents=True, exist_ok=True)
+    _save(fig, out / "compare_cdfs.png")

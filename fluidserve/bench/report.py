@@ -139,16 +139,20 @@ def _f(x) -> str:
 
 def compare_table(run_dirs: Sequence[str | Path]) -> str:
     summaries = [(Path(d).name, load_run(d)[1]) for d in run_dirs]
-    width = max(len(name) for name, _ in ROWS) + 2
-    cols = [max(12, len(n) + 2) for n, _ in summaries]
-    lines = ["metric".ljust(width) + "".join(n.rjust(c) for (n, _), c in zip(summaries, cols,
-                                                                              strict=True))]
+    rows = []
     for name, fn in ROWS:
         cells = []
-        for (_, s), c in zip(summaries, cols, strict=True):
+        for _, s in summaries:
             try:
-                cells.append(fn(s).rjust(c))
+                cells.append(fn(s))
             except (KeyError, TypeError):
-                cells.append("-".rjust(c))
-        lines.append(name.ljust(width) + "".join(cells))
+                cells.append("-")
+        rows.append((name, cells))
+    width = max(len(name) for name, _ in ROWS) + 2
+    cols = [max(len(n), *(len(r[1][i]) for r in rows)) + 3 for i, (n, _) in enumerate(summaries)]
+    lines = ["metric".ljust(width) + "".join(n.rjust(c) for (n, _), c in zip(summaries, cols,
+                                                                              strict=True))]
+    for name, cells in rows:
+        lines.append(name.ljust(width) + "".join(x.rjust(c) for x, c in zip(cells, cols,
+                                                                            strict=True)))
     return "\n".join(lines)

@@ -23,6 +23,11 @@ class IterationRecord:
     num_requests: int
     num_prefill_requests: int
     num_preempted: int
+    # Attention work, for fitting cost models: sum over multi-token chunks of chunk length x
+    # tokens already cached, and the one-token runs' count and longest context.
+    prefix_work: int = 0
+    num_single: int = 0
+    single_ctx_max: int = 0
 
 
 @dataclass(frozen=True)
@@ -45,9 +50,12 @@ class Telemetry:
 
     def record_iteration(self, plan: SchedulerOutput, start: float, duration: float) -> None:
         prefill_reqs = sum(1 for c in plan.chunks if not c.is_decode)
+        singles = [c.context_len for c in plan.chunks if c.num_tokens == 1]
+        prefix = sum(c.num_tokens * c.start for c in plan.chunks if c.num_tokens > 1)
         rec = IterationRecord(
             plan.iteration, start, duration, plan.num_prefill_tokens, plan.num_decode_tokens,
-            len(plan.chunks), prefill_reqs, len(plan.preempted),
+            len(plan.chunks), prefill_reqs, len(plan.preempted), prefix, len(singles),
+            max(singles, default=0),
         )  # fmt: skip
         self.iterations.append(rec)
         for fn in self.on_iteration:

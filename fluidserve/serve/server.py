@@ -64,6 +64,9 @@ def build_app(engine: LLMEngine, config: ServerConfig, model_name: str) -> FastA
         state.async_engine.start()
         yield
         state.async_engine.stop()
+        if config.telemetry_file:
+            engine.telemetry.export_jsonl(config.telemetry_file)
+            log.info("wrote telemetry to %s", config.telemetry_file)
 
     app = FastAPI(title="fluidserve", lifespan=lifespan)
     app.state.fluidserve = state

@@ -39,7 +39,7 @@ class PlanShape:
     def of(plan: SchedulerOutput) -> PlanShape:
         pre, dec, samples = [], [], 0
         for c in plan.chunks:
-            if c.num_tokens == 1 and c.start > 0:
+            if c.num_tokens == 1:  # one-token runs share the batched decode attention
                 dec.append(c.context_len)
             else:
                 pre.append((c.num_tokens, c.start))
@@ -194,20 +194,32 @@ class GPUCostModel(CostModel):
 
 # ----------------------------------------------------------------------------- CPU
 class CPUCostModel(CostModel):
-    """time = L(tokens) + alpha * sum(q * cached prefix) + beta * sum(decode context)
+    """time = c . (1, L(tokens) - L(1), sum(q * cached prefix), singles * max context, requests)
 
-    L is the measured iteration time of a fresh prefill of that many tokens (interpolated);
-    alpha (attention over a cached prefix) is fitted from the chunked-prefill runs and beta
-    (decode attention per context token) from the decode sweep of the same profile.
+    L is the measured iteration time of a fresh prefill of that many tokens (interpolated),
+    so L(1) is the cost of streaming the weights once and L(T) - L(1) the extra compute.
+    From a profile alone c = (L(1), 1, alpha, beta, 0): alpha (attention over a cached
+    prefix) is fitted from the chunked-prefill runs, beta (one-token attention, which gathers
+    every decode's KV padded to the longest context) from the decode sweep. Engine telemetry
+    of served runs (``calibrate``) refits all coefficients on real hybrid batches, so the
+    engine's own per-request overheads and the server's contention for the cores count.
     """
 
     def __init__(self, profile: dict) -> None:
         it = sorted(profile["iteration_time"], key=lambda p: p["tokens"])
         self.grid = np.array([p["tokens"] for p in it], float)
         self.times = np.array([p["time_s"] for p in it])
-        self.alpha = self._fit_alpha(profile["chunked_prefill"])
-        self.beta = self._fit_beta(profile["decode"])
+        self.coef = np.array([self.L(1), 1.0, self._fit_alpha(profile["chunked_prefill"]),
+                              self._fit_beta(profile["decode"]), 0.0])
         self.note = f"cpu profile of {profile.get('model', '?')} ({profile.get('dtype', '?')})"
+
+    @property
+    def alpha(self) -> float:
+        return float(self.coef[2])
+
+    @property
+    def beta(self) -> float:
+        return float(self.coef[3])
 
     def L(self, n: int) -> float:
         return GPUCostModel._interp(self.grid, self.times, n)
@@ -229,9 +241,52 @@ class CPUCostModel(CostModel):
         ys = np.array([r["time_s"] - self.L(r["batch_size"]) for r in runs])
         return max(0.0, float(xs @ ys / (xs @ xs))) if len(xs) else 0.0
 
+    def features(self, tokens: int, prefix_work: float, singles: int, ctx_max: int,
+                 requests: int) -> np.ndarray:
+        return np.array([1.0, self.L(tokens) - self.L(1), prefix_work, singles * ctx_max,
+                         requests])
+
+    def calibrate(self, runs: list[list[dict]]) -> int:
+        """Refit on engine telemetry (one list of iteration records per served run); the
+        target is the time from one iteration's start to the next one's."""
+        rows, ys = [], []
+        pairs = [p for its in runs for p in zip(its, its[1:], strict=False)]
+        for a, b in pairs:
+            gap = b["start"] - a["start"]
+            if gap > 1.5 * a["duration"] + 0.02:  # the engine idled in between: not a target
+                continue
+            tokens = a["num_prefill_tokens"] + a["num_decode_tokens"]
+            rows.append(self.features(tokens, a.get("prefix_work", 0), a.get("num_single", 0),
+                                      a.get("single_ctx_max", 0), a["num_requests"]))
+            ys.append(gap)
+        if len(rows) < 8:
+            raise ValueError(f"calibration needs at least 8 busy iterations, got {len(rows)}")
+        x, y = np.array(rows), np.array(ys)
+        keep = list(range(x.shape[1]))
+        while True:  # least squares with non-negative coefficients (drop negative terms)
+            coef = np.linalg.lstsq(x[:, keep], y, rcond=None)[0]
+            if (coef >= 0).all():
+                break
+            keep.pop(int(np.argmin(coef)))
+        self.coef = np.zeros(x.shape[1])
+        self.coef[keep] = coef
+        self.note += f"; calibrated on {len(ys)} served iterations"
+        return len(ys)
+
     def stage_times(self, s: PlanShape) -> list[float]:
         prefix = sum(q * start for q, start in s.prefills)
-        return [self.L(s.num_tokens) + self.alpha * prefix + self.beta * sum(s.decode_ctx)]
+        f = self.features(s.num_tokens, prefix, len(s.decode_ctx), max(s.decode_ctx, default=0),
+                          len(s.prefills) + len(s.decode_ctx))
+        return [float(self.coef @ f)]
+
+
+def read_telemetry(paths: list[str]) -> list[list[dict]]:
+    """Iteration records of each telemetry JSONL file (one list per file, in order)."""
+    out = []
+    for p in paths:
+        with open(p) as f:
+            out.append([r for r in map(json.loads, f) if r.get("type") == "iteration"])
+    return out
 
 
 def load_cpu_profile(path: str | None) -> dict:

@@ -15,7 +15,13 @@ from fluidserve.config import BenchConfig, CapacityConfig, EngineConfig, SimConf
 from fluidserve.core.scheduler.output import ScheduledChunk, SchedulerOutput
 from fluidserve.core.token_budget import find_token_budget
 from fluidserve.sampling_params import SamplingParams
-from fluidserve.sim.cost_model import CostModel, CPUCostModel, GPUCostModel, load_cpu_profile
+from fluidserve.sim.cost_model import (
+    CostModel,
+    CPUCostModel,
+    GPUCostModel,
+    load_cpu_profile,
+    read_telemetry,
+)
 from fluidserve.sim.shapes import DEVICES, SHAPES
 from fluidserve.sim.simulate import CostModelExecutor, gpu_kv_blocks, simulate
 
@@ -33,7 +39,10 @@ def make_cost_model(sim: SimConfig) -> CostModel:
     if sim.cost_model == "cpu":
         if sim.tp != 1 or sim.pp != 1:
             raise ValueError("the cpu cost model has no tensor/pipeline parallelism")
-        return CPUCostModel(load_cpu_profile(sim.cpu_profile))
+        model = CPUCostModel(load_cpu_profile(sim.cpu_profile))
+        if sim.cpu_calibration:
+            model.calibrate(read_telemetry(sim.cpu_calibration.split(",")))
+        return model
     return GPUCostModel(sim.model_shape, sim.device, sim.tp, sim.pp)
 
 

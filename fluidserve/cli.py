@@ -13,6 +13,7 @@ from fluidserve.config import (
     CapacityConfig,
     ConfigError,
     EngineConfig,
+    ProfileConfig,
     ServerConfig,
     SimConfig,
 )
@@ -140,7 +141,7 @@ def _cmd_simulate(args: argparse.Namespace) -> int:
 def _cmd_profile(args: argparse.Namespace) -> int:
     from fluidserve.bench.profile import run_profile
 
-    return run_profile(args)
+    return run_profile(dataclass_from_args(ProfileConfig, args))
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -190,9 +191,7 @@ def build_parser() -> argparse.ArgumentParser:
     sim.set_defaults(func=_cmd_simulate)
 
     prof = sub.add_parser("profile", help="Characterize iteration time on this machine.")
-    from fluidserve.bench.profile import add_profile_args
-
-    add_profile_args(prof)
+    add_dataclass_args(prof, ProfileConfig, "profile")
     prof.set_defaults(func=_cmd_profile)
 
     bld = sub.add_parser("build-model", help="Write a random-weight Llama model directory.")

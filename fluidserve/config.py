@@ -259,3 +259,21 @@ class SimConfig:
             raise ConfigError("gpu_memory_utilization must be in (0, 1]")
         _positive("budget_decodes", self.budget_decodes)
         _positive("max_budget", self.max_budget)
+
+
+@dataclass(frozen=True)
+class ProfileConfig:
+    """Knobs of `fluidserve profile` (the engine characterization benchmark)."""
+
+    model: str | None = knob(None, "Model directory (default: build the --shape benchmark model).")
+    shape: str = knob("250m", "Benchmark model shape when --model is not given.")
+    dtype: str = knob("bfloat16", "Weight dtype.", choices=DTYPES)
+    device: str = knob("cpu", "Torch device.")
+    num_threads: int | None = knob(None, "Torch intra-op threads (default: torch's).")
+    repeats: int = knob(3, "Timed repeats per point (the median is reported).")
+    quick: bool = knob(False, "Small sweeps (a smoke run).")
+    output_dir: str | None = knob(None, "Output directory (default: runs/profile-<time>).")
+    plots: bool = knob(True, "Write PNG plots.")
+
+    def __post_init__(self) -> None:
+        _positive("repeats", self.repeats)

@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
+
+import numpy as np
 
 
 @dataclass(frozen=True)
@@ -21,7 +23,7 @@ class RequestLatency:
     scheduling_delay: float | None  # first scheduled - arrival
 
     def to_dict(self) -> dict:
-        return asdict(self)
+        return {f: getattr(self, f) for f in self.__dataclass_fields__}  # no deep copy
 
 
 def request_latency(
@@ -38,22 +40,15 @@ def request_latency(
 
 def percentile(values: Sequence[float], q: float) -> float:
     """Linear-interpolated percentile (q in [0, 100]); NaN for no values."""
-    xs = sorted(v for v in values if v is not None)
-    if not xs:
-        return math.nan
-    k = (len(xs) - 1) * q / 100.0
-    lo, hi = math.floor(k), math.ceil(k)
-    return xs[lo] + (xs[hi] - xs[lo]) * (k - lo)
+    xs = [v for v in values if v is not None]
+    return float(np.percentile(xs, q)) if xs else math.nan
 
 
 def summarize(values: Sequence[float]) -> dict[str, float]:
-    xs = [v for v in values if v is not None]
-    mean = sum(xs) / len(xs) if xs else math.nan
-    return {
-        "mean": mean,
-        "p50": percentile(xs, 50),
-        "p90": percentile(xs, 90),
-        "p99": percentile(xs, 99),
-        "max": max(xs) if xs else math.nan,
-        "count": len(xs),
-    }
+    xs = np.asarray([v for v in values if v is not None], dtype=float)
+    if not len(xs):
+        nan = math.nan
+        return {"mean": nan, "p50": nan, "p90": nan, "p99": nan, "max": nan, "count": 0}
+    p50, p90, p99 = np.percentile(xs, [50, 90, 99])
+    return {"mean": float(xs.mean()), "p50": float(p50), "p90": float(p90), "p99": float(p99),
+            "max": float(xs.max()), "count": int(len(xs))}

@@ -25,7 +25,7 @@ class RequestStatus(enum.Enum):
         return self not in (RequestStatus.WAITING, RequestStatus.RUNNING)
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)
 class Request:
     request_id: str
     prompt_token_ids: list[int]
@@ -58,7 +58,8 @@ class Request:
 
     @property
     def is_decode(self) -> bool:
-        return bool(self.output_token_ids) and self.num_remaining == 1
+        out = self.output_token_ids
+        return bool(out) and self.num_computed_tokens == len(self.prompt_token_ids) + len(out) - 1
 
     @property
     def is_prefill(self) -> bool:

@@ -10,7 +10,7 @@ from fluidserve.cli import main
 
 from .server_utils import InProcessServer
 
-FILES = ("requests.jsonl", "summary.json", "cdfs.png", "token_timeline.png",
+FILES = ("requests.jsonl", "requests.csv", "summary.json", "cdfs.png", "token_timeline.png",
          "miss_rate_vs_tbt.png")
 
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 
 import httpx
 
@@ -47,7 +47,7 @@ class RequestRecord:
         return out
 
     def to_dict(self) -> dict:
-        return asdict(self)
+        return {f: getattr(self, f) for f in self.__dataclass_fields__}  # no deep copy
 
 
 @dataclass

@@ -68,9 +68,21 @@ def min_tbt_deadline(gaps: Sequence[float], target: float = TARGET_FLUIDITY,
     return hi
 
 
-def fluid_token_rate(all_gaps: Sequence[Sequence[float]]) -> tuple[float, float]:
-    """(tokens/s, the D_d behind it): 1 / P99 over requests of their min_tbt_deadline."""
-    ds = [min_tbt_deadline(g) for g in all_gaps if len(g) > 1]
+FLUID_RATE_MAX_REQUESTS = 1000
+
+
+def fluid_token_rate(all_gaps: Sequence[Sequence[float]],
+                     max_requests: int = FLUID_RATE_MAX_REQUESTS) -> tuple[float, float]:
+    """(tokens/s, the D_d behind it): 1 / P99 over requests of their min_tbt_deadline.
+
+    Above ``max_requests`` requests an evenly spaced subset of that size is used (the
+    per-request search is the costly part; a P99 over 1000 requests is stable to ~1%).
+    """
+    streams = [g for g in all_gaps if len(g) > 1]
+    if len(streams) > max_requests:
+        step = len(streams) / max_requests
+        streams = [streams[int(i * step)] for i in range(max_requests)]
+    ds = [min_tbt_deadline(g) for g in streams]
     if not ds:
         return math.nan, math.nan
     d = float(np.quantile(ds, TARGET_QUANTILE))

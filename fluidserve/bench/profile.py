@@ -11,7 +11,6 @@ Writes PNG plots and ``profile.json`` to the output directory; the JSON is also 
 
 from __future__ import annotations
 
-import argparse
 import json
 import statistics
 import time
@@ -20,7 +19,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from fluidserve.config import EngineConfig
+from fluidserve.config import EngineConfig, ProfileConfig
 from fluidserve.core.scheduler.output import ScheduledChunk, SchedulerOutput
 from fluidserve.model.runner import ModelExecutor
 from fluidserve.sampling_params import SamplingParams
@@ -46,22 +45,6 @@ QUICK = {
     "stall_budget": 32,
     "stall_decodes": 2,
 }
-
-
-def add_profile_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument(
-        "--model", help="Model directory (default: build the 250m bf16 benchmark model)."
-    )
-    p.add_argument(
-        "--shape", default="250m", help="Benchmark model shape when --model is not given."
-    )
-    p.add_argument("--dtype", default="bfloat16", choices=("float32", "bfloat16", "float16"))
-    p.add_argument("--device", default="cpu")
-    p.add_argument("--num-threads", type=int, default=None, help="Torch intra-op threads.")
-    p.add_argument("--repeats", type=int, default=3, help="Timed repeats per point (median).")
-    p.add_argument("--quick", action="store_true", help="Small sweeps (a smoke run).")
-    p.add_argument("--output-dir", default=None, help="Default: runs/profile-<time>.")
-    p.add_argument("--no-plots", action="store_true", help="Skip PNG plots.")
 
 
 def _chunk(rid: str, start: int, n: int, bs: int, base_block: int) -> ScheduledChunk:
@@ -145,7 +128,7 @@ def chunk_sweep(t: Timer, prompt: int, sizes: list[int]) -> list[dict]:
     return out
 
 
-def stall_timeline(model_dir: str, args, q: dict, scheduler: str) -> dict:
+def stall_timeline(model_dir: str, args: ProfileConfig, q: dict, scheduler: str) -> dict:
     from fluidserve.engine.engine import LLMEngine
 
     cfg = EngineConfig(
@@ -190,7 +173,7 @@ def stall_timeline(model_dir: str, args, q: dict, scheduler: str) -> dict:
     }
 
 
-def run_profile(args: argparse.Namespace) -> int:
+def run_profile(args: ProfileConfig) -> int:
     from fluidserve.model.builder import cached_model_dir
 
     q = QUICK if args.quick else FULL
@@ -250,7 +233,7 @@ def run_profile(args: argparse.Namespace) -> int:
     (out_dir / "profile.json").write_text(
         json.dumps(result | {"stall_timelines": stalls}, indent=1)
     )
-    if not args.no_plots:
+    if args.plots:
         from fluidserve.bench.profile_plots import plot_profile
 
         plot_profile(result, stalls, out_dir)

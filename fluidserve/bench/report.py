@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import csv
 import json
 import math
 from collections.abc import Callable, Sequence
@@ -88,11 +89,28 @@ def fluidity_slo_met(summary: dict) -> bool:
     return summary["num_failed"] == 0 and summary["fraction_fluid_requests"] >= TARGET_QUANTILE
 
 
+CSV_COLUMNS = ("index", "prompt_len", "output_len", "num_output_tokens", "scheduled", "sent",
+               "ttft", "tpot", "e2e", "max_tbt", "scheduling_delay", "fluidity_index", "error")
+
+
+def _csv_row(r: RequestRecord) -> list:
+    g = r.gaps
+    tpot = sum(g[1:]) / (len(g) - 1) if len(g) > 1 else None
+    return [r.index, r.prompt_len, r.output_len, r.num_output_tokens, r.scheduled, r.sent,
+            g[0] if g else None, tpot, sum(g) if g else None, max(g[1:], default=None),
+            r.scheduling_delay, r.fluidity_index, r.error or ""]
+
+
 def write_run(out_dir: Path, records: Sequence[RequestRecord], summary: dict) -> None:
+    """requests.jsonl (every field, raw gaps included), requests.csv, summary.json."""
     out_dir.mkdir(parents=True, exist_ok=True)
     with open(out_dir / "requests.jsonl", "w") as f:
         for r in records:
             f.write(json.dumps(r.to_dict()) + "\n")
+    with open(out_dir / "requests.csv", "w", newline="") as f:
+        w = csv.writer(f)
+        w.writerow(CSV_COLUMNS)
+        w.writerows(_csv_row(r) for r in records)
     (out_dir / "summary.json").write_text(json.dumps(summary, indent=1, default=_json_default))
 
 

@@ -49,10 +49,14 @@ class BlockManager:
 
     def allocate(self, request_id: str, num_tokens: int) -> bool:
         """Grow ``request_id``'s table to hold ``num_tokens``; False (and no change) if full."""
-        need = self.num_new_blocks(request_id, num_tokens)
+        table = self._tables.get(request_id)
+        need = -(-num_tokens // self.block_size) - (len(table) if table else 0)
+        if need <= 0:
+            return True
         if need > len(self._free):
             return False
-        table = self._tables.setdefault(request_id, [])
+        if table is None:
+            table = self._tables[request_id] = []
         table.extend(self._free.popleft() for _ in range(need))
         return True
 

@@ -59,7 +59,7 @@ class VirtualClock:
         return self.t
 
 
-@dataclass
+@dataclass(slots=True)
 class RequestOutput:
     """What one step produced for one request: new tokens and text, and whether it ended."""
 
@@ -83,8 +83,10 @@ class LLMEngine:
         tokenizer: Tokenizer | None = None,
         clock: WallClock | VirtualClock | None = None,
         telemetry: Telemetry | None = None,
+        emit_outputs: bool = True,
     ) -> None:
         self.config = config
+        self.emit_outputs = emit_outputs
         self.model_dir = config.model
         if executor is None:
             executor, self.model_dir = build_model_executor(config)
@@ -164,6 +166,11 @@ class LLMEngine:
         """Apply a finished iteration (``step`` does this; a pipelined loop calls it directly)."""
         touched = self.scheduler.update(plan, result, end)
         self.telemetry.record_iteration(plan, start, end - start)
+        if not self.emit_outputs:  # the simulator reads request state, not output objects
+            for req in touched:
+                if req.status.finished:
+                    self._forget(req)
+            return []
         return [self._output(req, result) for req in touched]
 
     def _output(self, req: Request, result: RunnerOutput) -> RequestOutput:

@@ -49,23 +49,34 @@ class Telemetry:
         self.on_finished: list[Callable[[dict], None]] = []
 
     def record_iteration(self, plan: SchedulerOutput, start: float, duration: float) -> None:
-        prefill_reqs = sum(1 for c in plan.chunks if not c.is_decode)
-        singles = [c.context_len for c in plan.chunks if c.num_tokens == 1]
-        prefix = sum(c.num_tokens * c.start for c in plan.chunks if c.num_tokens > 1)
+        if self.iterations.maxlen == 0 and not self.on_iteration:
+            return
+        prefill_reqs = prefix = singles = ctx_max = 0
+        for c in plan.chunks:
+            n = len(c.token_ids)
+            prefill_reqs += not c.is_decode
+            if n == 1:
+                singles += 1
+                ctx_max = max(ctx_max, c.start + 1)
+            else:
+                prefix += n * c.start
         rec = IterationRecord(
             plan.iteration, start, duration, plan.num_prefill_tokens, plan.num_decode_tokens,
-            len(plan.chunks), prefill_reqs, len(plan.preempted), prefix, len(singles),
-            max(singles, default=0),
+            len(plan.chunks), prefill_reqs, len(plan.preempted), prefix, singles, ctx_max,
         )  # fmt: skip
         self.iterations.append(rec)
         for fn in self.on_iteration:
             fn(rec)
 
     def record_token(self, req: Request) -> None:
+        if self.tokens.maxlen == 0:
+            return
         idx = len(req.output_token_ids) - 1
         self.tokens.append(TokenEvent(req.request_id, idx, req.token_times[idx]))
 
     def record_finished(self, req: Request) -> None:
+        if self.finished.maxlen == 0 and not self.on_finished:
+            return
         lat = request_latency(req.arrival_time, req.token_times, req.first_scheduled_time)
         row = {
             "request_id": req.request_id,

@@ -16,9 +16,6 @@ from dataclasses import asdict, dataclass
 from importlib import resources
 from pathlib import Path
 
-import torch
-from safetensors.torch import save_file
-
 BUILDER_VERSION = 1
 SPECIAL_TOKENS = ["<unk>", "<s>", "</s>", "<|system|>", "<|user|>", "<|assistant|>"]
 CHAT_TEMPLATE = (
@@ -114,14 +111,16 @@ def hf_config(shape: ModelShape, vocab_size: int, dtype: str, bos: int, eos: int
     }
 
 
-def random_weights(cfg: dict, seed: int, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+def random_weights(cfg: dict, seed: int, dtype):
     """HF-named tensors, N(0, 0.02) for matrices and ones for norms, from a seeded generator."""
+    import torch
+
     g = torch.Generator().manual_seed(seed)
     h, f, v = cfg["hidden_size"], cfg["intermediate_size"], cfg["vocab_size"]
     d = cfg["head_dim"]
     q, kv = cfg["num_attention_heads"] * d, cfg["num_key_value_heads"] * d
 
-    def normal(*shape: int) -> torch.Tensor:
+    def normal(*shape: int):
         return (torch.randn(*shape, generator=g) * 0.02).to(dtype)
 
     w = {"model.embed_tokens.weight": normal(v, h), "model.norm.weight": torch.ones(h, dtype=dtype)}
@@ -143,8 +142,10 @@ def random_weights(cfg: dict, seed: int, dtype: torch.dtype) -> dict[str, torch.
     return w
 
 
-def save_sharded(weights: dict[str, torch.Tensor], out_dir: Path, max_shard_bytes: int) -> None:
-    shards: list[dict[str, torch.Tensor]] = [{}]
+def save_sharded(weights: dict, out_dir: Path, max_shard_bytes: int) -> None:
+    from safetensors.torch import save_file
+
+    shards: list[dict] = [{}]
     size = 0
     for name, t in weights.items():
         nbytes = t.numel() * t.element_size()
@@ -186,9 +187,9 @@ def build_model_dir(
     vocab = shape.vocab_size or n_tok
     if vocab < n_tok:
         raise ValueError(f"vocab_size {vocab} is smaller than the tokenizer ({n_tok})")
-    torch_dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[
-        dtype
-    ]
+    import torch
+
+    torch_dtype = getattr(torch, dtype)
     cfg = hf_config(shape, vocab, dtype, SPECIAL_TOKENS.index("<s>"), SPECIAL_TOKENS.index("</s>"))
     (out_dir / "config.json").write_text(json.dumps(cfg, indent=2))
     save_sharded(random_weights(cfg, seed, torch_dtype), out_dir, max_shard_bytes)

@@ -39,10 +39,11 @@ class PlanShape:
     def of(plan: SchedulerOutput) -> PlanShape:
         pre, dec, samples = [], [], 0
         for c in plan.chunks:
-            if c.num_tokens == 1:  # one-token runs share the batched decode attention
-                dec.append(c.context_len)
+            n = len(c.token_ids)
+            if n == 1:  # one-token runs share the batched decode attention
+                dec.append(c.start + 1)
             else:
-                pre.append((c.num_tokens, c.start))
+                pre.append((n, c.start))
             samples += c.samples
         return PlanShape(plan.num_tokens, tuple(pre), tuple(dec), samples)
 

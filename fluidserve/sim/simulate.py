@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from fluidserve.bench.client import RequestRecord
 from fluidserve.bench.workload import WorkloadRequest
@@ -56,7 +56,6 @@ class SimResult:
     stage_busy: list[float]
     num_iterations: int
     preemptions: int
-    iteration_tokens: list[int] = field(default_factory=list)
 
     @property
     def stage_idle_fraction(self) -> list[float]:
@@ -66,10 +65,7 @@ class SimResult:
 def simulate(work: list[WorkloadRequest], config: EngineConfig, executor: CostModelExecutor
              ) -> SimResult:
     eng = LLMEngine(config, executor=executor, clock=VirtualClock(),
-                    telemetry=Telemetry(max_records=0))
-    tokens: list[int] = []
-    eng.telemetry.on_iteration.append(
-        lambda r: tokens.append(r.num_prefill_tokens + r.num_decode_tokens))
+                    telemetry=Telemetry(max_records=0), emit_outputs=False)
     pending = deque(sorted(work, key=lambda w: w.arrival))
     reqs: dict[int, Request | str] = {}
     if executor.cost.pp == 1:
@@ -78,7 +74,7 @@ def simulate(work: list[WorkloadRequest], config: EngineConfig, executor: CostMo
         busy = _run_pipelined(eng, pending, reqs, executor.cost)
     records = [_record(w, reqs[w.index]) for w in work]
     return SimResult(records, eng.clock.now(), busy, eng.scheduler.iteration,
-                     eng.scheduler.num_preemptions, tokens)
+                     eng.scheduler.num_preemptions)
 
 
 def _admit(eng: LLMEngine, pending: deque, reqs: dict, now: float) -> None:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 from abc import ABC, abstractmethod
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 from fluidserve.core.block_manager import BlockManager
 from fluidserve.core.queue_policy import WaitingQueue
@@ -31,35 +31,33 @@ class SchedulerLimits:
 
 
 class Batch:
-    """An iteration under construction: chunks plus the token budget left."""
+    """An iteration under construction: (request, tokens) entries plus the budget left."""
 
     def __init__(self, budget: float, busy: frozenset[str] = frozenset()) -> None:
         self.left = budget
-        self.chunks: list[ScheduledChunk] = []
+        self.entries: list[tuple[Request, int, bool]] = []  # (request, tokens, is decode)
         # Requests that may not join: those in this batch and those still in flight in an
         # earlier pipeline micro-batch.
         self.ids: set[str] = set(busy)
         self.num_prefills = 0
 
-    def add(self, req: Request, n: int) -> None:
-        start = req.num_computed_tokens
-        samples = start + n == req.num_tokens
-        self.chunks.append(
-            ScheduledChunk(
-                request_id=req.request_id,
-                start=start,
-                token_ids=tuple(req.token_slice(start, start + n)),
-                block_table=(),  # filled in by the scheduler once the batch is final
-                samples=samples,
-                params=req.params,
-                seed=req.seed,
-                output_index=len(req.output_token_ids),
-                is_decode=req.is_decode,
-            )
-        )
+    def add(self, req: Request, n: int, is_decode: bool = False) -> None:
+        self.entries.append((req, n, is_decode))
         self.ids.add(req.request_id)
         self.left -= n
-        self.num_prefills += 0 if req.is_decode else 1
+        self.num_prefills += not is_decode
+
+    def chunk(self, req: Request, n: int, is_decode: bool, table: list[int]) -> ScheduledChunk:
+        # Members of a batch are never preempted later in the same schedule() (victims
+        # exclude them), so their state is still what it was when they were added.
+        start = req.num_computed_tokens
+        out = req.output_token_ids
+        if is_decode:  # the one uncomputed token is the last one sampled
+            return ScheduledChunk(req.request_id, start, (out[-1],), tuple(table), True,
+                                  req.params, req.seed, len(out), True)
+        return ScheduledChunk(req.request_id, start, tuple(req.token_slice(start, start + n)),
+                              tuple(table), start + n == req.num_tokens, req.params, req.seed,
+                              len(out), False)
 
 
 class Scheduler(ABC):
@@ -139,20 +137,22 @@ class Scheduler(ABC):
         self._busy = busy
         batch = self._build(now)
         self.iteration += 1
-        chunks = [_with_table(c, self.bm.table(c.request_id)) for c in batch.chunks]
+        table = self.bm.table
+        chunks = [batch.chunk(r, n, d, table(r.request_id)) for r, n, d in batch.entries]
         return SchedulerOutput(self.iteration, chunks, self._preempted)
 
     def update(self, output: SchedulerOutput, result: RunnerOutput, now: float) -> list[Request]:
         """Advance state after an iteration; returns requests that got a token or finished."""
         touched = []
+        requests, running, sampled = self.requests, RequestStatus.RUNNING, result.sampled
         for chunk in output.chunks:
-            req = self.requests.get(chunk.request_id)
-            if req is None or req.status is not RequestStatus.RUNNING:
+            req = requests.get(chunk.request_id)
+            if req is None or req.status is not running:
                 continue  # aborted while the iteration ran
-            req.num_computed_tokens += chunk.num_tokens
+            req.num_computed_tokens += len(chunk.token_ids)
             if not chunk.samples:
                 continue
-            token = result.sampled[chunk.request_id]
+            token = sampled[chunk.request_id]
             req.output_token_ids.append(token)
             req.token_times.append(now)
             touched.append(req)
@@ -242,11 +242,16 @@ class Scheduler(ABC):
         return Batch(budget, self._busy)
 
     def _schedule_decodes(self, batch: Batch) -> None:
+        # The hot loop of every iteration (and of the simulator): kept free of extra calls.
+        running, taken, allocate = RequestStatus.RUNNING, batch.ids, self.bm.allocate
         for req in list(self.running):
-            if req.is_decode and req.status is RequestStatus.RUNNING and \
-                    req.request_id not in batch.ids:
-                if self._reserve(req, 1, batch):
-                    batch.add(req, 1)
+            out = req.output_token_ids
+            if req.status is not running or req.request_id in taken or not out or \
+                    req.num_computed_tokens != len(req.prompt_token_ids) + len(out) - 1:
+                continue  # not a decode (or already scheduled / in flight)
+            if allocate(req.request_id, req.num_computed_tokens + 1) or \
+                    self._reserve(req, 1, batch):
+                batch.add(req, 1, is_decode=True)
 
     def _schedule_prefills(
         self, batch: Batch, now: float, *, chunked: bool, max_prefills: float = math.inf
@@ -274,7 +279,3 @@ class Scheduler(ABC):
             n = self._chunk_size(req, batch.left, chunked, batch)
             if n == 0 or not self._admit(req, n, batch, now):
                 return
-
-
-def _with_table(chunk: ScheduledChunk, table: list[int]) -> ScheduledChunk:
-    return replace(chunk, block_table=tuple(table))

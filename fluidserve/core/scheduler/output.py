@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import cached_property
 
 from fluidserve.sampling_params import SamplingParams
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class ScheduledChunk:
     """One request's share of an iteration: ``token_ids`` at positions ``start..start+n``.
 
@@ -42,11 +43,12 @@ class SchedulerOutput:
     chunks: list[ScheduledChunk] = field(default_factory=list)
     preempted: list[str] = field(default_factory=list)
 
-    @property
+    # Computed once: a plan is not modified after the scheduler returns it.
+    @cached_property
     def num_tokens(self) -> int:
-        return sum(c.num_tokens for c in self.chunks)
+        return sum(len(c.token_ids) for c in self.chunks)
 
-    @property
+    @cached_property
     def num_decode_tokens(self) -> int:
         return sum(1 for c in self.chunks if c.is_decode)
 

@@ -24,7 +24,7 @@ class PrefillFirstScheduler(Scheduler):
     def _build(self, now: float) -> Batch:
         batch = self._new_batch(self.limits.token_budget)
         self._schedule_prefills(batch, now, chunked=self.chunked)
-        if batch.chunks:
+        if batch.entries:
             return batch
         self._schedule_decodes(batch)
         return batch

@@ -123,15 +123,14 @@ class GPUCostModel(CostModel):
         rows = [r for r in _read_csv(path) if int(r["num_tensor_parallel_workers"]) == self.tp]
         if not rows:
             raise ValueError(f"{path} has no rows for tensor parallel degree {self.tp}")
-        rows.sort(key=lambda r: int(r["num_tokens"]))
         src = SHAPES[TABLE_SHAPES[self.table]]
-        self.grid = np.array([int(r["num_tokens"]) for r in rows], float)
+        tokens = [int(r["num_tokens"]) for r in rows]
         per_layer = np.zeros(len(rows))
         for op in LINEAR_OPS:
             t = np.array([float(r[f"time_stats.{op}.median"]) for r in rows]) / 1e3
             per_layer += t * _op_scale(op, self.shape, src, self.tp)
-        self.per_layer = per_layer
-        self.emb = np.array([float(r["time_stats.emb.median"]) for r in rows]) / 1e3
+        self.grid, self.per_layer = _dedup(tokens, list(per_layer))
+        self.emb = _dedup(tokens, [float(r["time_stats.emb.median"]) / 1e3 for r in rows])[1]
 
     def _load_network(self, root: Path, device: str) -> None:
         self.all_reduce = self.send_recv = None
@@ -149,14 +148,15 @@ class GPUCostModel(CostModel):
                 rows = [r for r in _read_csv(path) if int(r["num_workers"]) == workers]
                 if rows:
                     if name != folder:
-                        self.note += f"; {name} {op} stands in for {device}"
-                    rows.sort(key=lambda r: int(r["size"]))
-                    return (np.array([int(r["size"]) for r in rows], float),
-                            np.array([float(r[f"time_stats.{op}.median"]) for r in rows]) / 1e3)
+                        msg = f"{name} {op} stands in for {device} (not rescaled)"
+                        self.note = f"{self.note}; {msg}" if self.note else msg
+                    return _dedup([int(r["size"]) for r in rows],
+                                  [float(r[f"time_stats.{op}.median"]) / 1e3 for r in rows])
         raise ValueError(f"no {op} profile for {workers} workers on {device}")
 
     @staticmethod
     def _interp(grid: np.ndarray, vals: np.ndarray, x: float) -> float:
+        # grid: strictly increasing (see _dedup)
         if x <= grid[-1]:
             return float(np.interp(x, grid, vals))
         slope = (vals[-1] - vals[-2]) / (grid[-1] - grid[-2])  # extrapolate the last segment
@@ -191,6 +191,15 @@ class GPUCostModel(CostModel):
         times[-1] += max(head_flops / (self.dev.peak_flops * 0.6),
                          self.shape.hidden * v * 2 / self.dev.mem_bandwidth)
         return times
+
+
+def _dedup(xs: list[float], ys: list[float]) -> tuple[np.ndarray, np.ndarray]:
+    """Sorted unique xs with the median y of each (tables repeat sizes across node layouts)."""
+    groups: dict[float, list[float]] = {}
+    for x, y in zip(xs, ys, strict=True):
+        groups.setdefault(x, []).append(y)
+    keys = sorted(groups)
+    return np.array(keys, float), np.array([float(np.median(groups[k])) for k in keys])
 
 
 # ----------------------------------------------------------------------------- CPU

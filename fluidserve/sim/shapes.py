@@ -74,5 +74,5 @@ DEVICES = {
     "h100": Device("h100", 989e12, 3.35e12, 80e9,
                    {"pairwise": "h100_pairwise_nvlink", "node": "h100_dgx"}),
     "a40": Device("a40", 149.7e12, 0.696e12, 48e9,
-                  {"pairwise": "a40_pairwise_nvlink", "node": "a100_dgx"}),
+                  {"pairwise": "a40_pairwise_nvlink", "node": "a40_dgx"}),
 }

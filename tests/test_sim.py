@@ -111,3 +111,13 @@ def test_simulate_cli_run_budget_and_capacity(tmp_path, capsys):
                  "--output-dir", str(tmp_path / "cap")]) == 0
     c = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert c["capacity_qps"] > 0 and c["num_probes"] <= 6
+
+
+def test_find_token_budget_reports_an_unreachable_slo(capsys):
+    rc = main(["simulate", "--cost-model", "cpu", "--find-token-budget", "--tbt-slo", "0.01"])
+    out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert rc == 1 and out["token_budget"] == 0 and "no budget meets it" in out["error"]
+    assert main(["simulate", "--cost-model", "cpu", "--find-token-budget", "--tbt-slo", "0.2",
+                 "--budget-decodes", "8", "--budget-context", "512"]) == 0
+    ok = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert ok["token_budget"] > 8 and ok["iteration_time_s"] <= 0.2 and ok["error"] is None

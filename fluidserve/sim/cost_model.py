@@ -156,11 +156,12 @@ class GPUCostModel(CostModel):
 
     @staticmethod
     def _interp(grid: np.ndarray, vals: np.ndarray, x: float) -> float:
-        # grid: strictly increasing (see _dedup)
+        """Linear interpolation on a strictly increasing grid (see _dedup); beyond the last
+        point the time grows in proportion to the size (the large-size regime is
+        throughput-bound, and noisy last segments must not extrapolate to negative times)."""
         if x <= grid[-1]:
             return float(np.interp(x, grid, vals))
-        slope = (vals[-1] - vals[-2]) / (grid[-1] - grid[-2])  # extrapolate the last segment
-        return float(vals[-1] + slope * (x - grid[-1]))
+        return float(vals[-1] * x / grid[-1])
 
     def attention_per_layer(self, s: PlanShape) -> float:
         sh, tp = self.shape, self.tp

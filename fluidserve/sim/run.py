@@ -118,13 +118,23 @@ def _token_budget(sim: SimConfig, eng: EngineConfig, cap: CapacityConfig, cost: 
     def batch_time(b: int) -> float:
         return cost.iteration_time(reference_batch(b, sim.budget_decodes, sim.budget_context))
 
-    budget, t = find_token_budget(batch_time, cap.tbt_slo, eng.tile_size, sim.max_budget)
+    decodes_only = batch_time(sim.budget_decodes)
+    if decodes_only > cap.tbt_slo:
+        budget, t = 0, decodes_only
+        msg = (f"{sim.budget_decodes} decodes at context {sim.budget_context} alone take"
+               f" {decodes_only:.3g} s > the {cap.tbt_slo} s SLO: no budget meets it; lower"
+               " --budget-decodes / --budget-context or relax --tbt-slo")
+        print(f"error: {msg}", file=sys.stderr)
+    else:
+        budget, t = find_token_budget(batch_time, cap.tbt_slo, eng.tile_size, sim.max_budget)
+        msg = None
     result = {"token_budget": budget, "iteration_time_s": t, "tbt_slo_s": cap.tbt_slo,
+              "error": msg,
               "tile_size": eng.tile_size, "reference_batch": {"decodes": sim.budget_decodes,
                                                               "context": sim.budget_context},
               "cost_model": sim.cost_model, "note": cost.note}
     print(json.dumps(result))
-    return 0
+    return 0 if msg is None else 1
 
 
 def _capacity(sim, eng, bench, cap, cost, out: Path) -> int:

@@ -107,7 +107,6 @@ class LLMEngine:
         self._rng = random.Random(config.seed)
         self._detok: dict[str, IncrementalDetokenizer] = {}
         self._sent: dict[str, int] = {}  # characters of text already emitted per request
-        self._stop_hold = 0
 
     # ------------------------------------------------------------------ requests
     def add_request(
@@ -237,10 +236,6 @@ class LLMEngine:
         self.telemetry.record_finished(req)
         self._detok.pop(req.request_id, None)
         self._sent.pop(req.request_id, None)
-
-    def text_of(self, request_id: str) -> str | None:
-        det = self._detok.get(request_id)
-        return det.text if det else None
 
 
 def build_model_executor(config: EngineConfig):

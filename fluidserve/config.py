@@ -7,7 +7,7 @@ flag is the ``help`` metadata of its field, so a knob is documented exactly once
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 
 SCHEDULERS = (
     "sarathi",
@@ -124,9 +124,6 @@ def _positive(name: str, value: int) -> None:
     if value < 1:
         raise ConfigError(f"{name} must be >= 1, got {value}")
 
-
-def field_names(cls: type) -> list[str]:
-    return [f.name for f in fields(cls)]
 
 
 @dataclass(frozen=True)

@@ -69,10 +69,6 @@ class Request:
     def max_total_tokens(self) -> int:
         return self.num_prompt_tokens + self.params.max_tokens
 
-    def token_id(self, index: int) -> int:
-        p = len(self.prompt_token_ids)
-        return self.prompt_token_ids[index] if index < p else self.output_token_ids[index - p]
-
     def token_slice(self, start: int, end: int) -> list[int]:
         p = len(self.prompt_token_ids)
         if end <= p:

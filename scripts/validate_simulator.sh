@@ -42,7 +42,8 @@ cal=$(IFS=,; echo "${calib[*]}")
 for name in sarathi vllm; do
   # shellcheck disable=SC2086
   fluidserve simulate --cost-model cpu --cpu-calibration "$cal" "${LENGTHS[@]}" --seed 0 \
-    --num-prompts "$N" --request-rate "$RATE" --max-model-len 2048 ${SCHED[$name]} \
+    --num-prompts "$N" --request-rate "$RATE" --max-model-len 2048 --kv-cache-memory-gb 2 \
+    ${SCHED[$name]} \
     --label "sim-$name" --output-dir "$OUT/sim-$name" > /dev/null
 done
 python - "$OUT" <<'PY'

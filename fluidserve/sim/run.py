@@ -27,7 +27,7 @@ from fluidserve.sim.simulate import CostModelExecutor, gpu_kv_blocks, simulate
 
 # Scheduler/cache knobs of EngineConfig that the simulator uses (model knobs do not apply).
 ENGINE_FIELDS = {"scheduler", "token_budget", "max_num_seqs", "tile_size", "queue_policy",
-                 "block_size", "num_kv_blocks", "watermark", "max_model_len"}
+                 "block_size", "num_kv_blocks", "kv_cache_memory_gb", "watermark", "max_model_len"}
 WORKLOAD_FIELDS = {"dataset_name", "dataset_path", "num_prompts", "input_len", "output_len",
                    "range_ratio", "prompt_scale", "output_scale", "max_prompt_len",
                    "max_output_len", "request_rate", "burstiness", "arrivals", "seed",
@@ -51,8 +51,12 @@ def make_executor(sim: SimConfig, eng: EngineConfig, cost: CostModel) -> CostMod
     if blocks is None and sim.cost_model == "gpu":
         blocks = gpu_kv_blocks(SHAPES[sim.model_shape], DEVICES[sim.device], sim.tp, sim.pp,
                                eng.block_size, sim.gpu_memory_utilization)
-    if blocks is None:  # cpu: the engine's default cache (1 GiB of the 250M model's KV)
-        blocks = 8192
+    if blocks is None:  # cpu: what `fluidserve serve` allots the profiled 250M model by default
+        from fluidserve.model.builder import SHAPES as MODEL_SHAPES
+
+        m = MODEL_SHAPES["250m"]
+        per_token = 2 * m.num_layers * m.num_kv_heads * (m.hidden_size // m.num_heads) * 2
+        blocks = int(eng.kv_cache_memory_gb * (1 << 30) // (per_token * eng.block_size))
     return CostModelExecutor(cost, blocks, eng.block_size, eng.max_model_len or SIM_MAX_MODEL_LEN)
 
 

@@ -194,7 +194,9 @@ class LLMEngine:
         det.push([token])
         text, stops = det.text, req.params.stop
         if stops and not req.status.finished:
-            hits = [i for i in (text.find(s) for s in stops) if i >= 0]
+            # Only text after what was already emitted can complete a stop string now.
+            first = max(0, self._sent[req.request_id] - max(len(s) for s in stops))
+            hits = [i for i in (text.find(s, first) for s in stops) if i >= 0]
             if hits:
                 det.text = text = text[: min(hits)]
                 self.scheduler.finish(req, RequestStatus.FINISHED_STOPPED, self.clock.now())
@@ -218,18 +220,10 @@ class LLMEngine:
             req.error = message
             self.scheduler.finish(req, RequestStatus.FINISHED_ERROR, self.clock.now())
             self._forget(req)
-            outs.append(
-                RequestOutput(
-                    req.request_id,
-                    [],
-                    "",
-                    True,
-                    "error",
-                    message,
-                    req.num_prompt_tokens,
-                    len(req.output_token_ids),
-                )
-            )
+            outs.append(RequestOutput(req.request_id, [], "", finished=True,
+                                      finish_reason="error", error=message,
+                                      num_prompt_tokens=req.num_prompt_tokens,
+                                      num_output_tokens=len(req.output_token_ids)))
         return outs
 
     def _forget(self, req: Request) -> None:

@@ -8,7 +8,7 @@ set -euo pipefail
 OUT=${OUT:-runs/sim-validation}
 RATE=${RATE:-0.4}
 CAL_RATE=${CAL_RATE:-$RATE}
-N=${N:-100}
+N=${N:-200}
 MODEL=${MODEL:-$(python -c 'from fluidserve.model.builder import cached_model_dir; print(cached_model_dir("250m", "bfloat16"))')}
 LENGTHS=(--dataset-name sharegpt --prompt-scale 0.25 --output-scale 0.1 --max-prompt-len 1024
          --max-output-len 128 --tbt-deadline 0.25 --ttft-deadline 5)

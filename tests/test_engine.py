@@ -141,6 +141,9 @@ def test_telemetry_records_tokens_and_iterations(default_model_dir, tmp_path):
     assert sum(r.num_prefill_tokens for r in tel.iterations) == sum(
         len(o.prompt_token_ids) for o in outs
     )
+    # cost-model features: chunks attend to themselves and (after the first) to their prefix
+    assert all(r.sq_work <= r.num_prefill_tokens**2 for r in tel.iterations)
+    assert any(r.sq_work for r in tel.iterations) and any(r.prefix_work for r in tel.iterations)
     for o in outs:
         m = o.metrics
         assert m.ttft > 0 and len(m.tbt) == len(o.token_ids) - 1 and m.scheduling_delay >= 0

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 
+import numpy as np
 import pytest
 
 from fluidserve.bench.workload import WorkloadSpec, build_workload
@@ -62,14 +63,56 @@ def test_gpu_cost_model_is_physically_plausible():
     assert "stands in" in GPUCostModel("yi-34b", "a100", tp=2).note
 
 
+def _prefill(n: int, cached: int = 0) -> PlanShape:
+    return PlanShape(n, ((n, cached),) if n > 1 else (), (cached + 1,) if n == 1 else (), 1)
+
+
 def test_cpu_cost_model_reproduces_its_profile():
     prof = load_cpu_profile(None)
     m = CPUCostModel(prof)
+    for p in prof["iteration_time"]:
+        assert m.stage_times(_prefill(p["tokens"]))[0] == pytest.approx(p["time_s"], rel=0.15)
     for p in prof["decode"]:
         shape = PlanShape(p["batch_size"], (), (p["context"] + 1,) * p["batch_size"],
                           p["batch_size"])
-        assert m.stage_times(shape)[0] == pytest.approx(p["time_s"], rel=0.35)
-    assert m.alpha > 0 and m.beta > 0
+        assert m.stage_times(shape)[0] == pytest.approx(p["time_s"], rel=0.2)
+    for p in prof["chunked_prefill"]:  # chunking a prompt costs more, the smaller the chunks
+        c = p["chunk_size"]
+        total = sum(m.stage_times(_prefill(c, c * i))[0] for i in range(p["prompt"] // c))
+        assert total == pytest.approx(p["time_s"], rel=0.15)
+
+
+def test_cpu_cost_model_calibrates_on_served_telemetry():
+    """Telemetry whose iterations took twice the profile's prices, with a per-request cost
+    on top, refits the model to those prices (previous records without sq_work included)."""
+    base = CPUCostModel(load_cpu_profile(None))
+    rng = np.random.default_rng(0)
+    its, t = [], 0.0
+    for i in range(300):
+        pre = int(rng.choice([0, 0, 0, 40, 200, 700]))
+        dec = int(rng.integers(0 if pre else 1, 24))
+        ctx = int(rng.integers(20, 900))
+        shape = PlanShape(pre + dec, ((pre, 0),) if pre else (), (ctx,) * dec, dec + bool(pre))
+        dur = 2 * base.stage_times(shape)[0] + 0.004 * shape_requests(shape)
+        rec = {"start": t, "duration": dur, "num_prefill_tokens": pre, "num_decode_tokens": dec,
+               "num_requests": dec + bool(pre), "num_prefill_requests": int(bool(pre)),
+               "prefix_work": 0, "num_single": dec, "single_ctx_max": ctx if dec else 0}
+        if i % 2:
+            rec["sq_work"] = pre * pre
+        its.append(rec)
+        t += dur
+    m = CPUCostModel(load_cpu_profile(None))
+    assert m.calibrate([its]) == 299 and "calibrated on 299" in m.note
+    for shape in (_prefill(512), PlanShape(16, (), (300,) * 16, 16),
+                  PlanShape(216, ((200, 0),), (400,) * 16, 17)):
+        want = 2 * base.stage_times(shape)[0] + 0.004 * shape_requests(shape)
+        assert m.stage_times(shape)[0] == pytest.approx(want, rel=0.1)
+    with pytest.raises(ValueError, match="at least"):
+        CPUCostModel(load_cpu_profile(None)).calibrate([its[:5]])
+
+
+def shape_requests(s: PlanShape) -> int:
+    return len(s.prefills) + len(s.decode_ctx)
 
 
 def test_pipeline_bubbles_smaller_with_uniform_microbatches():

@@ -23,11 +23,13 @@ class IterationRecord:
     num_requests: int
     num_prefill_requests: int
     num_preempted: int
-    # Attention work, for fitting cost models: sum over multi-token chunks of chunk length x
-    # tokens already cached, and the one-token runs' count and longest context.
+    # Attention work, for fitting cost models: sums over multi-token chunks of chunk length x
+    # tokens already cached and of chunk length squared, and the one-token runs' count and
+    # longest context.
     prefix_work: int = 0
     num_single: int = 0
     single_ctx_max: int = 0
+    sq_work: int = 0
 
 
 @dataclass(frozen=True)
@@ -51,7 +53,7 @@ class Telemetry:
     def record_iteration(self, plan: SchedulerOutput, start: float, duration: float) -> None:
         if self.iterations.maxlen == 0 and not self.on_iteration:
             return
-        prefill_reqs = prefix = singles = ctx_max = 0
+        prefill_reqs = prefix = sq = singles = ctx_max = 0
         for c in plan.chunks:
             n = len(c.token_ids)
             prefill_reqs += not c.is_decode
@@ -60,9 +62,10 @@ class Telemetry:
                 ctx_max = max(ctx_max, c.start + 1)
             else:
                 prefix += n * c.start
+                sq += n * n
         rec = IterationRecord(
             plan.iteration, start, duration, plan.num_prefill_tokens, plan.num_decode_tokens,
-            len(plan.chunks), prefill_reqs, len(plan.preempted), prefix, singles, ctx_max,
+            len(plan.chunks), prefill_reqs, len(plan.preempted), prefix, singles, ctx_max, sq,
         )  # fmt: skip
         self.iterations.append(rec)
         for fn in self.on_iteration:

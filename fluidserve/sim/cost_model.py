@@ -205,89 +205,81 @@ def _dedup(xs: list[float], ys: list[float]) -> tuple[np.ndarray, np.ndarray]:
 
 # ----------------------------------------------------------------------------- CPU
 class CPUCostModel(CostModel):
-    """time = c . (1, L(tokens) - L(1), sum(q * cached prefix), singles * max context, requests)
+    """time = c . (1, max(0, T - k) for k in KNOTS, sum q^2, sum q x cached, singles x ctx, reqs)
 
-    L is the measured iteration time of a fresh prefill of that many tokens (interpolated),
-    so L(1) is the cost of streaming the weights once and L(T) - L(1) the extra compute.
-    From a profile alone c = (L(1), 1, alpha, beta, 0): alpha (attention over a cached
-    prefix) is fitted from the chunked-prefill runs, beta (one-token attention, which gathers
-    every decode's KV padded to the longest context) from the decode sweep. Engine telemetry
-    of served runs (``calibrate``) refits all coefficients on real hybrid batches, so the
-    engine's own per-request overheads and the server's contention for the cores count.
+    T is the batch's token count, so the first terms are a convex piecewise-linear curve in
+    T (flat while streaming the weights dominates, steeper once the matmuls are compute
+    bound, and steeper again where they stop fitting the caches). Attention adds each
+    multi-token chunk's work against itself (q^2) and against its cached prefix (q x
+    cached), and the one-token runs' cost, which the executor pays as every run's KV
+    gathered to the longest context; the last term is per-request engine work.
+
+    Coefficients are non-negative and fitted to relative error, first on the points of a
+    `fluidserve profile` run, then (``calibrate``) on engine telemetry of served runs, which
+    prices the hybrid batches, the engine's per-request overheads and the server's
+    contention for the cores as they really were.
     """
 
+    KNOTS = (0, 16, 64, 128, 256, 512, 1024, 2048)
+
     def __init__(self, profile: dict) -> None:
-        it = sorted(profile["iteration_time"], key=lambda p: p["tokens"])
-        self.grid = np.array([p["tokens"] for p in it], float)
-        self.times = np.array([p["time_s"] for p in it])
-        self.coef = np.array([self.L(1), 1.0, self._fit_alpha(profile["chunked_prefill"]),
-                              self._fit_beta(profile["decode"]), 0.0])
+        rows, ys = [], []
+        for p in profile["iteration_time"]:  # one fresh prompt of n tokens
+            n = p["tokens"]
+            rows.append(self.features(n, n * n if n > 1 else 0, 0, int(n == 1), int(n == 1), 1))
+            ys.append(p["time_s"])
+        for p in profile["decode"]:  # b one-token runs at one context
+            b = p["batch_size"]
+            rows.append(self.features(b, 0, 0, b, p["context"] + 1, b))
+            ys.append(p["time_s"])
+        for p in profile["chunked_prefill"]:  # a prompt in k chunks, timed in total
+            c, k = p["chunk_size"], p["prompt"] // p["chunk_size"]
+            rows.append(sum(self.features(c, c * c, c * c * i, 0, 0, 1) for i in range(k)))
+            ys.append(p["time_s"])
+        self._fit(np.array(rows), np.array(ys))
         self.note = f"cpu profile of {profile.get('model', '?')} ({profile.get('dtype', '?')})"
 
-    @property
-    def alpha(self) -> float:
-        return float(self.coef[2])
+    @classmethod
+    def features(cls, tokens: int, sq_work: float, prefix_work: float, singles: int,
+                 ctx_max: int, requests: int) -> np.ndarray:
+        hinges = [max(0, tokens - k) for k in cls.KNOTS]
+        return np.array([1.0, *hinges, sq_work, prefix_work, singles * ctx_max, requests], float)
 
-    @property
-    def beta(self) -> float:
-        return float(self.coef[3])
+    def _fit(self, x: np.ndarray, y: np.ndarray) -> None:
+        """Non-negative least squares on relative error (columns scaled for conditioning)."""
+        from scipy.optimize import nnls
 
-    def L(self, n: int) -> float:
-        return GPUCostModel._interp(self.grid, self.times, n)
-
-    def _fit_alpha(self, runs: list[dict]) -> float:
-        num = den = 0.0
-        for r in runs:
-            c, p = r["chunk_size"], r["prompt"]
-            k = p // c
-            if k < 2:
-                continue
-            prefix_work = c * c * k * (k - 1) / 2  # sum over chunks of q * cached prefix
-            num += (r["time_s"] - k * self.L(c)) * prefix_work
-            den += prefix_work ** 2
-        return max(0.0, num / den) if den else 0.0
-
-    def _fit_beta(self, runs: list[dict]) -> float:
-        xs = np.array([r["batch_size"] * r["context"] for r in runs], float)
-        ys = np.array([r["time_s"] - self.L(r["batch_size"]) for r in runs])
-        return max(0.0, float(xs @ ys / (xs @ xs))) if len(xs) else 0.0
-
-    def features(self, tokens: int, prefix_work: float, singles: int, ctx_max: int,
-                 requests: int) -> np.ndarray:
-        return np.array([1.0, self.L(tokens) - self.L(1), prefix_work, singles * ctx_max,
-                         requests])
+        scale = np.abs(x).max(axis=0)
+        scale[scale == 0] = 1.0
+        coef, _ = nnls(x / y[:, None] / scale, np.ones_like(y))
+        self.coef = coef / scale
 
     def calibrate(self, runs: list[list[dict]]) -> int:
         """Refit on engine telemetry (one list of iteration records per served run); the
         target is the time from one iteration's start to the next one's."""
         rows, ys = [], []
-        pairs = [p for its in runs for p in zip(its, its[1:], strict=False)]
-        for a, b in pairs:
+        for a, b in (p for its in runs for p in zip(its, its[1:], strict=False)):
             gap = b["start"] - a["start"]
             if gap > 1.5 * a["duration"] + 0.02:  # the engine idled in between: not a target
                 continue
-            tokens = a["num_prefill_tokens"] + a["num_decode_tokens"]
-            rows.append(self.features(tokens, a.get("prefix_work", 0), a.get("num_single", 0),
-                                      a.get("single_ctx_max", 0), a["num_requests"]))
+            pre, npre = a["num_prefill_tokens"], a["num_prefill_requests"]
+            # Older telemetry lacks sum q^2: one prompt per prefill request is the estimate.
+            sq = a.get("sq_work", pre * pre / npre if npre else 0)
+            rows.append(self.features(pre + a["num_decode_tokens"], sq, a.get("prefix_work", 0),
+                                      a.get("num_single", 0), a.get("single_ctx_max", 0),
+                                      a["num_requests"]))
             ys.append(gap)
-        if len(rows) < 8:
-            raise ValueError(f"calibration needs at least 8 busy iterations, got {len(rows)}")
-        x, y = np.array(rows), np.array(ys)
-        keep = list(range(x.shape[1]))
-        while True:  # least squares with non-negative coefficients (drop negative terms)
-            coef = np.linalg.lstsq(x[:, keep], y, rcond=None)[0]
-            if (coef >= 0).all():
-                break
-            keep.pop(int(np.argmin(coef)))
-        self.coef = np.zeros(x.shape[1])
-        self.coef[keep] = coef
+        need = 2 * len(self.coef)
+        if len(rows) < need:
+            raise ValueError(f"calibration needs at least {need} busy iterations, got {len(rows)}")
+        self._fit(np.array(rows), np.array(ys))
         self.note += f"; calibrated on {len(ys)} served iterations"
         return len(ys)
 
     def stage_times(self, s: PlanShape) -> list[float]:
-        prefix = sum(q * start for q, start in s.prefills)
-        f = self.features(s.num_tokens, prefix, len(s.decode_ctx), max(s.decode_ctx, default=0),
-                          len(s.prefills) + len(s.decode_ctx))
+        f = self.features(s.num_tokens, sum(q * q for q, _ in s.prefills),
+                          sum(q * start for q, start in s.prefills), len(s.decode_ctx),
+                          max(s.decode_ctx, default=0), len(s.prefills) + len(s.decode_ctx))
         return [float(self.coef @ f)]
 
 

@@ -241,6 +241,10 @@ class SimConfig:
     cpu_calibration: str | None = knob(
         None, "Comma-separated engine telemetry files (`fluidserve serve --telemetry-file`)"
         " to refit the cpu cost model on served iterations.")
+    cpu_jitter: bool = knob(True, "With --cpu-calibration: scale each simulated iteration by a"
+                            " served/fitted time ratio of the calibration, drawn with --seed,"
+                            " so tails include the machine's variability (--no-cpu-jitter: the"
+                            " mean time).")
     gpu_memory_utilization: float = knob(0.9, "Fraction of GPU memory for weights + KV cache.")
     capacity: bool = knob(False, "Search the capacity (max QPS meeting the SLO) instead.")
     find_token_budget: bool = knob(False, "Print the largest token budget meeting --tbt-slo.")

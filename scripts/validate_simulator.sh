@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Simulator vs real engine on this machine. The cpu cost model is calibrated on served runs
 # of one seeded workload (seed 1 at CAL_RATE, default RATE), then predicts a held-out
-# workload (seed 0 at RATE) that is also measured with `fluidserve bench` against `fluidserve serve`; the
-# script prints measured vs simulated P50 TTFT, P99 TBT and throughput for both schedulers.
+# workload (seed 0 at RATE) that is also measured with `fluidserve bench` against `fluidserve serve`;
+# it is also simulated calibrated on its own served telemetry. The script prints measured vs
+# simulated P50 TTFT, P99 TBT and throughput for both schedulers and both calibrations.
 # Results: runs/sim-validation/ (validation.json).
 set -euo pipefail
 OUT=${OUT:-runs/sim-validation}
@@ -40,11 +41,16 @@ for name in sarathi vllm; do
 done
 cal=$(IFS=,; echo "${calib[*]}")
 for name in sarathi vllm; do
-  # shellcheck disable=SC2086
-  fluidserve simulate --cost-model cpu --cpu-calibration "$cal" "${LENGTHS[@]}" --seed 0 \
-    --num-prompts "$N" --request-rate "$RATE" --max-model-len 2048 --kv-cache-memory-gb 2 \
-    ${SCHED[$name]} \
-    --label "sim-$name" --output-dir "$OUT/sim-$name" > /dev/null
+  # held-out: calibrated on the seed-1 runs of both schedulers; in-sample: on the measured
+  # run's own telemetry (what remains is the simulator, not the machine's drift between runs)
+  for protocol in heldout insample; do
+    c=$cal; [ "$protocol" = insample ] && c="$OUT/measured-$name.jsonl"
+    # shellcheck disable=SC2086
+    fluidserve simulate --cost-model cpu --cpu-calibration "$c" "${LENGTHS[@]}" --seed 0 \
+      --num-prompts "$N" --request-rate "$RATE" --max-model-len 2048 --kv-cache-memory-gb 2 \
+      ${SCHED[$name]} --label "sim-$name-$protocol" --output-dir "$OUT/sim-$name-$protocol" \
+      > /dev/null
+  done
 done
 python - "$OUT" <<'PY'
 import json, sys
@@ -52,12 +58,16 @@ out = sys.argv[1]
 rows = {"P50 TTFT (s)": lambda s: s["ttft_s"]["p50"], "P99 TBT (s)": lambda s: s["tbt_s"]["p99"],
         "output tokens/s": lambda s: s["output_token_throughput"]}
 result = {}
-for name in ("sarathi", "vllm"):
-    m = json.load(open(f"{out}/measured-{name}/summary.json"))
-    s = json.load(open(f"{out}/sim-{name}/summary.json"))
-    for metric, f in rows.items():
-        err = (f(s) - f(m)) / f(m)
-        result.setdefault(name, {})[metric] = {"measured": f(m), "simulated": f(s), "error": err}
-        print(f"{name:8s} {metric:16s} measured {f(m):8.4f}  simulated {f(s):8.4f}  ({err:+.1%})")
+for protocol in ("heldout", "insample"):
+    print(f"calibration: {protocol}")
+    for name in ("sarathi", "vllm"):
+        m = json.load(open(f"{out}/measured-{name}/summary.json"))
+        s = json.load(open(f"{out}/sim-{name}-{protocol}/summary.json"))
+        for metric, f in rows.items():
+            err = (f(s) - f(m)) / f(m)
+            result.setdefault(protocol, {}).setdefault(name, {})[metric] = {
+                "measured": f(m), "simulated": f(s), "error": err}
+            print(f"  {name:8s} {metric:16s} measured {f(m):8.4f}  simulated {f(s):8.4f}"
+                  f"  ({err:+.1%})")
 json.dump(result, open(f"{out}/validation.json", "w"), indent=1)
 PY

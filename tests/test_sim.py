@@ -82,18 +82,17 @@ def test_cpu_cost_model_reproduces_its_profile():
         assert total == pytest.approx(p["time_s"], rel=0.15)
 
 
-def test_cpu_cost_model_calibrates_on_served_telemetry():
-    """Telemetry whose iterations took twice the profile's prices, with a per-request cost
-    on top, refits the model to those prices (previous records without sq_work included)."""
-    base = CPUCostModel(load_cpu_profile(None))
+def _served(base: CPUCostModel, noise=lambda shape, rng: 1.0, n: int = 300) -> list[dict]:
+    """Telemetry of iterations that took twice the profile's prices plus 4 ms per request,
+    times ``noise``; every other record lacks sq_work, as older telemetry files do."""
     rng = np.random.default_rng(0)
     its, t = [], 0.0
-    for i in range(300):
+    for i in range(n):
         pre = int(rng.choice([0, 0, 0, 40, 200, 700]))
         dec = int(rng.integers(0 if pre else 1, 24))
         ctx = int(rng.integers(20, 900))
         shape = PlanShape(pre + dec, ((pre, 0),) if pre else (), (ctx,) * dec, dec + bool(pre))
-        dur = 2 * base.stage_times(shape)[0] + 0.004 * shape_requests(shape)
+        dur = (2 * base.stage_times(shape)[0] + 0.004 * shape_requests(shape)) * noise(shape, rng)
         rec = {"start": t, "duration": dur, "num_prefill_tokens": pre, "num_decode_tokens": dec,
                "num_requests": dec + bool(pre), "num_prefill_requests": int(bool(pre)),
                "prefix_work": 0, "num_single": dec, "single_ctx_max": ctx if dec else 0}
@@ -101,14 +100,42 @@ def test_cpu_cost_model_calibrates_on_served_telemetry():
             rec["sq_work"] = pre * pre
         its.append(rec)
         t += dur
+    return its
+
+
+def test_cpu_cost_model_calibrates_on_served_telemetry():
+    base = CPUCostModel(load_cpu_profile(None))
     m = CPUCostModel(load_cpu_profile(None))
-    assert m.calibrate([its]) == 299 and "calibrated on 299" in m.note
+    assert m.calibrate([_served(base)]) == 299 and "calibrated on 299" in m.note
     for shape in (_prefill(512), PlanShape(16, (), (300,) * 16, 16),
                   PlanShape(216, ((200, 0),), (400,) * 16, 17)):
         want = 2 * base.stage_times(shape)[0] + 0.004 * shape_requests(shape)
         assert m.stage_times(shape)[0] == pytest.approx(want, rel=0.1)
     with pytest.raises(ValueError, match="at least"):
-        CPUCostModel(load_cpu_profile(None)).calibrate([its[:5]])
+        CPUCostModel(load_cpu_profile(None)).calibrate([_served(base, n=6)])
+
+
+def test_cpu_jitter_replays_served_variability_by_batch_group():
+    """Served iterations of big batches vary +-50%, small ones not at all: with jitter the
+    simulated times do the same (around the served mean), reproducibly per seed; without it
+    they are the fitted time."""
+    base = CPUCostModel(load_cpu_profile(None))
+    m = CPUCostModel(load_cpu_profile(None))
+    m.calibrate([_served(base, lambda s, rng: rng.choice([0.5, 1.5]) if
+                          shape_requests(s) >= 12 else 1.0, n=600)])
+    big, small = PlanShape(16, (), (300,) * 16, 16), PlanShape(4, (), (300,) * 4, 4)
+    mean_big = m.stage_times(big)[0]
+    m.reseed(0)  # jitter off: reseeding changes nothing
+    assert m.stage_times(big)[0] == mean_big
+    m.jitter = True
+    m.reseed(7)
+    draws = [m.stage_times(big)[0] for _ in range(200)]
+    m.reseed(7)
+    assert [m.stage_times(big)[0] for _ in range(200)] == draws
+    served_mean = 2 * base.stage_times(big)[0] + 0.004 * 16  # the noise has mean 1
+    assert max(draws) / min(draws) > 2.5 and np.mean(draws) == pytest.approx(served_mean, rel=0.1)
+    smalls = [m.stage_times(small)[0] for _ in range(200)]
+    assert np.std(smalls) / np.mean(smalls) < np.std(draws) / np.mean(draws) / 3
 
 
 def shape_requests(s: PlanShape) -> int:

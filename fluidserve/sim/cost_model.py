@@ -60,6 +60,10 @@ class CostModel(ABC):
     def iteration_time(self, plan: SchedulerOutput) -> float:
         return sum(self.stage_times(PlanShape.of(plan)))
 
+    def reseed(self, seed: int) -> None:
+        """Restart the model's randomness, if it has any, so a run follows from its seed."""
+        return None
+
 
 # ----------------------------------------------------------------------------- GPU
 @cache
@@ -217,10 +221,20 @@ class CPUCostModel(CostModel):
     Coefficients are non-negative and fitted to relative error, first on the points of a
     `fluidserve profile` run, then (``calibrate``) on engine telemetry of served runs, which
     prices the hybrid batches, the engine's per-request overheads and the server's
-    contention for the cores as they really were.
+    contention for the cores as they really were. Calibration also keeps the served
+    iterations' residuals (served / fitted time), grouped by whether the batch holds a
+    multi-token chunk and by how many requests it holds (the variability grows with the
+    streams the server feeds while it computes): with ``jitter`` set, every simulated
+    iteration is scaled by a residual drawn at random from its group (``reseed``), so the
+    simulated tails include the served machine's iteration-to-iteration variability.
     """
 
     KNOTS = (0, 16, 64, 128, 256, 512, 1024, 2048)
+    REQUEST_GROUPS = (3, 6, 12)  # residual groups: <3, 3-5, 6-11, >=12 requests in the batch
+    MIN_GROUP = 20  # smaller groups draw from all residuals
+    jitter = False
+    residuals: dict[tuple[bool, int] | None, np.ndarray] | None = None
+    _rng: np.random.Generator | None = None
 
     def __init__(self, profile: dict) -> None:
         rows, ys = [], []
@@ -257,7 +271,7 @@ class CPUCostModel(CostModel):
     def calibrate(self, runs: list[list[dict]]) -> int:
         """Refit on engine telemetry (one list of iteration records per served run); the
         target is the time from one iteration's start to the next one's."""
-        rows, ys = [], []
+        rows, ys, groups = [], [], []
         for a, b in (p for its in runs for p in zip(its, its[1:], strict=False)):
             gap = b["start"] - a["start"]
             if gap > 1.5 * a["duration"] + 0.02:  # the engine idled in between: not a target
@@ -269,18 +283,44 @@ class CPUCostModel(CostModel):
                                       a.get("num_single", 0), a.get("single_ctx_max", 0),
                                       a["num_requests"]))
             ys.append(gap)
+            groups.append(self._group(a["num_requests"] > a.get("num_single", 0),
+                                      a["num_requests"]))
         need = 2 * len(self.coef)
         if len(rows) < need:
             raise ValueError(f"calibration needs at least {need} busy iterations, got {len(rows)}")
-        self._fit(np.array(rows), np.array(ys))
-        self.note += f"; calibrated on {len(ys)} served iterations"
+        x, y = np.array(rows), np.array(ys)
+        self._fit(x, y)
+        ratio = y / (x @ self.coef)
+        self.coef *= ratio.mean()  # the fit is to relative error; keep the mean time unbiased
+        ratio /= ratio.mean()
+        self.residuals = {None: ratio}
+        for g in set(groups):
+            member = ratio[np.array([h == g for h in groups])]
+            if len(member) >= self.MIN_GROUP:
+                self.residuals[g] = member
+        p10, p90 = np.percentile(ratio, [10, 90])
+        self.note += (f"; calibrated on {len(ys)} served iterations (served/fitted time:"
+                      f" p10 {p10:.2f}, p90 {p90:.2f})")
         return len(ys)
+
+    def reseed(self, seed: int) -> None:
+        use = self.jitter and self.residuals is not None
+        self._rng = np.random.default_rng(seed) if use else None
 
     def stage_times(self, s: PlanShape) -> list[float]:
         f = self.features(s.num_tokens, sum(q * q for q, _ in s.prefills),
                           sum(q * start for q, start in s.prefills), len(s.decode_ctx),
                           max(s.decode_ctx, default=0), len(s.prefills) + len(s.decode_ctx))
-        return [float(self.coef @ f)]
+        t = float(self.coef @ f)
+        if self._rng is not None:
+            g = self._group(bool(s.prefills), len(s.prefills) + len(s.decode_ctx))
+            pool = self.residuals.get(g, self.residuals[None])
+            t *= pool[self._rng.integers(len(pool))]
+        return [t]
+
+    @classmethod
+    def _group(cls, has_chunk: bool, requests: int) -> tuple[bool, int]:
+        return has_chunk, int(np.searchsorted(cls.REQUEST_GROUPS, requests, side="right"))
 
 
 def read_telemetry(paths: list[str]) -> list[list[dict]]:

@@ -42,6 +42,7 @@ def make_cost_model(sim: SimConfig) -> CostModel:
         model = CPUCostModel(load_cpu_profile(sim.cpu_profile))
         if sim.cpu_calibration:
             model.calibrate(read_telemetry(sim.cpu_calibration.split(",")))
+            model.jitter = sim.cpu_jitter
         return model
     return GPUCostModel(sim.model_shape, sim.device, sim.tp, sim.pp)
 
@@ -78,6 +79,7 @@ def run_once(sim: SimConfig, eng: EngineConfig, bench: BenchConfig, rate: float 
     spec = workload_spec(bench, **({"request_rate": rate} if rate is not None else {}))
     work, source = build_workload(spec)
     ex = make_executor(sim, eng, cost)
+    cost.reseed(spec.seed)
     t0 = time.perf_counter()
     res = simulate(work, eng, ex)
     score_fluidity(res.records, constant_deadline(bench.ttft_deadline), bench.tbt_deadline)

@@ -69,12 +69,12 @@ def test_core_does_not_import_torch():
 
 def test_block_manager_allocate_free_and_invariants():
     bm = BlockManager(10, 4, watermark=0.2)
-    assert bm.allocate("a", 9) and bm.table("a") == [0, 1, 2]
+    assert bm.allocate("a", 9) and bm.table("a") == (0, 1, 2)
     assert bm.allocate("a", 12) and len(bm.table("a")) == 3  # still fits in 3 blocks
     assert bm.allocate("a", 13) and len(bm.table("a")) == 4
     assert not bm.can_allocate("b", 20, admit=True)  # 5 blocks > 6 free - 2 watermark
     assert bm.can_allocate("b", 16, admit=True)
-    assert not bm.allocate("b", 40) and bm.table("b") == []  # failure changes nothing
+    assert not bm.allocate("b", 40) and bm.table("b") == ()  # failure changes nothing
     bm.check_invariants({"a": 13})
     assert bm.free("a") == 4 and bm.num_free_blocks == 10
     bm.check_invariants()

@@ -19,7 +19,9 @@ class BlockManager:
         # Admission keeps this many blocks free so running requests can still grow.
         self.watermark_blocks = int(watermark * num_blocks)
         self._free: deque[int] = deque(range(num_blocks))
-        self._tables: dict[str, list[int]] = {}
+        # Tables are tuples, replaced when they grow (once per block_size tokens), so the
+        # scheduler hands them to every iteration's batch without copying.
+        self._tables: dict[str, tuple[int, ...]] = {}
 
     @property
     def num_free_blocks(self) -> int:
@@ -32,8 +34,8 @@ class BlockManager:
     def blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
 
-    def table(self, request_id: str) -> list[int]:
-        return self._tables.get(request_id, [])
+    def table(self, request_id: str) -> tuple[int, ...]:
+        return self._tables.get(request_id, ())
 
     def num_new_blocks(self, request_id: str, num_tokens: int) -> int:
         """Blocks to add so that ``request_id`` can hold ``num_tokens`` tokens in total."""
@@ -55,13 +57,12 @@ class BlockManager:
             return True
         if need > len(self._free):
             return False
-        if table is None:
-            table = self._tables[request_id] = []
-        table.extend(self._free.popleft() for _ in range(need))
+        popleft = self._free.popleft
+        self._tables[request_id] = (table or ()) + tuple(popleft() for _ in range(need))
         return True
 
     def free(self, request_id: str) -> int:
-        blocks = self._tables.pop(request_id, [])
+        blocks = self._tables.pop(request_id, ())
         self._free.extend(blocks)
         return len(blocks)
 

@@ -47,16 +47,17 @@ class Batch:
         self.left -= n
         self.num_prefills += not is_decode
 
-    def chunk(self, req: Request, n: int, is_decode: bool, table: list[int]) -> ScheduledChunk:
+    def chunk(self, req: Request, n: int, is_decode: bool, table: tuple[int, ...]
+              ) -> ScheduledChunk:
         # Members of a batch are never preempted later in the same schedule() (victims
         # exclude them), so their state is still what it was when they were added.
         start = req.num_computed_tokens
         out = req.output_token_ids
         if is_decode:  # the one uncomputed token is the last one sampled
-            return ScheduledChunk(req.request_id, start, (out[-1],), tuple(table), True,
+            return ScheduledChunk(req.request_id, start, (out[-1],), table, True,
                                   req.params, req.seed, len(out), True)
         return ScheduledChunk(req.request_id, start, tuple(req.token_slice(start, start + n)),
-                              tuple(table), start + n == req.num_tokens, req.params, req.seed,
+                              table, start + n == req.num_tokens, req.params, req.seed,
                               len(out), False)
 
 

@@ -213,7 +213,7 @@ class CPUCostModel(CostModel):
 
     T is the batch's token count, so the first terms are a convex piecewise-linear curve in
     T (flat while streaming the weights dominates, steeper once the matmuls are compute
-    bound, and steeper again where they stop fitting the caches). Attention adds each
+    bound), with knots where the profile bends. Attention adds each
     multi-token chunk's work against itself (q^2) and against its cached prefix (q x
     cached), and the one-token runs' cost, which the executor pays as every run's KV
     gathered to the longest context; the last term is per-request engine work.

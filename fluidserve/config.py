@@ -63,6 +63,14 @@ class EngineConfig:
     )
     watermark: float = knob(0.01, "Fraction of KV blocks kept free when admitting new requests.")
     num_threads: int | None = knob(None, "Torch intra-op threads on CPU (default: torch's).")
+    attention_backend: str = knob(
+        "auto", "native: the compiled paged-attention kernel (built once per machine); eager:"
+        " PyTorch reference code; auto: native where it builds and supports the shape.",
+        choices=("auto", "native", "eager"))
+    linear_backend: str = knob(
+        "auto", "packed: oneDNN linear layers on weights prepacked at load (CPU); eager:"
+        " F.linear; auto: packed where oneDNN supports the dtype.",
+        choices=("auto", "packed", "eager"))
 
     def __post_init__(self) -> None:
         if self.scheduler not in SCHEDULERS:

@@ -11,8 +11,10 @@ from fluidserve.sampling_params import SamplingParams
 
 from .conftest import ARCHS
 
-BS = 4
+BS = 16
 GREEDY = SamplingParams(temperature=0.0)
+# (attention, linear) backends: the compiled/prepacked fast path and the eager reference.
+BACKENDS = [("native", "packed"), ("eager", "eager")]
 
 
 def hf_logits(model_dir, ids: list[int]) -> torch.Tensor:
@@ -37,14 +39,17 @@ def chunk(rid: str, ids: list[int], start: int, n: int, table: list[int]) -> Sch
     )
 
 
+@pytest.mark.parametrize("backends", BACKENDS, ids=lambda b: "-".join(b))
 @pytest.mark.parametrize("arch", ARCHS)
-def test_chunked_prefill_and_decode_logits_match_transformers(hf_models, arch):
-    ex = ModelExecutor(hf_models[arch], num_blocks=64, block_size=BS)
+def test_chunked_prefill_and_decode_logits_match_transformers(hf_models, arch, backends):
+    ex = ModelExecutor(hf_models[arch], num_blocks=64, block_size=BS,
+                       attention_backend=backends[0], linear_backend=backends[1])
+    assert ex.native_attention == (backends[0] == "native")
     g = torch.Generator().manual_seed(1)
     a = torch.randint(3, ex.arch.vocab_size, (45,), generator=g).tolist()
     b = torch.randint(3, ex.arch.vocab_size, (23,), generator=g).tolist()
     ref_a, ref_b = hf_logits(hf_models[arch], a), hf_logits(hf_models[arch], b)
-    table_a, table_b = list(range(0, 12)), list(range(20, 26))
+    table_a, table_b = [7, 2, 30], [11, 5]  # scattered, as after frees
     # Request a: chunks of 13, 7, 1 (a single-token chunk), then more; b is prefilled whole and
     # then decodes alongside a's later chunks in the same flattened batch.
     plans = [
@@ -68,13 +73,15 @@ def test_chunked_prefill_and_decode_logits_match_transformers(hf_models, arch):
                 )
 
 
+@pytest.mark.parametrize("backends", BACKENDS, ids=lambda b: "-".join(b))
 @pytest.mark.parametrize("arch", ARCHS)
-def test_bfloat16_logits_close_to_transformers(hf_models, arch):
-    ex = ModelExecutor(hf_models[arch], dtype="bfloat16", num_blocks=16, block_size=BS)
+def test_bfloat16_logits_close_to_transformers(hf_models, arch, backends):
+    ex = ModelExecutor(hf_models[arch], dtype="bfloat16", num_blocks=16, block_size=BS,
+                       attention_backend=backends[0], linear_backend=backends[1])
     ids = list(range(5, 40))
     ref = hf_logits(hf_models[arch], ids)[-1]
     with torch.inference_mode():
-        got = ex.logits(SchedulerOutput(0, [chunk("a", ids, 0, len(ids), list(range(9)))]))[0]
+        got = ex.logits(SchedulerOutput(0, [chunk("a", ids, 0, len(ids), [3, 0, 1])]))[0]
     assert ex.kv_caches[0][0].dtype == torch.bfloat16
     # bf16 keeps ~3 significant digits; compare against the logit scale.
     assert (got - ref).abs().max() <= 0.05 * ref.abs().max()
@@ -85,9 +92,10 @@ def test_tied_embeddings_load(tmp_path, tokenizer_dir):
     from .conftest import make_hf_model
 
     d = make_hf_model("llama", tmp_path, 300, tied=True)
-    ex = ModelExecutor(d, num_blocks=8, block_size=BS)
-    assert ex.model.lm_head.weight is ex.model.embed_tokens.weight
+    eager = ModelExecutor(d, num_blocks=8, block_size=BS, linear_backend="eager")
+    assert eager.model.lm_head.weight is eager.model.embed_tokens.weight
     ids = list(range(3, 20))
-    with torch.inference_mode():
-        got = ex.logits(SchedulerOutput(0, [chunk("a", ids, 0, len(ids), [0, 1, 2, 3, 4])]))[0]
-    torch.testing.assert_close(got, hf_logits(d, ids)[-1], atol=2e-4, rtol=2e-4)
+    for ex in (eager, ModelExecutor(d, num_blocks=8, block_size=BS, linear_backend="packed")):
+        with torch.inference_mode():
+            got = ex.logits(SchedulerOutput(0, [chunk("a", ids, 0, len(ids), [0, 1])]))[0]
+        torch.testing.assert_close(got, hf_logits(d, ids)[-1], atol=2e-4, rtol=2e-4)

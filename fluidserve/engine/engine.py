@@ -250,5 +250,7 @@ def build_model_executor(config: EngineConfig):
         num_blocks=config.num_kv_blocks,
         kv_cache_memory_gb=config.kv_cache_memory_gb,
         max_model_len=config.max_model_len,
+        attention_backend=config.attention_backend,
+        linear_backend=config.linear_backend,
     )
     return executor, model_dir

@@ -1,13 +1,21 @@
 """Paged attention over one flattened hybrid batch.
 
-The batch is a concatenation of per-request token runs: prefill chunks (many tokens, each
+The batch is a concatenation of per-request query runs: prefill chunks (many tokens, each
 attending causally to the request's earlier tokens, some already in the cache from earlier
-chunks) and decodes (one token attending to the whole cache). Keys and values are written
-into the paged cache first; every query then reads its context through its block table, so
-a chunked prefill computes exactly what an unchunked one would.
+chunks) and decodes (one token attending to the whole cache). Keys and values of the batch are
+written into the paged cache first; every query then reads its context through its block
+table, so a chunked prefill computes exactly what an unchunked one would.
 
-KV cache layout per layer: ``[num_blocks, block_size, num_kv_heads, head_dim]``; token ``i``
-of a request sits at ``cache[table[i // block_size], i % block_size]``.
+KV cache layout per layer (token ``i`` of a request lives in block ``table[i // block_size]``
+at offset ``i % block_size``):
+
+- keys   ``[num_blocks, num_kv_heads, head_dim, block_size]``: transposed within a block, so the
+  compiled kernel scores a query against a whole block with block-wide vector multiply-adds;
+- values ``[num_blocks, num_kv_heads, block_size, head_dim]``.
+
+Two implementations share this layout: the compiled kernel (``fluidserve.kernels``; one call
+per layer for the whole batch, no padding, no per-request Python) and the eager PyTorch code
+below, which is the reference and the fallback where the kernel cannot be built.
 """
 
 from __future__ import annotations
@@ -17,39 +25,32 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-
-@dataclass
-class PrefillRun:
-    q_start: int  # offset of the chunk's first token in the flattened batch
-    q_len: int
-    start: int  # position of the chunk's first token in its request
-    block_table: torch.Tensor  # [num_blocks_of_request] long
-
-    @property
-    def ctx_len(self) -> int:
-        return self.start + self.q_len
+# Runs of at least this many query tokens use ATen's flash attention inside the compiled
+# kernel (faster once a run has many queries; measured on this CPU at 16 queries and up).
+MIN_LONG_RUN = 16
 
 
 @dataclass
 class AttentionMetadata:
-    slot_mapping: torch.Tensor  # [T] long: flat cache slot of every batch token
-    prefills: list[PrefillRun]  # runs with q_len > 1
-    single_idx: torch.Tensor  # [S] long: batch positions of one-token runs (decodes)
-    single_tables: torch.Tensor  # [S, max_blocks] long, padded with block 0 (masked)
-    single_ctx_lens: torch.Tensor  # [S] long
+    slot_mapping: torch.Tensor  # [T] int64: flat cache slot (block * block_size + offset)
+    cu_q: torch.Tensor  # [S + 1] int32: run s holds batch tokens cu_q[s] .. cu_q[s+1]-1
+    ctx_lens: torch.Tensor  # [S] int32: the run's last position + 1
+    block_tables: torch.Tensor  # [S, max_blocks] int32, padded with block 0
     block_size: int
+    runs: list[tuple[int, int, int]]  # (q_start, q_len, ctx_len) per run, on the host
+    native: bool = True  # use the compiled kernel
 
 
-def write_kv(
-    k: torch.Tensor,
-    v: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    slots: torch.Tensor,
-) -> None:
-    # k, v: [T, Hkv, D]; caches viewed as [num_blocks * block_size, Hkv, D]
-    k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, slots, k)
-    v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, slots, v)
+def new_kv_cache(num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
+                 dtype: torch.dtype, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    k = torch.zeros(num_blocks, num_kv_heads, head_dim, block_size, dtype=dtype, device=device)
+    v = torch.zeros(num_blocks, num_kv_heads, block_size, head_dim, dtype=dtype, device=device)
+    return k, v
+
+
+def native_supported(block_size: int, head_dim: int, device: torch.device) -> bool:
+    return device.type == "cpu" and block_size in (16, 32) and head_dim % 16 == 0 \
+        and head_dim <= 256
 
 
 def paged_attention(
@@ -62,46 +63,76 @@ def paged_attention(
     scale: float,
 ) -> torch.Tensor:
     """q: [T, H, D]; k, v: [T, Hkv, D] (this batch's new tokens). Returns [T, H, D]."""
-    write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
     out = torch.empty_like(q)
-    for run in meta.prefills:
-        sl = slice(run.q_start, run.q_start + run.q_len)
-        out[sl] = _prefill_attention(q[sl], k[sl], v[sl], k_cache, v_cache, run, scale)
-    if meta.single_idx.numel():
-        out[meta.single_idx] = _single_token_attention(
-            q[meta.single_idx], k_cache, v_cache, meta, scale
-        )
+    if meta.native:
+        from fluidserve.kernels import cpu_ops
+
+        cpu_ops().paged_attention(out, q, k.contiguous(), v.contiguous(), k_cache, v_cache,
+                                  meta.slot_mapping, meta.cu_q, meta.ctx_lens, meta.block_tables,
+                                  scale, MIN_LONG_RUN)
+        return out
+    write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+    singles = []
+    for s, (q0, n, ctx) in enumerate(meta.runs):
+        if n == 1:
+            singles.append(s)
+            continue
+        sl = slice(q0, q0 + n)
+        out[sl] = _run_attention(q[sl], k[sl], v[sl], k_cache, v_cache,
+                                 meta.block_tables[s], ctx, scale)
+    if singles:
+        idx = torch.tensor([meta.runs[s][0] for s in singles], device=q.device)
+        out[idx] = _single_token_attention(q[idx], k_cache, v_cache, meta, singles, scale)
     return out
 
 
-def _prefill_attention(q, k, v, k_cache, v_cache, run: PrefillRun, scale: float) -> torch.Tensor:
+def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+             slots: torch.Tensor) -> None:
+    bs = k_cache.shape[3]
+    blk, off = slots // bs, slots % bs
+    k_cache[blk, :, :, off] = k  # indexed dims first: [T, Hkv, D]
+    v_cache[blk, :, off, :] = v
+
+
+def gather_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, table: torch.Tensor, ctx: int
+              ) -> tuple[torch.Tensor, torch.Tensor]:
+    """A request's context as contiguous [Hkv, ctx, D] keys and values."""
+    hkv, d, bs = k_cache.shape[1:]
+    nb = -(-ctx // bs)
+    blocks = table[:nb].long()
+    kh = k_cache[blocks].permute(1, 0, 3, 2).reshape(hkv, nb * bs, d)[:, :ctx]
+    vh = v_cache[blocks].permute(1, 0, 2, 3).reshape(hkv, nb * bs, d)[:, :ctx]
+    return kh, vh
+
+
+def _run_attention(q, k, v, k_cache, v_cache, table, ctx: int, scale: float) -> torch.Tensor:
+    n = q.shape[0]
     qh = q.transpose(0, 1).unsqueeze(0)  # [1, H, L, D]
-    if run.start == 0:  # first chunk: its own keys are the whole context
+    if ctx == n:  # a first chunk: its own keys are the whole context
         kh, vh = k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0)
         o = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, scale=scale, enable_gqa=True)
         return o.squeeze(0).transpose(0, 1)
-    ctx = run.ctx_len
-    kh = _gather(k_cache, run.block_table)[:ctx].transpose(0, 1).unsqueeze(0)  # [1,Hkv,ctx,D]
-    vh = _gather(v_cache, run.block_table)[:ctx].transpose(0, 1).unsqueeze(0)
-    q_pos = torch.arange(run.start, ctx, device=q.device)
+    kh, vh = gather_kv(k_cache, v_cache, table, ctx)
+    q_pos = torch.arange(ctx - n, ctx, device=q.device)
     mask = torch.arange(ctx, device=q.device)[None, :] <= q_pos[:, None]  # [L, ctx]
-    o = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, scale=scale, enable_gqa=True)
+    o = F.scaled_dot_product_attention(qh, kh[None], vh[None], attn_mask=mask, scale=scale,
+                                       enable_gqa=True)
     return o.squeeze(0).transpose(0, 1)
 
 
-def _single_token_attention(q, k_cache, v_cache, meta: AttentionMetadata, scale: float):
-    s, max_blocks = meta.single_tables.shape
-    kv_shape = (s, max_blocks * meta.block_size, *k_cache.shape[2:])
-    kh = k_cache[meta.single_tables].view(kv_shape).transpose(1, 2)  # [S, Hkv, ctx, D]
-    vh = v_cache[meta.single_tables].view(kv_shape).transpose(1, 2)
-    pos = torch.arange(kv_shape[1], device=q.device)
-    mask = (pos[None, :] < meta.single_ctx_lens[:, None])[:, None, None, :]  # [S,1,1,ctx]
+def _single_token_attention(q, k_cache, v_cache, meta: AttentionMetadata, runs: list[int],
+                            scale: float) -> torch.Tensor:
+    # One query per run: gather every run's blocks into a padded [S, Hkv, ctx_max, D] batch.
+    bs = meta.block_size
+    ctx = meta.ctx_lens[runs].long()
+    nb = -(-int(ctx.max()) // bs)
+    tables = meta.block_tables[runs, :nb].long()  # [S, nb]
+    s, hkv, d = len(runs), k_cache.shape[1], k_cache.shape[2]
+    kh = k_cache[tables].permute(0, 2, 1, 4, 3).reshape(s, hkv, nb * bs, d)
+    vh = v_cache[tables].permute(0, 2, 1, 3, 4).reshape(s, hkv, nb * bs, d)
+    pos = torch.arange(nb * bs, device=q.device)
+    mask = (pos[None, :] < ctx[:, None])[:, None, None, :]  # [S, 1, 1, ctx]
     o = F.scaled_dot_product_attention(
         q.unsqueeze(2), kh, vh, attn_mask=mask, scale=scale, enable_gqa=True
     )
     return o.squeeze(2)  # [S, H, D]
-
-
-def _gather(cache: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
-    # [n, block_size, Hkv, D] -> [n * block_size, Hkv, D]
-    return cache[table].flatten(0, 1)

@@ -41,6 +41,8 @@ SHAPES = {
     "small": ModelShape(512, 1408, 8, 8, 4),
     # ~250M parameters with a Llama-2-like 32000-token vocabulary.
     "250m": ModelShape(1024, 2816, 20, 16, 8, vocab_size=32000, max_position_embeddings=4096),
+    # ~213M parameters, grouped-query attention 16/4: the shape of the engine races.
+    "200m-gqa": ModelShape(1024, 2816, 16, 16, 4, vocab_size=32000, max_position_embeddings=4096),
 }
 DEFAULT_SHAPE = "tiny"
 

@@ -137,4 +137,4 @@ class LlamaForCausalLM(nn.Module):
         for layer, kv in zip(self.layers, kv_caches, strict=True):
             x = layer(x, cos, sin, meta, kv)
         x = self.norm(x[logits_idx])
-        return self.lm_head(x).float()  # [S, vocab]
+        return self.lm_head(x)  # [S, vocab], model dtype

@@ -1,8 +1,11 @@
-"""Token sampling: greedy, temperature, top-k, top-p, seeded per token.
+"""Token sampling for the whole batch at once: greedy, temperature, top-k, top-p, seeded.
 
-The n-th output token of a request is drawn from a generator seeded by (seed, n), so a
-request's output depends only on its logits and its seed, never on which other requests
-shared the batch or whether it was preempted and recomputed.
+Every row is sampled by inverse transform: the token whose cumulative probability first
+exceeds a uniform number ``u``. ``u`` is a hash of the request's seed and the token's index in
+its output, so the n-th output token of a request depends only on its logits and its seed,
+never on which other requests shared the batch or whether it was preempted and recomputed;
+and there is no per-request generator, only a handful of tensor operations for the batch and
+one copy of the sampled ids to the host.
 """
 
 from __future__ import annotations
@@ -11,49 +14,93 @@ import torch
 
 from fluidserve.core.scheduler.output import ScheduledChunk
 
-_MASK64 = (1 << 63) - 1
+_MASK64 = (1 << 64) - 1
 
 
 def token_seed(seed: int, index: int) -> int:
-    return (seed * 0x9E3779B97F4A7C15 + (index + 1) * 0xBF58476D1CE4E5B9) & _MASK64
+    """splitmix64 of (seed, index): a well-mixed 64-bit value per request and token index."""
+    x = (seed * 0x9E3779B97F4A7C15 + (index + 1) * 0xBF58476D1CE4E5B9) & _MASK64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return x ^ (x >> 31)
 
 
-def filter_logits(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
-    """logits: [V] float32, already divided by temperature. Returns a masked copy."""
-    if 0 < top_k < logits.numel():
-        kth = torch.topk(logits, top_k).values[-1]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    if top_p < 1.0:
-        sorted_logits, order = torch.sort(logits, descending=True)
-        cum = sorted_logits.softmax(-1).cumsum(-1)
-        # drop a token when the mass before it already reaches top_p (the first always stays)
-        drop_sorted = (cum - sorted_logits.softmax(-1)) >= top_p
-        drop = torch.zeros_like(drop_sorted).scatter(0, order, drop_sorted)
-        logits = logits.masked_fill(drop, float("-inf"))
-    return logits
+def uniform(seed: int, index: int) -> float:
+    """A number in (0, 1) from 53 bits of ``token_seed``."""
+    return ((token_seed(seed, index) >> 11) + 0.5) / (1 << 53)
+
+
+def filter_threshold(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor
+                     ) -> torch.Tensor:
+    """Per row, the smallest logit that top-k and top-p keep (logits: [R, V] float32, already
+    divided by temperature; top_k <= 0 and top_p >= 1 disable a filter). Ties with the
+    threshold are kept."""
+    sorted_logits = torch.sort(logits, dim=-1, descending=True).values
+    v = logits.shape[-1]
+    k = torch.where(top_k > 0, top_k.clamp(max=v), torch.full_like(top_k, v))
+    probs = sorted_logits.softmax(-1)
+    # A token is kept while the mass before it is below top_p (the first is always kept).
+    before = probs.cumsum(-1) - probs
+    kept_p = (before < top_p[:, None]).sum(-1)
+    keep = torch.minimum(k, kept_p.clamp(min=1))
+    return sorted_logits.gather(1, (keep - 1)[:, None]).squeeze(1)
+
+
+def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
+    """Per-row argmax; ties go to the lowest id."""
+    if logits.device.type == "cpu":
+        from fluidserve.kernels import cpu_ops
+
+        ops = cpu_ops()
+        if ops is not None:
+            return ops.argmax_rows(logits.contiguous())
+    return logits.max(dim=-1).indices
 
 
 def sample(
     logits: torch.Tensor, chunks: list[ScheduledChunk]
 ) -> tuple[list[int], list[tuple[float, list[tuple[int, float]]] | None]]:
-    """logits: [S, V] float32, one row per sampling chunk. Returns token ids and logprobs."""
-    tokens = logits.argmax(dim=-1).tolist()
-    for i, c in enumerate(chunks):
-        p = c.params
-        if p.greedy:
-            continue
-        row = filter_logits(logits[i] / p.temperature, p.top_k, p.top_p)
-        gen = torch.Generator(device=logits.device).manual_seed(token_seed(c.seed, c.output_index))
-        tokens[i] = int(torch.multinomial(row.softmax(-1), 1, generator=gen))
+    """logits: [S, V], one row per sampling chunk. Returns token ids and logprobs."""
+    params = [c.params for c in chunks]
+    tokens = greedy_tokens(logits)
+    rows = [i for i, p in enumerate(params) if not p.greedy]
+    if rows:
+        tokens[rows] = _sample_rows(logits[rows].float(), [chunks[i] for i in rows])
+    token_list = tokens.tolist()
     logprobs: list = [None] * len(chunks)
-    want = [i for i, c in enumerate(chunks) if c.params.logprobs is not None]
+    want = [i for i, p in enumerate(params) if p.logprobs is not None]
     if want:
-        lp = torch.log_softmax(logits[want], dim=-1)
-        for row, i in enumerate(want):
-            k = chunks[i].params.logprobs
-            top = torch.topk(lp[row], k) if k else None
-            top_list = (
-                list(zip(top.indices.tolist(), top.values.tolist(), strict=True)) if top else []
-            )
-            logprobs[i] = (float(lp[row, tokens[i]]), top_list)
-    return tokens, logprobs
+        _logprobs(logits[want].float(), [token_list[i] for i in want],
+                  [params[i].logprobs for i in want], want, logprobs)
+    return token_list, logprobs
+
+
+def _sample_rows(logits: torch.Tensor, chunks: list[ScheduledChunk]) -> torch.Tensor:
+    dev = logits.device
+    temp = torch.tensor([c.params.temperature for c in chunks], device=dev)
+    logits = logits / temp[:, None]
+    top_k = torch.tensor([c.params.top_k for c in chunks], device=dev)
+    top_p = torch.tensor([c.params.top_p for c in chunks], device=dev)
+    if bool((top_k > 0).any() or (top_p < 1).any()):
+        threshold = filter_threshold(logits, top_k, top_p)
+        logits = logits.masked_fill(logits < threshold[:, None], float("-inf"))
+    cdf = logits.softmax(-1).cumsum(-1)
+    u = torch.tensor([uniform(c.seed, c.output_index) for c in chunks], device=dev,
+                     dtype=cdf.dtype)
+    target = (u * cdf[:, -1])[:, None]
+    picked = torch.searchsorted(cdf, target, right=True).squeeze(1)
+    # Rounding can put the target at the very top: take the last token with mass.
+    last = (logits > float("-inf")).long().cumsum(-1).argmax(-1)
+    return torch.minimum(picked, last)
+
+
+def _logprobs(logits: torch.Tensor, tokens: list[int], ks: list[int], rows: list[int],
+              out: list) -> None:
+    lp = torch.log_softmax(logits, dim=-1)
+    chosen = lp.gather(1, torch.tensor(tokens, device=lp.device)[:, None]).squeeze(1).tolist()
+    kmax = max(ks)
+    top_v, top_i = (torch.topk(lp, kmax) if kmax else (lp[:, :0], lp[:, :0].long()))
+    top_v, top_i = top_v.tolist(), top_i.tolist()
+    for j, row in enumerate(rows):
+        k = ks[j]
+        out[row] = (chosen[j], list(zip(top_i[j][:k], top_v[j][:k], strict=True)))

@@ -1,0 +1,90 @@
+"""Compiled CPU kernels, built once per machine on first use.
+
+The C++ sources ship in the package and are compiled with the machine's own compiler
+(``torch.utils.cpp_extension``, ``-march=native``) into the user cache, keyed by the source,
+the torch version and the CPU's instruction-set flags, so a cache shared between machines never
+loads a binary built for another CPU. When no compiler is available, or the build fails, callers
+fall back to the eager PyTorch code (the reference implementation) and say so once.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import platform
+import threading
+from importlib import resources
+from pathlib import Path
+from types import ModuleType
+
+log = logging.getLogger(__name__)
+
+_SOURCES = ("paged_attention_cpu.cpp",)
+_CFLAGS = ("-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-std=c++17")
+_lock = threading.Lock()
+_cache: dict[str, ModuleType | None] = {}
+_errors: dict[str, str] = {}
+
+
+def _cpu_flags() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor()
+
+
+def _build_key(sources: list[Path]) -> str:
+    import torch
+
+    h = hashlib.sha256()
+    for src in sources:
+        h.update(src.read_bytes())
+    h.update(" ".join((torch.__version__, *_CFLAGS, _cpu_flags())).encode())
+    return h.hexdigest()[:16]
+
+
+def cpu_ops() -> ModuleType | None:
+    """The compiled CPU kernels, or None when they cannot be built here (see ``build_error``)."""
+    with _lock:
+        if "cpu" not in _cache:
+            _cache["cpu"] = _build_cpu()
+        return _cache["cpu"]
+
+
+def build_error() -> str | None:
+    return _errors.get("cpu")
+
+
+def _build_cpu() -> ModuleType | None:
+    from fluidserve.model.builder import cache_root
+
+    if os.environ.get("FLUIDSERVE_NO_KERNELS"):
+        _errors["cpu"] = "disabled by FLUIDSERVE_NO_KERNELS"
+        return None
+    try:
+        from torch.utils.cpp_extension import load
+
+        srcdir = resources.files("fluidserve.kernels").joinpath("csrc")
+        sources = [Path(str(srcdir.joinpath(s))) for s in _SOURCES]
+        key = _build_key(sources)
+        build_dir = cache_root() / "kernels" / key
+        build_dir.mkdir(parents=True, exist_ok=True)
+        if not (build_dir / f"fluidserve_cpu_{key}.so").exists():
+            log.info("compiling fluidserve CPU kernels into %s (once per machine)", build_dir)
+        return load(
+            name=f"fluidserve_cpu_{key}",
+            sources=[str(s) for s in sources],
+            extra_cflags=list(_CFLAGS),
+            extra_ldflags=["-fopenmp", "-lm"],
+            build_directory=str(build_dir),
+            verbose=False,
+        )
+    except Exception as e:  # no compiler, missing headers, a failed build: use eager code
+        _errors["cpu"] = f"{type(e).__name__}: {str(e).strip().splitlines()[-1][:300]}"
+        log.warning("compiled CPU kernels unavailable (%s); using eager attention",
+                    _errors["cpu"])
+        return None

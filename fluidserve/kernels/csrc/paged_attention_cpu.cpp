@@ -1,0 +1,446 @@
+// Paged attention over one flattened hybrid batch, on the CPU.
+//
+// The batch is a concatenation of per-request query runs: prefill chunks of many tokens and
+// decodes of one. Every query attends causally to its request's context, which lives in a
+// paged KV cache with these layouts:
+//   key cache   [num_blocks, num_kv_heads, head_dim, block_size]   (keys transposed per block)
+//   value cache [num_blocks, num_kv_heads, block_size, head_dim]
+// Keys are transposed so that the scores of one query row against a whole block are head_dim
+// multiply-adds of a block_size-wide vector (no horizontal sums); values are row-major so
+// that "probability x value row" is a head_dim-wide multiply-add.
+//
+// A work item is (run, kv head, group of its query heads, tile of query tokens): the query
+// heads that share a kv head (grouped-query attention) and a few consecutive tokens form up to
+// kMaxRows query rows that share every key and value load. Softmax is computed online, one
+// block at a time (flash-attention style), in float32 whatever the cache dtype. Items are
+// spread over torch's OpenMP threads dynamically, longest first.
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
+#include <omp.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <vector>
+
+namespace {
+
+constexpr int kMaxRows = 16;
+constexpr int kMaxHeadDim = 256;
+constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+
+struct WorkItem {
+  int32_t run;
+  int32_t kv_head;
+  int32_t head0;    // first query head of the group, relative to the kv head's group
+  int32_t heads;    // query heads in the item
+  int32_t tok0;     // first token of the tile, relative to the run
+  int32_t toks;     // tokens in the tile
+  int64_t cost;     // key blocks x rows: the scheduling order
+};
+
+struct Batch {
+  const int32_t* cu_q;      // [S + 1] query offsets of the runs in the flattened batch
+  const int32_t* ctx_lens;  // [S] context length after the run (its last position + 1)
+  const int32_t* tables;    // [S, table_stride] physical block ids
+  int64_t table_stride;
+  int H, Hkv, D;
+  float scale;
+};
+
+// GCC/Clang vector extensions: the compiler maps them onto the widest registers the CPU has
+// (-march=native), so one source serves AVX-512, AVX2 and others.
+typedef float v16f __attribute__((vector_size(64)));
+typedef uint16_t v16u16 __attribute__((vector_size(32)));
+typedef uint32_t v16u32 __attribute__((vector_size(64)));
+typedef int32_t v16i __attribute__((vector_size(64)));
+
+inline v16f load16(const float* p) {
+  v16f v;
+  std::memcpy(&v, p, sizeof(v));
+  return v;
+}
+inline v16f load16(const c10::BFloat16* p) {
+  v16u16 h;
+  std::memcpy(&h, p, sizeof(h));
+  return (v16f)(__builtin_convertvector(h, v16u32) << 16);
+}
+inline v16f load16(const c10::Half* p) {
+  v16f v;
+  for (int i = 0; i < 16; ++i) v[i] = static_cast<float>(p[i]);
+  return v;
+}
+inline void store16(float* p, v16f v) { std::memcpy(p, &v, sizeof(v)); }
+
+inline v16f splat(float x) { return (v16f){} + x; }
+
+// exp on 16 lanes: 2^n * e^r with n = round(x / ln 2), |r| <= ln2 / 2, and a degree-6
+// Taylor polynomial (relative error ~2e-7, like expf). Inputs below -87 give exactly 0, which
+// is what masked (-inf) scores need.
+inline v16f vexp(v16f x) {
+  const v16i underflow = x < -87.0f;
+  x = x < -87.0f ? splat(-87.0f) : x;
+  x = x > 88.0f ? splat(88.0f) : x;
+  const v16f t = x * 1.44269504088896341f + 0.5f;
+  v16f n = __builtin_convertvector(__builtin_convertvector(t, v16i), v16f);  // trunc
+  n = n > t ? n - 1.0f : n;                                                   // floor
+  const v16f r = x - n * 0.693145751953125f - n * 1.428606765330187e-06f;
+  v16f y = splat(1.0f / 720.0f);
+  y = y * r + 1.0f / 120.0f;
+  y = y * r + 1.0f / 24.0f;
+  y = y * r + 1.0f / 6.0f;
+  y = y * r + 0.5f;
+  y = y * r + 1.0f;
+  y = y * r + 1.0f;
+  const v16i e = (__builtin_convertvector(n, v16i) + 127) << 23;
+  y = y * (v16f)e;
+  return underflow ? splat(0.0f) : y;
+}
+
+inline float hmax(v16f v) {
+  float m = v[0];
+  for (int i = 1; i < 16; ++i) m = std::max(m, v[i]);
+  return m;
+}
+inline float hsum(v16f v) {
+  float s = 0.0f;
+  for (int i = 0; i < 16; ++i) s += v[i];
+  return s;
+}
+
+inline void prefetch(const void* p, int bytes) {
+  const char* c = static_cast<const char*>(p);
+  for (int i = 0; i < bytes; i += 64) __builtin_prefetch(c + i);
+}
+
+// One work item, in three passes over its context: scores of every row against every key,
+// softmax per row, then the probability-weighted sum of values. Rows are processed four at a
+// time so that their accumulators stay in registers while each key or value row is loaded once.
+template <typename T, int BS>
+void attend(const WorkItem& w, const Batch& b, const T* q, T* out, const T* k_cache,
+            const T* v_cache, std::vector<float>& scores) {
+  static_assert(BS % 16 == 0, "block size must be a multiple of 16");
+  constexpr int NV = BS / 16;
+  const int G = b.H / b.Hkv, D = b.D;
+  const int R = w.toks * w.heads;
+  const int q0 = b.cu_q[w.run];
+  const int q_len = b.cu_q[w.run + 1] - q0;
+  const int first_pos = b.ctx_lens[w.run] - q_len;
+  const int32_t* table = b.tables + w.run * b.table_stride;
+  const int max_pos = first_pos + w.tok0 + w.toks - 1;
+  const int num_blocks = max_pos / BS + 1;
+  const int width = num_blocks * BS;  // keys per score row, padded to whole blocks
+  const int64_t kv_stride = static_cast<int64_t>(b.Hkv) * BS * D;  // one physical block
+  const int64_t head_off = static_cast<int64_t>(w.kv_head) * BS * D;
+
+  alignas(64) float qf[kMaxRows][kMaxHeadDim];
+  int last[kMaxRows];  // position of the row's token: keys 0..last are visible to it
+  // Row r is token tok0 + r / heads of the run, query head kv_head * G + head0 + r % heads.
+  for (int r = 0; r < R; ++r) {
+    const int t = w.tok0 + r / w.heads;
+    const int h = w.kv_head * G + w.head0 + r % w.heads;
+    const T* qr = q + (static_cast<int64_t>(q0 + t) * b.H + h) * D;
+    for (int d = 0; d < D; ++d) qf[r][d] = static_cast<float>(qr[d]) * b.scale;
+    last[r] = first_pos + t;
+  }
+  scores.resize(static_cast<size_t>(R) * width);
+  float* sc = scores.data();
+
+  // Pass 1: scores. kt is the block's keys transposed, [D, BS]. Blocks are scattered in
+  // memory, so the next one is prefetched while this one is used.
+  const int block_bytes = BS * D * sizeof(T);
+  for (int blk = 0; blk < num_blocks; ++blk) {
+    const T* kt = k_cache + table[blk] * kv_stride + head_off;
+    if (blk + 1 < num_blocks) prefetch(k_cache + table[blk + 1] * kv_stride + head_off, block_bytes);
+    for (int r0 = 0; r0 < R; r0 += 4) {
+      const int nr = std::min(4, R - r0);
+      v16f s[4][NV] = {};
+      for (int d = 0; d < D; ++d) {
+        for (int c = 0; c < NV; ++c) {
+          const v16f k = load16(kt + d * BS + 16 * c);
+          s[0][c] += qf[r0][d] * k;
+          if (nr > 1) s[1][c] += qf[r0 + 1][d] * k;
+          if (nr > 2) s[2][c] += qf[r0 + 2][d] * k;
+          if (nr > 3) s[3][c] += qf[r0 + 3][d] * k;
+        }
+      }
+      for (int rr = 0; rr < nr; ++rr)
+        for (int c = 0; c < NV; ++c) store16(sc + (r0 + rr) * width + blk * BS + 16 * c, s[rr][c]);
+    }
+  }
+  // Pass 2: softmax of each row over its visible keys; invisible ones get probability 0.
+  float inv_sum[kMaxRows];
+  for (int r = 0; r < R; ++r) {
+    float* row = sc + r * width;
+    const int n = last[r] + 1;
+    std::fill(row + n, row + width, kNegInf);
+    v16f vm = splat(kNegInf);
+    for (int i = 0; i < width; i += 16) {
+      const v16f x = load16(row + i);
+      vm = x > vm ? x : vm;
+    }
+    const float mx = hmax(vm);
+    v16f vs = {};
+    for (int i = 0; i < width; i += 16) {
+      const v16f e = vexp(load16(row + i) - mx);
+      store16(row + i, e);
+      vs += e;
+    }
+    inv_sum[r] = 1.0f / hsum(vs);
+  }
+  // Pass 3: out_r = sum_j p[r][j] * v_j / sum_r, D / 16 vectors of four rows at a time.
+  const int keys = max_pos + 1;
+  for (int r0 = 0; r0 < R; r0 += 4) {
+    const int nr = std::min(4, R - r0);
+    for (int d0 = 0; d0 < D; d0 += 64) {
+      const int nd = std::min(64, D - d0) / 16;
+      v16f a[4][4] = {};
+      for (int blk = 0; blk < num_blocks; ++blk) {
+        const T* vb = v_cache + table[blk] * kv_stride + head_off + d0;  // [BS, D]
+        if (blk + 1 < num_blocks)
+          prefetch(v_cache + table[blk + 1] * kv_stride + head_off + d0, block_bytes);
+        const int nj = std::min(BS, keys - blk * BS);
+        for (int j = 0; j < nj; ++j) {
+          const int key = blk * BS + j;
+          v16f v[4];
+          for (int c = 0; c < nd; ++c) v[c] = load16(vb + j * D + 16 * c);
+          for (int rr = 0; rr < nr; ++rr) {
+            const float pr = sc[(r0 + rr) * width + key];
+            for (int c = 0; c < nd; ++c) a[rr][c] += pr * v[c];
+          }
+        }
+      }
+      for (int rr = 0; rr < nr; ++rr) {
+        const int r = r0 + rr;
+        const int t = w.tok0 + r / w.heads;
+        const int h = w.kv_head * G + w.head0 + r % w.heads;
+        T* o = out + (static_cast<int64_t>(q0 + t) * b.H + h) * D + d0;
+        for (int c = 0; c < nd; ++c)
+          for (int i = 0; i < 16; ++i) o[16 * c + i] = static_cast<T>(a[rr][c][i] * inv_sum[r]);
+      }
+    }
+  }
+}
+
+std::vector<WorkItem> make_items(const Batch& b, int64_t num_runs, int block_size,
+                                 const std::vector<uint8_t>& skip) {
+  const int G = b.H / b.Hkv;
+  const int heads = std::min(G, kMaxRows);
+  const int toks = std::max(1, kMaxRows / heads);
+  std::vector<WorkItem> items;
+  for (int32_t s = 0; s < num_runs; ++s) {
+    if (skip[s]) continue;
+    const int q_len = b.cu_q[s + 1] - b.cu_q[s];
+    const int first_pos = b.ctx_lens[s] - q_len;
+    for (int t0 = 0; t0 < q_len; t0 += toks) {
+      const int nt = std::min(toks, q_len - t0);
+      const int64_t blocks = (first_pos + t0 + nt - 1) / block_size + 1;
+      for (int kvh = 0; kvh < b.Hkv; ++kvh)
+        for (int h0 = 0; h0 < G; h0 += heads)
+          items.push_back({s, kvh, h0, std::min(heads, G - h0), t0, nt, blocks * nt * heads});
+    }
+  }
+  std::sort(items.begin(), items.end(),
+            [](const WorkItem& a, const WorkItem& c) { return a.cost > c.cost; });
+  return items;
+}
+
+template <typename T, int BS>
+void run_items(const std::vector<WorkItem>& items, const Batch& b, const T* q, T* out,
+               const T* kc, const T* vc) {
+  const int64_t n = static_cast<int64_t>(items.size());
+  const int threads = std::min<int64_t>(at::get_num_threads(), n);
+  if (threads <= 1 || at::in_parallel_region()) {
+    std::vector<float> scores;
+    for (int64_t i = 0; i < n; ++i) attend<T, BS>(items[i], b, q, out, kc, vc, scores);
+    return;
+  }
+#pragma omp parallel num_threads(threads)
+  {
+    std::vector<float> scores;
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t i = 0; i < n; ++i) attend<T, BS>(items[i], b, q, out, kc, vc, scores);
+  }
+}
+
+template <typename T>
+void run(int bs, const std::vector<WorkItem>& items, const Batch& b, const at::Tensor& qt,
+         at::Tensor& outt, const at::Tensor& kct, const at::Tensor& vct) {
+  const T* q = qt.data_ptr<T>();
+  T* out = outt.data_ptr<T>();
+  const T* kc = kct.data_ptr<T>();
+  const T* vc = vct.data_ptr<T>();
+  switch (bs) {
+    case 16: return run_items<T, 16>(items, b, q, out, kc, vc);
+    case 32: return run_items<T, 32>(items, b, q, out, kc, vc);
+    default: TORCH_CHECK(false, "paged_attention: unsupported block size ", bs);
+  }
+}
+
+template <typename T>
+void argmax_impl(const at::Tensor& logits, int64_t S, int64_t V, int64_t* out) {
+  const T* data = logits.data_ptr<T>();
+  at::parallel_for(0, S, 1, [&](int64_t s0, int64_t s1) {
+    for (int64_t s = s0; s < s1; ++s) {
+      const T* row = data + s * V;
+      // Per lane, the largest value so far and the first index holding it.
+      v16f vm = splat(kNegInf);
+      v16i vi = {}, lane;
+      for (int k = 0; k < 16; ++k) lane[k] = k;
+      int64_t i = 0;
+      for (; i + 16 <= V && i < (1LL << 31) - 16; i += 16) {
+        const v16f x = load16(row + i);
+        const v16i gt = x > vm;
+        vm = gt ? x : vm;
+        vi = gt ? lane + static_cast<int32_t>(i) : vi;
+      }
+      float best = kNegInf;
+      int64_t idx = 0;
+      for (int k = 0; k < 16; ++k)
+        if (vm[k] > best || (vm[k] == best && vi[k] < idx)) best = vm[k], idx = vi[k];
+      for (; i < V; ++i)
+        if (static_cast<float>(row[i]) > best) best = static_cast<float>(row[i]), idx = i;
+      out[s] = idx;  // a row of NaNs or -inf has no maximum: token 0
+    }
+  });
+}
+
+void check_common(const at::Tensor& k_cache, const at::Tensor& v_cache) {
+  TORCH_CHECK(k_cache.dim() == 4 && v_cache.dim() == 4, "caches must be 4-D");
+  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "caches must be contiguous");
+  TORCH_CHECK(k_cache.scalar_type() == v_cache.scalar_type(), "cache dtypes differ");
+}
+
+}  // namespace
+
+// Write this batch's new keys and values (k, v: [T, Hkv, D]) into their cache slots.
+void write_kv(const at::Tensor& k, const at::Tensor& v, at::Tensor k_cache, at::Tensor v_cache,
+              const at::Tensor& slots) {
+  check_common(k_cache, v_cache);
+  TORCH_CHECK(slots.scalar_type() == at::kLong && slots.is_contiguous(), "slots: int64");
+  const int64_t T = k.size(0);
+  const int Hkv = k_cache.size(1), D = k_cache.size(2), BS = k_cache.size(3);
+  const at::Tensor kc = k.contiguous(), vc = v.contiguous();
+  const int64_t* slot = slots.data_ptr<int64_t>();
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, k.scalar_type(), "write_kv", [&] {
+    const scalar_t* ks = kc.data_ptr<scalar_t>();
+    const scalar_t* vs = vc.data_ptr<scalar_t>();
+    scalar_t* kd = k_cache.data_ptr<scalar_t>();
+    scalar_t* vd = v_cache.data_ptr<scalar_t>();
+    at::parallel_for(0, T, 64, [&](int64_t t0, int64_t t1) {
+      for (int64_t t = t0; t < t1; ++t) {
+        const int64_t blk = slot[t] / BS, off = slot[t] % BS;
+        for (int h = 0; h < Hkv; ++h) {
+          const scalar_t* kr = ks + (t * Hkv + h) * D;
+          const scalar_t* vr = vs + (t * Hkv + h) * D;
+          scalar_t* kt = kd + ((blk * Hkv + h) * D) * BS + off;  // column off of [D, BS]
+          for (int d = 0; d < D; ++d) kt[d * BS] = kr[d];
+          std::memcpy(vd + ((blk * Hkv + h) * BS + off) * D, vr, D * sizeof(scalar_t));
+        }
+      }
+    });
+  });
+}
+
+// Long prefill runs go to ATen's flash attention (a blocked GEMM formulation that beats this
+// kernel once a run has many queries): keys and values of the run's context are gathered from
+// the cache into [Hkv, ctx, D], or taken straight from the batch for a run that starts at 0.
+void long_run_attention(at::Tensor& out, const at::Tensor& q, const at::Tensor& k,
+                        const at::Tensor& v, const at::Tensor& k_cache,
+                        const at::Tensor& v_cache, const at::Tensor& tables, int64_t run,
+                        int q0, int q_len, int ctx, double scale) {
+  using at::indexing::Slice;
+  const int64_t Hkv = k_cache.size(1), D = k_cache.size(2), BS = k_cache.size(3);
+  const at::Tensor qh = q.narrow(0, q0, q_len).transpose(0, 1).unsqueeze(0);  // [1, H, L, D]
+  at::Tensor kh, vh;
+  std::optional<at::Tensor> mask;
+  bool causal = false;
+  if (ctx == q_len) {  // the run's own keys are its whole context
+    kh = k.narrow(0, q0, q_len).transpose(0, 1).unsqueeze(0);
+    vh = v.narrow(0, q0, q_len).transpose(0, 1).unsqueeze(0);
+    causal = true;
+  } else {
+    const int64_t nb = (ctx + BS - 1) / BS;
+    const at::Tensor blocks = tables[run].narrow(0, 0, nb).to(at::kLong);
+    kh = k_cache.index_select(0, blocks).permute({1, 0, 3, 2}).reshape({Hkv, nb * BS, D})
+             .narrow(1, 0, ctx).unsqueeze(0);
+    vh = v_cache.index_select(0, blocks).permute({1, 0, 2, 3}).reshape({Hkv, nb * BS, D})
+             .narrow(1, 0, ctx).unsqueeze(0);
+    const at::Tensor kpos = at::arange(ctx, at::kInt);
+    const at::Tensor qpos = at::arange(ctx - q_len, ctx, at::kInt).unsqueeze(1);
+    mask = kpos.unsqueeze(0) <= qpos;  // [L, ctx]
+  }
+  const at::Tensor o = at::scaled_dot_product_attention(qh, kh, vh, mask, 0.0, causal, scale,
+                                                        /*enable_gqa=*/true);
+  out.narrow(0, q0, q_len).copy_(o.squeeze(0).transpose(0, 1));
+}
+
+// Attention for one layer over the whole hybrid batch: writes the batch's new keys and
+// values (k, v: [T, Hkv, D]) into their cache slots, then fills out[T, H, D] with every
+// query's causal attention over its request's paged context. Runs longer than
+// ``min_long_run`` tokens use ATen's flash attention; all others this file's kernel.
+void paged_attention(at::Tensor out, const at::Tensor& q, const at::Tensor& k,
+                     const at::Tensor& v, at::Tensor k_cache, at::Tensor v_cache,
+                     const at::Tensor& slots, const at::Tensor& cu_q, const at::Tensor& ctx_lens,
+                     const at::Tensor& block_tables, double scale, int64_t min_long_run) {
+  write_kv(k, v, k_cache, v_cache, slots);
+  TORCH_CHECK(q.size(2) % 16 == 0, "head_dim must be a multiple of 16");
+  TORCH_CHECK(q.is_contiguous() && out.is_contiguous() && q.dim() == 3, "q/out: [T, H, D]");
+  TORCH_CHECK(q.scalar_type() == k_cache.scalar_type(), "q and cache dtypes differ");
+  TORCH_CHECK(cu_q.scalar_type() == at::kInt && ctx_lens.scalar_type() == at::kInt &&
+                  block_tables.scalar_type() == at::kInt,
+              "metadata must be int32");
+  TORCH_CHECK(block_tables.is_contiguous() && cu_q.is_contiguous() && ctx_lens.is_contiguous(),
+              "metadata must be contiguous");
+  const int H = q.size(1), D = q.size(2);
+  const int Hkv = k_cache.size(1), BS = k_cache.size(3);
+  TORCH_CHECK(k_cache.size(2) == D && v_cache.size(2) == BS && v_cache.size(3) == D,
+              "cache shapes do not match [NB, Hkv, D, BS] / [NB, Hkv, BS, D]");
+  TORCH_CHECK(H % Hkv == 0 && D <= kMaxHeadDim, "unsupported head layout");
+  const int64_t S = ctx_lens.size(0);
+  if (S == 0) return;
+  Batch b{cu_q.data_ptr<int32_t>(), ctx_lens.data_ptr<int32_t>(),
+          block_tables.data_ptr<int32_t>(), block_tables.size(1), H, Hkv, D,
+          static_cast<float>(scale)};
+  std::vector<uint8_t> long_run(S, 0);
+  for (int64_t s = 0; s < S; ++s) {
+    const int q_len = b.cu_q[s + 1] - b.cu_q[s];
+    if (q_len >= min_long_run) {
+      long_run[s] = 1;
+      long_run_attention(out, q, k, v, k_cache, v_cache, block_tables, s, b.cu_q[s], q_len,
+                         b.ctx_lens[s], scale);
+    }
+  }
+  const auto items = make_items(b, S, BS, long_run);
+  AT_DISPATCH_SWITCH(q.scalar_type(), "paged_attention",
+    AT_DISPATCH_CASE(at::kFloat, [&] { run<scalar_t>(BS, items, b, q, out, k_cache, v_cache); })
+    AT_DISPATCH_CASE(at::kBFloat16, [&] { run<scalar_t>(BS, items, b, q, out, k_cache, v_cache); })
+    AT_DISPATCH_CASE(at::kHalf, [&] { run<scalar_t>(BS, items, b, q, out, k_cache, v_cache); }));
+}
+
+// Index of each row's largest value (the lowest index among ties), for greedy sampling:
+// one vectorized pass that keeps, per lane, the first index of its maximum.
+at::Tensor argmax_rows(const at::Tensor& logits) {
+  TORCH_CHECK(logits.dim() == 2 && logits.is_contiguous(), "logits: contiguous [S, V]");
+  const int64_t S = logits.size(0), V = logits.size(1);
+  at::Tensor out = at::empty({S}, logits.options().dtype(at::kLong));
+  int64_t* o = out.data_ptr<int64_t>();
+  AT_DISPATCH_SWITCH(logits.scalar_type(), "argmax_rows",
+    AT_DISPATCH_CASE(at::kFloat, [&] { argmax_impl<scalar_t>(logits, S, V, o); })
+    AT_DISPATCH_CASE(at::kBFloat16, [&] { argmax_impl<scalar_t>(logits, S, V, o); })
+    AT_DISPATCH_CASE(at::kHalf, [&] { argmax_impl<scalar_t>(logits, S, V, o); }));
+  return out;
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("argmax_rows", &argmax_rows, "Per-row argmax (first index among ties)",
+        py::call_guard<py::gil_scoped_release>());
+  m.def("paged_attention", &paged_attention, "Paged attention over a flattened hybrid batch",
+        py::call_guard<py::gil_scoped_release>());
+  m.def("write_kv", &write_kv, "Scatter new keys/values into the paged cache",
+        py::call_guard<py::gil_scoped_release>());
+}

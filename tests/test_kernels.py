@@ -1,0 +1,112 @@
+"""The compiled CPU kernels against the eager PyTorch reference they replace."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from fluidserve.kernels import build_error, cpu_ops
+from fluidserve.model import attention as A
+
+ops = cpu_ops()
+pytestmark = pytest.mark.skipif(ops is None, reason=f"no compiled kernels: {build_error()}")
+
+# (query tokens, context after the run) per run: decodes, chunks that start at 0 and chunks
+# that continue a cached prefix, short (kernel) and long (flash attention inside the op).
+RUNS = [(1, 37), (1, 1), (5, 5), (13, 40), (1, 100), (64, 64), (7, 200), (3, 16), (1, 17),
+        (40, 90), (16, 16), (17, 300)]
+
+
+def reference(q, k_cache, v_cache, runs, tables, scale):
+    """SDPA on each run's context gathered into a contiguous [Hkv, ctx, D], in float32."""
+    out = torch.empty_like(q)
+    for (q0, n, ctx), table in zip(runs, tables, strict=True):
+        kh, vh = A.gather_kv(k_cache, v_cache, torch.tensor(table), ctx)
+        mask = torch.arange(ctx)[None, :] <= torch.arange(ctx - n, ctx)[:, None]
+        o = F.scaled_dot_product_attention(q[q0:q0 + n].transpose(0, 1).float()[None],
+                                           kh.float()[None], vh.float()[None], attn_mask=mask,
+                                           scale=scale, enable_gqa=True)
+        out[q0:q0 + n] = o[0].transpose(0, 1).to(q.dtype)
+    return out
+
+
+def batch(h, hkv, d, bs, dtype, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    nb = 200
+    k_cache, v_cache = A.new_kv_cache(nb, bs, hkv, d, dtype, torch.device("cpu"))
+    k_cache.copy_(torch.randn(k_cache.shape, generator=g))
+    v_cache.copy_(torch.randn(v_cache.shape, generator=g))
+    perm = torch.randperm(nb, generator=g).tolist()
+    runs, tables, slots, q0 = [], [], [], 0
+    for n, ctx in RUNS:
+        table, perm = perm[: -(-ctx // bs)], perm[-(-ctx // bs):]
+        runs.append((q0, n, ctx))
+        tables.append(table)
+        slots += [table[p // bs] * bs + p % bs for p in range(ctx - n, ctx)]
+        q0 += n
+    width = max(map(len, tables))
+    meta = A.AttentionMetadata(
+        slot_mapping=torch.tensor(slots),
+        cu_q=torch.tensor([0] + [r[0] + r[1] for r in runs], dtype=torch.int32),
+        ctx_lens=torch.tensor([r[2] for r in runs], dtype=torch.int32),
+        block_tables=torch.tensor([t + [0] * (width - len(t)) for t in tables],
+                                  dtype=torch.int32),
+        block_size=bs, runs=runs)
+    q = torch.randn(q0, h, d, generator=g).to(dtype)
+    k = torch.randn(q0, hkv, d, generator=g).to(dtype)
+    v = torch.randn(q0, hkv, d, generator=g).to(dtype)
+    return q, k, v, k_cache, v_cache, meta, tables
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("shape", [(16, 4, 64, 16), (4, 2, 16, 16), (8, 8, 32, 32),
+                                   (32, 1, 64, 16), (8, 2, 128, 16)],
+                         ids=lambda s: "h{}-kv{}-d{}-bs{}".format(*s))
+@pytest.mark.parametrize("min_long_run", [1, A.MIN_LONG_RUN, 10**9],
+                         ids=["all-flash", "default", "all-kernel"])
+def test_native_attention_matches_reference(dtype, shape, min_long_run):
+    h, hkv, d, bs = shape
+    q, k, v, k_cache, v_cache, meta, tables = batch(h, hkv, d, bs, dtype)
+    kc, vc = k_cache.clone(), v_cache.clone()
+    out = torch.empty_like(q)
+    ops.paged_attention(out, q, k, v, kc, vc, meta.slot_mapping, meta.cu_q, meta.ctx_lens,
+                        meta.block_tables, d**-0.5, min_long_run)
+    # The kernel wrote the new keys and values where the eager writer puts them.
+    A.write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+    assert torch.equal(kc, k_cache) and torch.equal(vc, v_cache)
+    ref = reference(q, k_cache, v_cache, meta.runs, tables, d**-0.5)
+    # The flash path computes in the cache dtype; the kernel accumulates in float32.
+    tol = 1e-5 if dtype == torch.float32 else (4e-3 if min_long_run > 10**8 else 3e-2)
+    assert (out.float() - ref.float()).abs().max() <= tol
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_eager_attention_matches_reference(dtype):
+    q, k, v, k_cache, v_cache, meta, tables = batch(16, 4, 64, 16, dtype, seed=1)
+    meta.native = False
+    out = A.paged_attention(q, k, v, k_cache, v_cache, meta, 0.125)
+    ref = reference(q, k_cache, v_cache, meta.runs, tables, 0.125)
+    assert (out.float() - ref.float()).abs().max() <= (1e-5 if dtype == torch.float32 else 3e-2)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("vocab", [1, 15, 16, 17, 1001, 32000])
+def test_argmax_rows_matches_torch_and_prefers_the_lowest_tie(dtype, vocab):
+    x = torch.randn(9, vocab, generator=torch.Generator().manual_seed(vocab)).to(dtype)
+    assert torch.equal(ops.argmax_rows(x), x.float().argmax(-1))
+    ties = torch.tensor([[0.0, 3, 3, 1], [5, 5, 5, 5], [1, 2, 2, 2]], dtype=dtype).repeat(1, 9)
+    assert ops.argmax_rows(ties).tolist() == [1, 0, 1]
+
+
+def test_kernels_can_be_disabled_and_the_engine_falls_back():
+    code = ("from fluidserve.kernels import cpu_ops, build_error; import torch;"
+            "from fluidserve.model.runner import _choose_attention as c;"
+            "print(cpu_ops() is None, build_error(), c('auto', 16, 64, torch.device('cpu')))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         env=os.environ | {"FLUIDSERVE_NO_KERNELS": "1"}, check=True)
+    assert out.stdout.split() == ["True", "disabled", "by", "FLUIDSERVE_NO_KERNELS", "False"]

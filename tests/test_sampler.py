@@ -1,0 +1,97 @@
+"""The batched sampler: right distribution, filters, seeds, independence from the batch."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from fluidserve.core.scheduler.output import ScheduledChunk
+from fluidserve.model.sampler import filter_threshold, sample, uniform
+from fluidserve.sampling_params import SamplingParams
+
+
+def chunk(params: SamplingParams, seed: int, index: int = 0) -> ScheduledChunk:
+    return ScheduledChunk("r", 0, (1,), (), True, params, seed, index)
+
+
+def test_frequencies_follow_softmax_of_logits_over_temperature():
+    logits = torch.tensor([2.0, 1.0, 0.5, -1.0, 0.0])
+    p = SamplingParams(temperature=0.7)
+    n = 20000
+    tokens, _ = sample(logits.repeat(n, 1), [chunk(p, seed) for seed in range(n)])
+    counts = torch.bincount(torch.tensor(tokens), minlength=5).double()
+    expected = torch.softmax(logits / 0.7, -1).double() * n
+    chi2 = float(((counts - expected) ** 2 / expected).sum())
+    assert chi2 < 20.5  # 4 degrees of freedom: p = 0.0004
+
+
+def reference_kept(logits: torch.Tensor, top_k: int, top_p: float) -> int:
+    """How many of the best tokens top-k / top-p keep: tokens are taken in order of
+    probability while the mass already taken is below top_p, at most top_k of them."""
+    probs = torch.sort(logits, descending=True).values.softmax(-1)
+    keep = 1
+    while keep < len(probs) and float(probs[:keep].sum()) < top_p:
+        keep += 1
+    return min(keep, top_k) if top_k > 0 else keep
+
+
+def test_top_k_and_top_p_keep_exactly_the_reference_sets():
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(64, 50, generator=g) * 3
+    top_k = torch.randint(0, 12, (64,), generator=g)  # 0: no top-k
+    top_p = torch.rand(64, generator=g).clamp(min=0.05)
+    threshold = filter_threshold(logits, top_k, top_p)
+    for row in range(64):
+        order = torch.sort(logits[row], descending=True).values
+        keep = reference_kept(logits[row], int(top_k[row]), float(top_p[row]))
+        assert float(threshold[row]) == float(order[keep - 1]), row
+
+
+def test_sampled_tokens_respect_the_filters():
+    logits = torch.linspace(0, 3, 40).repeat(500, 1)
+    chunks = [chunk(SamplingParams(temperature=1.5, top_k=3), s) for s in range(250)]
+    chunks += [chunk(SamplingParams(temperature=1.5, top_p=0.2), s) for s in range(250)]
+    tokens, _ = sample(logits, chunks)
+    assert set(tokens[:250]) == {37, 38, 39}
+    kept = reference_kept(logits[0] / 1.5, -1, 0.2)
+    assert set(tokens[250:]) == set(range(40 - kept, 40))
+
+
+def test_a_rows_token_does_not_depend_on_its_batch():
+    g = torch.Generator().manual_seed(3)
+    logits = torch.randn(9, 300, generator=g)
+    params = [SamplingParams(temperature=t, top_p=tp, top_k=k)
+              for t, tp, k in [(0.5, 1.0, -1), (1.0, 0.9, -1), (2.0, 1.0, 20), (0.0, 1.0, -1)] * 2
+              + [(1.0, 0.5, 5)]]
+    chunks = [chunk(p, seed=100 + i, index=i) for i, p in enumerate(params)]
+    together, _ = sample(logits, chunks)
+    alone = [sample(logits[i : i + 1], [c])[0][0] for i, c in enumerate(chunks)]
+    assert together == alone
+    reversed_, _ = sample(logits.flip(0), chunks[::-1])
+    assert reversed_[::-1] == together
+
+
+def test_greedy_takes_the_lowest_id_among_ties_and_bf16_logits_work():
+    logits = torch.tensor([[0.0, 3.0, 3.0, 1.0], [5.0, 5.0, 5.0, 5.0]], dtype=torch.bfloat16)
+    tokens, _ = sample(logits, [chunk(SamplingParams(temperature=0.0), 0)] * 2)
+    assert tokens == [1, 0]
+
+
+def test_seed_and_index_change_the_uniform():
+    us = {uniform(s, i) for s in range(50) for i in range(50)}
+    assert len(us) == 2500 and all(0 < u < 1 for u in us)
+    assert uniform(1, 2) == uniform(1, 2)
+
+
+@pytest.mark.parametrize("k", [0, 3])
+def test_logprobs_are_normalized_and_include_the_chosen_token(k):
+    logits = torch.tensor([[1.0, 2.0, 0.5, -3.0]])
+    p = SamplingParams(temperature=0.0, logprobs=k)
+    tokens, lps = sample(logits, [chunk(p, 0)])
+    chosen, top = lps[0]
+    ref = torch.log_softmax(logits[0], -1)
+    assert tokens == [1] and math.isclose(chosen, float(ref[1]), rel_tol=1e-6)
+    assert [t for t, _ in top] == [1, 0, 2][:k]
+    assert all(math.isclose(v, float(ref[t]), rel_tol=1e-6) for t, v in top)

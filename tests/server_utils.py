@@ -8,8 +8,7 @@ import httpx
 import uvicorn
 
 from fluidserve.config import EngineConfig, ServerConfig
-from fluidserve.engine.engine import LLMEngine
-from fluidserve.serve.server import build_app
+from fluidserve.serve.server import build_app, start_engine
 
 
 def free_port() -> int:
@@ -33,16 +32,18 @@ def wait_healthy(url: str, timeout: float = 120.0, proc=None) -> None:
 
 
 class InProcessServer:
-    """The real app on a real localhost port, with the engine reachable for inspection."""
+    """The real app on a real localhost port (its engine core in a process of its own)."""
 
     def __init__(
         self, model_dir, name: str = "tiny", engine_kw: dict | None = None, **server_kw
     ) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        kw = dict(model=str(model_dir), max_model_len=512, token_budget=64, block_size=8)
-        self.engine = LLMEngine(EngineConfig(**kw | (engine_kw or {})))
-        self.app = build_app(self.engine, ServerConfig(port=self.port, **server_kw), name)
+        kw = dict(model=str(model_dir), max_model_len=512, token_budget=64, block_size=8,
+                  num_threads=1)
+        config = ServerConfig(port=self.port, served_model_name=name, **server_kw)
+        self.engine, _ = start_engine(EngineConfig(**kw | (engine_kw or {})), config)
+        self.app = build_app(self.engine, config, name)
         self.server = uvicorn.Server(
             uvicorn.Config(self.app, host="127.0.0.1", port=self.port, log_level="warning")
         )
@@ -58,10 +59,23 @@ class InProcessServer:
         self.thread.join(10)
 
     def kv_idle(self, timeout: float = 10.0) -> bool:
-        bm = self.engine.block_manager
+        """Whether the engine core reports no requests and no KV blocks in use, in time."""
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
-            if bm.num_free_blocks == bm.num_blocks and not self.engine.scheduler.requests:
+            m = metric_values(httpx.get(self.url + "/metrics").text)
+            busy = m["fluidserve_kv_cache_usage"] or m["fluidserve_num_requests_running"] \
+                or m["fluidserve_num_requests_waiting"] or self.engine.num_unfinished
+            if not busy:
                 return True
             time.sleep(0.05)
         return False
+
+
+def metric_values(text: str) -> dict[str, float]:
+    """Prometheus text format -> {name{labels}: value} (samples only)."""
+    out = {}
+    for line in text.splitlines():
+        if line and not line.startswith("#"):
+            name, _, value = line.rpartition(" ")
+            out[name] = float(value)
+    return out

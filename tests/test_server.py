@@ -17,7 +17,7 @@ import pytest
 from fluidserve.engine.llm import LLM
 from fluidserve.sampling_params import SamplingParams
 
-from .server_utils import InProcessServer, free_port, wait_healthy
+from .server_utils import InProcessServer, free_port, metric_values, wait_healthy
 
 PROMPT = "The river rose slowly in the spring, and the people of the valley"
 
@@ -200,9 +200,11 @@ def test_client_disconnect_aborts_and_frees_kv(srv):
             lines = r.iter_lines()
             got = [next(lines) for _ in range(6)]
             assert any(x.startswith("data: ") for x in got)
-            assert srv.engine.block_manager.num_free_blocks < srv.engine.block_manager.num_blocks
+            assert metric_values(httpx.get(srv.url + "/metrics").text)[
+                "fluidserve_kv_cache_usage"] > 0
     assert srv.kv_idle(), "KV blocks of the aborted request came back"
-    assert any(r["finish_reason"] == "abort" for r in srv.engine.telemetry.finished)
+    aborted = metric_values(httpx.get(srv.url + "/metrics").text)
+    assert aborted['fluidserve_requests_total{outcome="abort"}'] >= 1
 
 
 BAD = [
@@ -244,19 +246,12 @@ def test_bad_input_gets_clear_error(srv, name, path, body, status):
 
 
 def test_engine_exception_fails_requests_visibly_and_server_keeps_serving(srv):
-    ex = srv.engine.executor
-    real = ex.execute
-
-    def boom(plan):
-        ex.execute = real  # fail once
-        raise RuntimeError("injected executor fault")
-
-    ex.execute = boom
+    srv.engine.client.inject_fault("execute")
     r = httpx.post(
         srv.url + "/v1/completions", json={"prompt": PROMPT, "max_tokens": 5}, timeout=30
     )
-    assert r.status_code == 500 and "injected executor fault" in r.json()["error"]["message"]
-    ex.execute = boom
+    assert r.status_code == 500 and "injected execute fault" in r.json()["error"]["message"]
+    srv.engine.client.inject_fault("execute")
     with httpx.stream(
         "POST",
         srv.url + "/v1/completions",
@@ -264,7 +259,7 @@ def test_engine_exception_fails_requests_visibly_and_server_keeps_serving(srv):
         json={"prompt": PROMPT, "max_tokens": 5, "stream": True},
     ) as s:
         events = [x for x in s.iter_lines() if x.startswith("data: ")]
-    assert "injected executor fault" in events[-2] and events[-1] == "data: [DONE]"
+    assert "injected execute fault" in events[-2] and events[-1] == "data: [DONE]"
     ok = httpx.post(
         srv.url + "/v1/completions",
         json={"prompt": PROMPT, "max_tokens": 3, "ignore_eos": True},
@@ -337,6 +332,8 @@ def test_cli_serve_drains_on_sigterm(default_model_dir, tmp_path):
             "vllm",
             "--drain-timeout",
             "60",
+            "--num-threads",
+            "1",
         ],
         stdout=log,
         stderr=subprocess.STDOUT,

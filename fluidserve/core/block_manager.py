@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from collections import deque
 
+from fluidserve.core.admission import admissible_blocks
+
 
 class BlockManager:
     def __init__(self, num_blocks: int, block_size: int, watermark: float = 0.0) -> None:
@@ -17,7 +19,7 @@ class BlockManager:
         self.num_blocks = num_blocks
         self.block_size = block_size
         # Admission keeps this many blocks free so running requests can still grow.
-        self.watermark_blocks = int(watermark * num_blocks)
+        self.watermark_blocks = num_blocks - admissible_blocks(num_blocks, watermark)
         self._free: deque[int] = deque(range(num_blocks))
         # Tables are tuples, replaced when they grow (once per block_size tokens), so the
         # scheduler hands them to every iteration's batch without copying.

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 from collections import deque
-from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -39,6 +38,21 @@ class TokenEvent:
     time: float
 
 
+def finished_row(req: Request) -> dict:
+    """A finished request's record: lengths, outcome and latency metrics."""
+    lat = request_latency(req.arrival_time, req.token_times, req.first_scheduled_time)
+    return {
+        "request_id": req.request_id,
+        "arrival_time": req.arrival_time,
+        "num_prompt_tokens": req.num_prompt_tokens,
+        "num_output_tokens": len(req.output_token_ids),
+        "finish_reason": req.finish_reason,
+        "num_preemptions": req.num_preemptions,
+        "error": req.error,
+        **lat.to_dict(),
+    }
+
+
 class Telemetry:
     """Keeps the most recent ``max_records`` iterations and token events (None: all)."""
 
@@ -46,12 +60,9 @@ class Telemetry:
         self.iterations: deque[IterationRecord] = deque(maxlen=max_records)
         self.tokens: deque[TokenEvent] = deque(maxlen=max_records)
         self.finished: deque[dict] = deque(maxlen=max_records)
-        # Called with each IterationRecord / finished-request dict as it is recorded.
-        self.on_iteration: list[Callable[[IterationRecord], None]] = []
-        self.on_finished: list[Callable[[dict], None]] = []
 
     def record_iteration(self, plan: SchedulerOutput, start: float, duration: float) -> None:
-        if self.iterations.maxlen == 0 and not self.on_iteration:
+        if self.iterations.maxlen == 0:
             return
         prefill_reqs = prefix = sq = singles = ctx_max = 0
         for c in plan.chunks:
@@ -68,8 +79,6 @@ class Telemetry:
             len(plan.chunks), prefill_reqs, len(plan.preempted), prefix, singles, ctx_max, sq,
         )  # fmt: skip
         self.iterations.append(rec)
-        for fn in self.on_iteration:
-            fn(rec)
 
     def record_token(self, req: Request) -> None:
         if self.tokens.maxlen == 0:
@@ -77,23 +86,9 @@ class Telemetry:
         idx = len(req.output_token_ids) - 1
         self.tokens.append(TokenEvent(req.request_id, idx, req.token_times[idx]))
 
-    def record_finished(self, req: Request) -> None:
-        if self.finished.maxlen == 0 and not self.on_finished:
-            return
-        lat = request_latency(req.arrival_time, req.token_times, req.first_scheduled_time)
-        row = {
-            "request_id": req.request_id,
-            "arrival_time": req.arrival_time,
-            "num_prompt_tokens": req.num_prompt_tokens,
-            "num_output_tokens": len(req.output_token_ids),
-            "finish_reason": req.finish_reason,
-            "num_preemptions": req.num_preemptions,
-            "error": req.error,
-            **lat.to_dict(),
-        }
-        self.finished.append(row)
-        for fn in self.on_finished:
-            fn(row)
+    def record_finished(self, req: Request, row: dict | None = None) -> None:
+        if self.finished.maxlen != 0:
+            self.finished.append(row if row is not None else finished_row(req))
 
     def export_jsonl(self, path: str | Path) -> None:
         with open(path, "w") as f:

@@ -1,8 +1,10 @@
-"""Runs the engine loop in its own thread and streams each request's outputs to asyncio.
+"""The HTTP front end's engine: an engine-core process and one output stream per request.
 
-The event loop never touches the engine directly: it sends commands (add, abort, fail-all)
-that the engine thread applies between iterations, and receives RequestOutputs through a
-per-request asyncio.Queue. A slow consumer only grows its own queue.
+The event loop never blocks on the core: requests are handed to the core client's writer
+thread; the client's reader thread receives one ``EngineCoreOutputs`` per iteration,
+detokenizes and applies stop strings (``OutputProcessor``), updates the metrics, and hands each
+request its ``RequestOutput`` through the event loop (one callback per iteration, not per
+token). A slow consumer only grows its own queue.
 """
 
 from __future__ import annotations
@@ -10,33 +12,30 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
-from collections import deque
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass
 
-from fluidserve.engine.engine import LLMEngine, RequestOutput
+from fluidserve.config import EngineConfig
+from fluidserve.engine.core_proc import EngineCoreClient
+from fluidserve.engine.messages import AddRequest, CoreReady, EngineCoreOutputs, RequestDelta
+from fluidserve.engine.output import OutputProcessor, RequestOutput
+from fluidserve.model.tokenizer import Tokenizer
 from fluidserve.sampling_params import SamplingParams
+from fluidserve.serve.metrics import ServerMetrics
 
 log = logging.getLogger(__name__)
-
-
-@dataclass
-class _Stream:
-    loop: asyncio.AbstractEventLoop
-    queue: asyncio.Queue
 
 
 class Handle:
     """One request's output stream. Iterate it; leaving early aborts the request."""
 
-    def __init__(self, engine: AsyncEngine, request_id: str, stream: _Stream) -> None:
-        self.engine, self.request_id, self._stream = engine, request_id, stream
+    def __init__(self, engine: AsyncEngine, request_id: str, queue: asyncio.Queue) -> None:
+        self.engine, self.request_id, self._queue = engine, request_id, queue
         self.finished = False
 
     async def __aiter__(self) -> AsyncIterator[RequestOutput]:
         try:
             while not self.finished:
-                out: RequestOutput = await self._stream.queue.get()
+                out: RequestOutput = await self._queue.get()
                 self.finished = out.finished
                 yield out
         finally:
@@ -45,120 +44,124 @@ class Handle:
     def abort(self) -> None:
         if not self.finished:
             self.finished = True
-            self.engine._submit(("abort", self.request_id))
+            self.engine.abort(self.request_id)
 
 
 class AsyncEngine:
-    def __init__(self, engine: LLMEngine, on_step: Callable[[LLMEngine, list], None] | None = None):
-        self.engine = engine
-        self.on_step = on_step
-        self._cmds: deque[tuple] = deque()
-        self._wake = threading.Event()
-        self._streams: dict[str, _Stream] = {}
-        self._stopped = False
-        self._thread = threading.Thread(target=self._run, name="fluidserve-engine", daemon=True)
-        self.num_unfinished = 0  # written by the engine thread only
-        self._pending_adds = 0  # submitted but not yet applied by the engine thread
-        self._lock = threading.Lock()
+    def __init__(self, config: EngineConfig, tokenizer: Tokenizer | None, metrics: ServerMetrics,
+                 telemetry_file: str | None = None,
+                 on_dead: Callable[[str], None] | None = None) -> None:
+        self.config = config
+        self.tokenizer = tokenizer
+        self.metrics = metrics
+        self._on_dead_cb = on_dead
+        self.eos_token_id = tokenizer.eos_token_id if tokenizer is not None else None
+        self._outputs = OutputProcessor(tokenizer)
+        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        self._lock = threading.Lock()  # streams and output states: event loop vs reader thread
+        self._waiting_reported = 0
+        self._added_since_stats = 0
+        self.client = EngineCoreClient(config, self._on_outputs, self._on_dead, telemetry_file)
+        self.info: CoreReady | None = None
+
+    def start(self, timeout: float = 600.0) -> CoreReady:
+        """Wait for the engine core to load its model."""
+        self.info = self.client.wait_ready(timeout)
+        return self.info
+
+    def stop(self, timeout: float = 10.0) -> int | None:
+        return self.client.shutdown(timeout)
+
+    @property
+    def dead(self) -> str | None:
+        return self.client.dead
+
+    @property
+    def num_unfinished(self) -> int:
+        """Requests accepted and not yet ended (queued to the core, waiting or running)."""
+        return len(self._streams)
 
     @property
     def num_waiting(self) -> int:
-        """Requests accepted but not yet running (queued for the engine or in its queue)."""
-        return self._pending_adds + self.engine.scheduler.num_waiting
-
-    def start(self) -> None:
-        self._thread.start()
-
-    def stop(self, timeout: float = 5.0) -> None:
-        self._stopped = True
-        self._wake.set()
-        if self._thread.is_alive():
-            self._thread.join(timeout)
+        """Requests accepted but not yet running, as of the core's last report."""
+        return self._waiting_reported + self._added_since_stats
 
     # ------------------------------------------------------------------ event-loop side
-    async def add(self, request_id: str, prompt_ids: list[int], params: SamplingParams) -> Handle:
-        """Queue a request; raises the engine's rejection (a ValueError) if it cannot run."""
-        loop = asyncio.get_running_loop()
-        added: asyncio.Future = loop.create_future()
-        stream = _Stream(loop, asyncio.Queue())
+    def add(self, request_id: str, prompt_ids: list[int], params: SamplingParams) -> Handle:
+        queue: asyncio.Queue = asyncio.Queue()
         with self._lock:
-            self._pending_adds += 1
-        self._submit(("add", request_id, prompt_ids, params, stream, added))
-        try:
-            await added
-        except asyncio.CancelledError:
-            self._submit(("abort", request_id))
-            raise
-        return Handle(self, request_id, stream)
+            if self.dead is not None:
+                raise RuntimeError(self.dead)
+            self._streams[request_id] = (asyncio.get_running_loop(), queue)
+            self._outputs.add(request_id, params)
+            self._added_since_stats += 1
+        self.client.add(AddRequest(request_id, prompt_ids, params, self.eos_token_id))
+        return Handle(self, request_id, queue)
+
+    def abort(self, request_id: str) -> None:
+        with self._lock:
+            known = self._streams.pop(request_id, None) is not None
+            self._outputs.forget(request_id)
+        if known:
+            self.client.abort([request_id])
 
     def fail_all(self, message: str) -> None:
-        self._submit(("fail_all", message))
+        self.client.fail_all(message)
 
-    def _submit(self, cmd: tuple) -> None:
-        self._cmds.append(cmd)
-        self._wake.set()
-
-    # ------------------------------------------------------------------ engine thread
-    def _run(self) -> None:
-        while not self._stopped:
-            self._apply_commands()
-            if not self.engine.has_unfinished():
-                self._wake.wait(0.5)
-                self._wake.clear()
-                continue
-            try:
-                outs = self.engine.step()
-            except Exception as e:  # a scheduler bug must not kill the server
-                log.exception("engine step failed")
-                outs = self._fail_everything(f"internal engine error: {e}")
-            for out in outs:
-                self._deliver(out)
-            self.num_unfinished = len(self.engine.scheduler.requests)
-            if self.on_step is not None:
-                self.on_step(self.engine, outs)
-        self._fail_everything("the server is shutting down")
-
-    def _apply_commands(self) -> None:
-        while self._cmds:
-            cmd = self._cmds.popleft()
-            if cmd[0] == "add":
-                self._add(*cmd[1:])
-            elif cmd[0] == "abort":
-                if self.engine.abort(cmd[1]):
-                    self._streams.pop(cmd[1], None)
-            elif cmd[0] == "fail_all":
-                for out in self._fail_everything(cmd[1]):
-                    self._deliver(out)
-        self.num_unfinished = len(self.engine.scheduler.requests)
-
-    def _add(self, rid, prompt_ids, params, stream: _Stream, added: asyncio.Future) -> None:
+    # ------------------------------------------------------------------ reader thread
+    def _on_outputs(self, msg: EngineCoreOutputs) -> None:
+        self.metrics.observe(msg)
+        ready: list[tuple[asyncio.AbstractEventLoop, asyncio.Queue, RequestOutput]] = []
+        stopped = []
         with self._lock:
-            self._pending_adds -= 1
-        try:
-            self.engine.add_request(rid, prompt_ids, params)
-        except Exception as e:  # rejection: hand the error to the waiting handler
-            stream.loop.call_soon_threadsafe(_set_exception, added, e)
-            return
-        self._streams[rid] = stream
-        stream.loop.call_soon_threadsafe(_set_result, added, None)
+            if msg.stats is not None:
+                self._waiting_reported = msg.stats.num_waiting
+                self._added_since_stats = 0
+            deltas = msg.outputs + [RequestDelta(rid, [], "error", why)
+                                    for rid, why in msg.rejected.items()]
+            for delta in deltas:
+                try:
+                    out, stop = self._outputs.process(delta)
+                except Exception as e:  # a bad delta fails its own request, nobody else's
+                    log.exception("output processing failed for %s", delta.request_id)
+                    self._outputs.forget(delta.request_id)
+                    out, stop = RequestOutput(delta.request_id, [], "", True, "error",
+                                              f"internal error: {e}"), True
+                if stop:
+                    stopped.append(delta.request_id)
+                if out is None:
+                    continue
+                target = self._streams.get(delta.request_id)
+                if target is None:
+                    continue
+                if out.finished:
+                    del self._streams[delta.request_id]
+                ready.append((*target, out))
+        if stopped:
+            self.client.abort(stopped, reason="stop")
+        self._deliver(ready)
 
-    def _deliver(self, out: RequestOutput) -> None:
-        stream = self._streams.get(out.request_id)
-        if stream is None:
-            return
-        if out.finished:
-            del self._streams[out.request_id]
-        stream.loop.call_soon_threadsafe(stream.queue.put_nowait, out)
+    def _on_dead(self, message: str) -> None:
+        with self._lock:
+            ready = [(loop, q, RequestOutput(rid, [], "", True, "error", message))
+                     for rid, (loop, q) in self._streams.items()]
+            self._streams.clear()
+        self._deliver(ready)
+        if self._on_dead_cb is not None:
+            self._on_dead_cb(message)
 
-    def _fail_everything(self, message: str) -> list[RequestOutput]:
-        return self.engine.fail(list(self.engine.scheduler.requests), message)
+    @staticmethod
+    def _deliver(ready: list) -> None:
+        by_loop: dict[asyncio.AbstractEventLoop, list] = {}
+        for loop, q, out in ready:
+            by_loop.setdefault(loop, []).append((q, out))
+        for loop, items in by_loop.items():
+            try:
+                loop.call_soon_threadsafe(_put_all, items)
+            except RuntimeError:  # the event loop is closed: nobody is listening any more
+                pass
 
 
-def _set_result(fut: asyncio.Future, value) -> None:
-    if not fut.done():
-        fut.set_result(value)
-
-
-def _set_exception(fut: asyncio.Future, exc: BaseException) -> None:
-    if not fut.done():
-        fut.set_exception(exc)
+def _put_all(items: list[tuple[asyncio.Queue, RequestOutput]]) -> None:
+    for q, out in items:
+        q.put_nowait(out)

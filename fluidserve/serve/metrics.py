@@ -1,10 +1,10 @@
-"""Prometheus metrics for `/metrics`, updated from the engine thread after every iteration."""
+"""Prometheus metrics for `/metrics`, updated from every engine-core outputs message."""
 
 from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
-from fluidserve.engine.engine import LLMEngine, RequestOutput
+from fluidserve.engine.messages import EngineCoreOutputs
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
 TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
@@ -45,22 +45,20 @@ class ServerMetrics:
         )
         self._preempted = 0
 
-    def attach(self, engine: LLMEngine) -> None:
-        engine.telemetry.on_finished.append(self.observe_finished)
-        engine.telemetry.on_iteration.append(
-            lambda rec: self.iteration_tokens.observe(
-                rec.num_prefill_tokens + rec.num_decode_tokens
-            )
-        )
-
-    def on_step(self, engine: LLMEngine, outs: list[RequestOutput]) -> None:
-        sched = engine.scheduler
-        self.running.set(len(sched.running))
-        self.waiting.set(sched.num_waiting)
-        self.kv_usage.set(engine.block_manager.usage)
-        self.preemptions.inc(sched.num_preemptions - self._preempted)
-        self._preempted = sched.num_preemptions
-        self.generated.inc(sum(len(o.new_token_ids) for o in outs))
+    def observe(self, outs: EngineCoreOutputs) -> None:
+        """Update from one engine-core outputs message (called on the client's reader thread)."""
+        if outs.stats is not None:
+            st = outs.stats
+            self.running.set(st.num_running)
+            self.waiting.set(st.num_waiting)
+            self.kv_usage.set(st.kv_cache_usage)
+            self.preemptions.inc(st.num_preemptions - self._preempted)
+            self._preempted = st.num_preemptions
+        for n in outs.iteration_tokens:
+            self.iteration_tokens.observe(n)
+        self.generated.inc(sum(len(d.new_token_ids) for d in outs.outputs))
+        for row in outs.finished:
+            self.observe_finished(row)
 
     def observe_finished(self, row: dict) -> None:
         self.requests.labels(row["finish_reason"] or "unknown").inc()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import logging
 import secrets
@@ -21,9 +22,9 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from fluidserve.config import EngineConfig, ServerConfig
-from fluidserve.engine.engine import LLMEngine
-from fluidserve.engine.telemetry import Telemetry
-from fluidserve.model.builder import DEFAULT_SHAPE
+from fluidserve.core.admission import admissible_blocks, admission_error
+from fluidserve.model.builder import DEFAULT_SHAPE, cached_model_dir
+from fluidserve.model.tokenizer import Tokenizer
 from fluidserve.serve import responses as R
 from fluidserve.serve.async_engine import AsyncEngine
 from fluidserve.serve.metrics import ServerMetrics
@@ -46,27 +47,26 @@ class ApiError(Exception):
 
 @dataclass
 class ServerState:
-    engine: LLMEngine
-    async_engine: AsyncEngine
+    engine: AsyncEngine
     metrics: ServerMetrics
     config: ServerConfig
     model_name: str
     draining: bool = False
 
+    @property
+    def max_model_len(self) -> int:
+        return self.engine.info.max_model_len
 
-def build_app(engine: LLMEngine, config: ServerConfig, model_name: str) -> FastAPI:
-    metrics = ServerMetrics()
-    metrics.attach(engine)
-    state = ServerState(engine, AsyncEngine(engine, metrics.on_step), metrics, config, model_name)
+
+def build_app(engine: AsyncEngine, config: ServerConfig, model_name: str) -> FastAPI:
+    """The HTTP app around a started ``AsyncEngine`` (whose core process is ready)."""
+    metrics = engine.metrics
+    state = ServerState(engine, metrics, config, model_name)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
-        state.async_engine.start()
         yield
-        state.async_engine.stop()
-        if config.telemetry_file:
-            engine.telemetry.export_jsonl(config.telemetry_file)
-            log.info("wrote telemetry to %s", config.telemetry_file)
+        engine.stop()
 
     app = FastAPI(title="fluidserve", lifespan=lifespan)
     app.state.fluidserve = state
@@ -82,6 +82,8 @@ def build_app(engine: LLMEngine, config: ServerConfig, model_name: str) -> FastA
 
     @app.get("/health")
     async def health() -> Response:
+        if engine.dead is not None:
+            return JSONResponse({"status": "dead", "error": engine.dead}, status_code=503)
         if state.draining:
             return JSONResponse({"status": "draining"}, status_code=503)
         return JSONResponse({"status": "ok"})
@@ -93,12 +95,12 @@ def build_app(engine: LLMEngine, config: ServerConfig, model_name: str) -> FastA
     @app.get("/v1/models")
     async def models(request: Request) -> dict:
         check_auth(request)
-        return R.model_list(model_name, engine.max_model_len)
+        return R.model_list(model_name, state.max_model_len)
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request) -> Response:
         check_auth(request)
-        ids = _prompt_ids(state, body.prompt)
+        ids = await _prompt_ids(state, body.prompt)
         return await _serve(state, body, ids, request, chat=False)
 
     @app.post("/v1/chat/completions")
@@ -108,7 +110,7 @@ def build_app(engine: LLMEngine, config: ServerConfig, model_name: str) -> FastA
             raise ApiError(400, "this model has no tokenizer, so chat is unavailable")
         try:
             messages = [{"role": m.role, "content": m.text()} for m in body.messages]
-            ids = engine.tokenizer.chat(messages)
+            ids = await asyncio.to_thread(engine.tokenizer.chat, messages)
         except ValueError as e:
             raise ApiError(400, str(e), param="messages") from None
         return await _serve(state, body, ids, request, chat=True)
@@ -138,13 +140,13 @@ def _install_error_handlers(app: FastAPI) -> None:
         )
 
 
-def _prompt_ids(state: ServerState, prompt: str | list[int]) -> list[int]:
+async def _prompt_ids(state: ServerState, prompt: str | list[int]) -> list[int]:
     tok = state.engine.tokenizer
     if isinstance(prompt, str):
         if tok is None:
             raise ApiError(400, "this model has no tokenizer: send token ids", param="prompt")
-        return tok.encode(prompt)
-    vocab = getattr(getattr(state.engine.executor, "arch", None), "vocab_size", None)
+        return await asyncio.to_thread(tok.encode, prompt)  # never on the event loop
+    vocab = state.engine.info.vocab_size
     if vocab is not None and any(not 0 <= t < vocab for t in prompt):
         raise ApiError(400, f"prompt token ids must be in [0, {vocab})", param="prompt")
     return list(prompt)
@@ -160,7 +162,9 @@ async def _serve(state: ServerState, body, ids: list[int], request: Request, cha
         )
     if state.draining:
         raise ApiError(503, "the server is shutting down", "service_unavailable")
-    waiting = state.async_engine.num_waiting
+    if state.engine.dead is not None:
+        raise ApiError(503, f"the engine is down: {state.engine.dead}", "service_unavailable")
+    waiting = state.engine.num_waiting
     if waiting >= state.config.max_waiting_requests:
         state.metrics.rejected.labels("overloaded").inc()
         raise ApiError(
@@ -169,7 +173,7 @@ async def _serve(state: ServerState, body, ids: list[int], request: Request, cha
             f" {state.config.max_waiting_requests}); retry later",
             "overloaded",
         )
-    max_len = state.engine.max_model_len
+    max_len = state.max_model_len
     if not ids:
         raise ApiError(400, "the prompt is empty", param="prompt")
     room = max_len - len(ids)
@@ -183,6 +187,12 @@ async def _serve(state: ServerState, body, ids: list[int], request: Request, cha
             f" {len(ids)} and max_tokens is {max_tokens}",
             param="max_tokens",
         )
+    info = state.engine.info
+    why = admission_error(len(ids), max_tokens, max_len, info.block_size,
+                          admissible_blocks(info.num_kv_blocks, state.engine.config.watermark))
+    if why is not None:
+        state.metrics.rejected.labels("invalid").inc()
+        raise ApiError(400, why)
     logprobs = body.num_logprobs if chat else body.logprobs
     try:
         params = body.sampling_params(max_tokens, logprobs)
@@ -190,10 +200,9 @@ async def _serve(state: ServerState, body, ids: list[int], request: Request, cha
         raise ApiError(400, str(e)) from None
     rid = R.new_id("chatcmpl" if chat else "cmpl")
     try:
-        handle = await state.async_engine.add(rid, ids, params)
-    except ValueError as e:
-        state.metrics.rejected.labels("invalid").inc()
-        raise ApiError(400, str(e)) from None
+        handle = state.engine.add(rid, ids, params)
+    except RuntimeError as e:  # the engine core died meanwhile
+        raise ApiError(503, f"the engine is down: {e}", "service_unavailable") from None
     ctx = R.Context(rid, state.model_name, R.now(), len(ids), chat, state.engine.tokenizer)
     if body.stream:
         return StreamingResponse(
@@ -277,13 +286,13 @@ class DrainingServer(uvicorn.Server):
         log.info(
             "signal %s: draining %d in-flight requests (up to %.0fs)",
             sig,
-            self.state.async_engine.num_unfinished,
+            self.state.engine.num_unfinished,
             self.state.config.drain_timeout,
         )
         threading.Thread(target=self._drain, args=(sig, frame), daemon=True).start()
 
     def _drain(self, sig, frame) -> None:
-        eng = self.state.async_engine
+        eng = self.state.engine
         deadline = time.monotonic() + self.state.config.drain_timeout
         while eng.num_unfinished and time.monotonic() < deadline:
             time.sleep(0.05)
@@ -293,24 +302,48 @@ class DrainingServer(uvicorn.Server):
         super().handle_exit(sig, frame)
 
 
+def start_engine(engine_config: EngineConfig, config: ServerConfig,
+                 on_dead=None) -> tuple[AsyncEngine, str]:
+    """Resolve the model, load its tokenizer here and start the engine-core process."""
+    given = engine_config.model
+    default_name = Path(given).name if given else f"fluidserve-{DEFAULT_SHAPE}"
+    name = config.served_model_name or default_name
+    model_dir = given or str(cached_model_dir())
+    engine_config = dataclasses.replace(engine_config, model=model_dir)
+    tokenizer = Tokenizer(engine_config.tokenizer or model_dir)
+    engine = AsyncEngine(engine_config, tokenizer, ServerMetrics(), config.telemetry_file, on_dead)
+    engine.start()
+    return engine, name
+
+
 def run_server(engine_config: EngineConfig, config: ServerConfig) -> int:
     logging.basicConfig(
         level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
     t0 = time.perf_counter()
-    engine = LLMEngine(engine_config, telemetry=Telemetry(max_records=100_000))
-    name = config.served_model_name or (
-        Path(engine_config.model).name if engine_config.model else f"fluidserve-{DEFAULT_SHAPE}"
-    )
+    holder: dict = {}
+
+    def on_dead(message: str) -> None:  # the engine core died: stop, and exit non-zero
+        holder["failed"] = message
+        if "server" in holder:
+            holder["server"].should_exit = True
+
+    try:
+        engine, name = start_engine(engine_config, config, on_dead)
+    except RuntimeError as e:
+        log.error("%s", e)
+        return 1
     app = build_app(engine, config, name)
+    info = engine.info
     log.info(
-        "model %s ready in %.1fs: %d KV blocks of %d tokens, max_model_len %d,"
-        " scheduler %s (token budget %d)",
+        "model %s ready in %.1fs (engine core: %.1fs): %d KV blocks of %d tokens,"
+        " max_model_len %d, scheduler %s (token budget %d)",
         name,
         time.perf_counter() - t0,
-        engine.block_manager.num_blocks,
-        engine.block_manager.block_size,
-        engine.max_model_len,
+        info.load_seconds,
+        info.num_kv_blocks,
+        info.block_size,
+        info.max_model_len,
         engine_config.scheduler,
         engine_config.token_budget,
     )
@@ -326,5 +359,10 @@ def run_server(engine_config: EngineConfig, config: ServerConfig) -> int:
     # a clean exit, so the re-raised signal must not kill the process.
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: None)
-    DrainingServer(uv, app.state.fluidserve).run()
+    server = DrainingServer(uv, app.state.fluidserve)
+    holder["server"] = server
+    server.run()
+    if "failed" in holder:
+        log.error("exiting: %s", holder["failed"])
+        return 1
     return 0

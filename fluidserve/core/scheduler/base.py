@@ -11,6 +11,7 @@ import math
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 
+from fluidserve.core.admission import admission_error
 from fluidserve.core.block_manager import BlockManager
 from fluidserve.core.queue_policy import WaitingQueue
 from fluidserve.core.scheduler.output import RunnerOutput, ScheduledChunk, SchedulerOutput
@@ -87,19 +88,11 @@ class Scheduler(ABC):
     def add_request(self, req: Request) -> None:
         if req.request_id in self.requests:
             raise RequestRejected(f"duplicate request id {req.request_id!r}")
-        if req.num_prompt_tokens == 0:
-            raise RequestRejected("the prompt is empty")
-        total = req.max_total_tokens
-        if total > self.limits.max_model_len:
-            raise RequestRejected(
-                f"prompt ({req.num_prompt_tokens} tokens) + max_tokens ({req.params.max_tokens})"
-                f" = {total} exceeds the context window of {self.limits.max_model_len} tokens"
-            )
-        if not self.bm.fits_ever(total):
-            raise RequestRejected(
-                f"request needs {self.bm.blocks_for(total)} KV blocks for {total} tokens but the"
-                f" cache has {self.bm.num_blocks - self.bm.watermark_blocks} admissible blocks"
-            )
+        why = admission_error(req.num_prompt_tokens, req.params.max_tokens,
+                              self.limits.max_model_len, self.bm.block_size,
+                              self.bm.num_blocks - self.bm.watermark_blocks)
+        if why is not None:
+            raise RequestRejected(why)
         self.requests[req.request_id] = req
         self.waiting.push(req)
 

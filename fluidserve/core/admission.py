@@ -1,0 +1,25 @@
+"""Whether a request can ever run: shared by the scheduler and the HTTP front end, which
+checks before it hands a request to an engine core in another process."""
+
+from __future__ import annotations
+
+
+def admissible_blocks(num_blocks: int, watermark: float) -> int:
+    """KV blocks a single request may hold: all but the watermark kept free at admission."""
+    return num_blocks - int(watermark * num_blocks)
+
+
+def admission_error(num_prompt_tokens: int, max_tokens: int, max_model_len: int,
+                    block_size: int, num_admissible_blocks: int) -> str | None:
+    """Why a request of this size can never run, or None if it can."""
+    if num_prompt_tokens == 0:
+        return "the prompt is empty"
+    total = num_prompt_tokens + max_tokens
+    if total > max_model_len:
+        return (f"prompt ({num_prompt_tokens} tokens) + max_tokens ({max_tokens}) = {total}"
+                f" exceeds the context window of {max_model_len} tokens")
+    need = -(-total // block_size)
+    if need > num_admissible_blocks:
+        return (f"request needs {need} KV blocks for {total} tokens but the cache has"
+                f" {num_admissible_blocks} admissible blocks")
+    return None

@@ -1,0 +1,209 @@
+"""The engine core: schedule -> execute -> update, over token ids only.
+
+The core owns the scheduler, the block manager, the executor and the clock. It knows nothing
+of text: tokenizing, detokenizing and stop strings belong to the front end
+(``fluidserve.engine.output``), so they never sit on the critical path of an iteration. The
+core is driven through the typed messages of ``fluidserve.engine.messages``, in this process
+(the offline API, the simulator) or in a process of its own (the HTTP server).
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import time
+from typing import Protocol
+
+from fluidserve.config import EngineConfig
+from fluidserve.core.block_manager import BlockManager
+from fluidserve.core.scheduler import (
+    RequestRejected,
+    RunnerOutput,
+    SchedulerLimits,
+    SchedulerOutput,
+    make_scheduler,
+)
+from fluidserve.engine.messages import (
+    AbortRequests,
+    AddRequest,
+    EngineCoreOutputs,
+    RequestDelta,
+    SchedulerStats,
+)
+from fluidserve.engine.telemetry import Telemetry, finished_row
+from fluidserve.request import Request, RequestStatus
+
+log = logging.getLogger(__name__)
+
+
+class Executor(Protocol):
+    num_blocks: int
+    block_size: int
+    max_model_len: int
+
+    def execute(self, plan: SchedulerOutput) -> RunnerOutput: ...
+
+
+class WallClock:
+    def now(self) -> float:
+        return time.monotonic()
+
+    def after(self, elapsed: float) -> float:
+        return time.monotonic()
+
+
+class VirtualClock:
+    """Time that moves only by the execution times the executor reports."""
+
+    def __init__(self, start: float = 0.0) -> None:
+        self.t = start
+
+    def now(self) -> float:
+        return self.t
+
+    def after(self, elapsed: float) -> float:
+        self.t += elapsed
+        return self.t
+
+
+class EngineCore:
+    def __init__(
+        self,
+        config: EngineConfig,
+        executor: Executor,
+        clock: WallClock | VirtualClock | None = None,
+        telemetry: Telemetry | None = None,
+        emit_outputs: bool = True,
+        vocab_size: int | None = None,
+    ) -> None:
+        self.config = config
+        self.executor = executor
+        self.clock = clock or WallClock()
+        self.telemetry = telemetry or Telemetry()
+        self.emit_outputs = emit_outputs
+        self.vocab_size = vocab_size
+        self.max_model_len = min(config.max_model_len or executor.max_model_len,
+                                 executor.max_model_len)
+        limits = SchedulerLimits(config.token_budget, config.max_num_seqs, self.max_model_len,
+                                 config.tile_size, config.queue_policy)
+        self.block_manager = BlockManager(executor.num_blocks, executor.block_size,
+                                          config.watermark)
+        self.scheduler = make_scheduler(config.scheduler, limits, self.block_manager)
+        self._rng = random.Random(config.seed)
+        # Gathered for the front end's metrics between two outputs messages.
+        self._finished_rows: list[dict] = []
+        self._iteration_tokens: list[int] = []
+        self.collect_stats = False
+        self.faults: dict[str, int] = {}  # fault point -> passes left that raise (testing)
+
+    def trip(self, point: str) -> None:
+        """Raise if a fault was injected at ``point`` (see messages.InjectFault)."""
+        if self.faults.get(point, 0) > 0:
+            self.faults[point] -= 1
+            raise RuntimeError(f"injected {point} fault")
+
+    # ------------------------------------------------------------------ requests
+    def add(self, msg: AddRequest) -> Request:
+        """Queue a request; raises RequestRejected (a ValueError) if it can never run."""
+        ids = msg.prompt_token_ids
+        if self.vocab_size is not None and any(not 0 <= t < self.vocab_size for t in ids):
+            raise RequestRejected(f"prompt token ids must be in [0, {self.vocab_size})")
+        p = msg.params
+        seed = p.seed if p.seed is not None else self._rng.getrandbits(63)
+        now = self.clock.now() if msg.arrival_time is None else msg.arrival_time
+        req = Request(msg.request_id, ids, p, now, eos_token_id=msg.eos_token_id, seed=seed)
+        self.scheduler.add_request(req)
+        return req
+
+    def abort(self, msg: AbortRequests) -> None:
+        status = RequestStatus.FINISHED_STOPPED if msg.reason == "stop" \
+            else RequestStatus.FINISHED_ABORTED
+        for rid in msg.request_ids:
+            req = self.scheduler.requests.get(rid)
+            if req is not None:
+                self.scheduler.finish(req, status, self.clock.now())
+                self._record_finished(req)
+
+    def fail(self, request_ids: list[str], message: str) -> list[RequestDelta]:
+        """End these requests with an error the client sees; their KV blocks are freed."""
+        deltas = []
+        for rid in request_ids:
+            req = self.scheduler.requests.get(rid)
+            if req is None:
+                continue
+            req.error = message
+            self.scheduler.finish(req, RequestStatus.FINISHED_ERROR, self.clock.now())
+            self._record_finished(req)
+            deltas.append(RequestDelta(rid, [], "error", message,
+                                       num_prompt_tokens=req.num_prompt_tokens))
+        return deltas
+
+    def fail_all(self, message: str) -> list[RequestDelta]:
+        return self.fail(list(self.scheduler.requests), message)
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    # ------------------------------------------------------------------ the loop
+    def step(self) -> EngineCoreOutputs:
+        start = self.clock.now()
+        plan = self.scheduler.schedule(start)
+        if plan.is_empty:
+            return self.make_outputs([])
+        try:
+            self.trip("execute")
+            result = self.executor.execute(plan)
+        except Exception as e:  # one bad batch must not take the engine down
+            log.exception("executor failed on iteration %d", plan.iteration)
+            message = f"internal error while executing the batch: {e}"
+            return self.make_outputs(self.fail([c.request_id for c in plan.chunks], message))
+        end = self.clock.after(result.execution_time)
+        return self.complete(plan, result, start, end)
+
+    def complete(self, plan: SchedulerOutput, result: RunnerOutput, start: float, end: float
+                 ) -> EngineCoreOutputs:
+        """Apply a finished iteration (``step`` does this; a pipelined loop calls it directly)."""
+        touched = self.scheduler.update(plan, result, end)
+        self.telemetry.record_iteration(plan, start, end - start)
+        if self.collect_stats:
+            self._iteration_tokens.append(plan.num_tokens)
+        if not self.emit_outputs:  # the simulator reads request state, not deltas
+            for req in touched:
+                if req.status.finished:
+                    self._record_finished(req)
+            return EngineCoreOutputs([])
+        deltas = []
+        logprobs = result.logprobs
+        for req in touched:
+            self.telemetry.record_token(req)
+            lp = logprobs.get(req.request_id)
+            d = RequestDelta(req.request_id, [req.output_token_ids[-1]], req.finish_reason,
+                             new_logprobs=[lp] if lp is not None else [],
+                             num_prompt_tokens=req.num_prompt_tokens)
+            if req.status.finished:
+                d.scheduling_delay = req.first_scheduled_time - req.arrival_time
+                self._record_finished(req)
+            deltas.append(d)
+        return self.make_outputs(deltas)
+
+    def stats(self) -> SchedulerStats:
+        s = self.scheduler
+        return SchedulerStats(len(s.running), s.num_waiting, self.block_manager.usage,
+                              s.num_preemptions, len(s.requests))
+
+    def make_outputs(self, deltas: list[RequestDelta]) -> EngineCoreOutputs:
+        """An outputs message: these deltas, plus statistics when ``collect_stats`` is on."""
+        out = EngineCoreOutputs(deltas)
+        if self.collect_stats:
+            out.stats = self.stats()
+            out.finished, self._finished_rows = self._finished_rows, []
+            out.iteration_tokens, self._iteration_tokens = self._iteration_tokens, []
+        return out
+
+    def _record_finished(self, req: Request) -> None:
+        if not self.collect_stats:
+            self.telemetry.record_finished(req)
+            return
+        row = finished_row(req)
+        self._finished_rows.append(row)
+        self.telemetry.record_finished(req, row)

@@ -1,0 +1,213 @@
+"""The engine core in a process of its own, and the client the HTTP front end uses to reach it.
+
+As in vLLM v1, the front end (HTTP, tokenizing, detokenizing, streaming) and the engine core
+(scheduling and the forward pass) do not share an interpreter, so neither waits on the
+other's GIL. They exchange the typed messages of ``fluidserve.engine.messages`` over two
+one-way pipes. The core sends one ``EngineCoreOutputs`` per iteration.
+
+Failure handling: if the core process dies or reports a failure, the client fails every
+in-flight request with an error the client sees and calls ``on_dead`` (the server then turns
+unhealthy and exits non-zero so that a supervisor restarts it). Nothing waits forever.
+"""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing as mp
+import os
+import queue
+import threading
+import time
+import traceback
+from collections.abc import Callable
+from multiprocessing.connection import Connection
+
+from fluidserve.config import EngineConfig
+from fluidserve.engine.messages import (
+    AbortRequests,
+    AddRequest,
+    CoreFailed,
+    CoreReady,
+    EngineCoreOutputs,
+    FailAll,
+    InjectFault,
+    RequestDelta,
+    Shutdown,
+)
+
+log = logging.getLogger(__name__)
+
+IDLE_POLL_S = 0.5
+
+
+def run_engine_core(config: EngineConfig, inbox: Connection, outbox: Connection,
+                    telemetry_file: str | None, max_records: int | None) -> None:
+    """Entry point of the engine-core process."""
+    logging.basicConfig(level=logging.INFO,
+                        format="%(asctime)s %(levelname)s %(name)s[core]: %(message)s")
+    try:
+        core = _start_core(config, max_records)
+        ex = core.executor
+        outbox.send(CoreReady(str(getattr(core, "model_dir", "")), core.max_model_len,
+                              core.vocab_size, ex.num_blocks, ex.block_size,
+                              core.load_seconds))
+        _busy_loop(core, inbox, outbox)
+    except BaseException as e:  # report, then exit non-zero: the front end fails requests
+        log.exception("engine core failed")
+        try:
+            outbox.send(CoreFailed(f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
+        except OSError:
+            pass
+        os._exit(1)
+    if telemetry_file:
+        core.telemetry.export_jsonl(telemetry_file)
+        log.info("wrote telemetry to %s", telemetry_file)
+
+
+def _start_core(config: EngineConfig, max_records: int | None):
+    from fluidserve.engine.core import EngineCore
+    from fluidserve.engine.engine import build_model_executor
+    from fluidserve.engine.telemetry import Telemetry
+
+    t0 = time.monotonic()
+    executor, model_dir = build_model_executor(config)
+    vocab = getattr(getattr(executor, "arch", None), "vocab_size", None)
+    core = EngineCore(config, executor, telemetry=Telemetry(max_records), vocab_size=vocab)
+    core.collect_stats = True
+    core.model_dir = model_dir
+    core.load_seconds = time.monotonic() - t0
+    return core
+
+
+def _busy_loop(core, inbox: Connection, outbox: Connection) -> None:
+    from fluidserve.core.scheduler import RequestRejected
+
+    while True:
+        pending: list[RequestDelta] = []
+        rejected: dict[str, str] = {}
+        timeout = 0.0 if core.has_unfinished() else IDLE_POLL_S
+        while inbox.poll(timeout):
+            msg = inbox.recv()
+            timeout = 0.0
+            if isinstance(msg, AddRequest):
+                try:
+                    core.add(msg)
+                except RequestRejected as e:
+                    rejected[msg.request_id] = str(e)
+            elif isinstance(msg, AbortRequests):
+                core.abort(msg)
+            elif isinstance(msg, FailAll):
+                pending += core.fail_all(msg.message)
+            elif isinstance(msg, Shutdown):
+                outbox.send(core.make_outputs(core.fail_all("the server is shutting down")))
+                return
+            elif isinstance(msg, InjectFault):
+                core.faults[msg.point] = msg.times
+        core.trip("loop")
+        out = core.step() if core.has_unfinished() else core.make_outputs([])
+        out.outputs = pending + out.outputs
+        out.rejected = rejected
+        if out.outputs or rejected or out.iteration_tokens or out.finished:
+            outbox.send(out)
+
+
+class EngineCoreClient:
+    """The front end's handle on an engine-core process.
+
+    ``on_outputs`` is called on the client's reader thread with each ``EngineCoreOutputs``;
+    ``on_dead`` once, with a message, if the core dies or fails.
+    """
+
+    def __init__(self, config: EngineConfig, on_outputs: Callable[[EngineCoreOutputs], None],
+                 on_dead: Callable[[str], None], telemetry_file: str | None = None,
+                 max_records: int | None = 100_000) -> None:
+        ctx = mp.get_context("spawn")
+        in_r, self._in_w = ctx.Pipe(duplex=False)
+        self._out_r, out_w = ctx.Pipe(duplex=False)
+        self.proc = ctx.Process(target=run_engine_core, name="fluidserve-engine-core",
+                                args=(config, in_r, out_w, telemetry_file, max_records),
+                                daemon=True)
+        self.on_outputs, self.on_dead = on_outputs, on_dead
+        self.info: CoreReady | None = None
+        self.dead: str | None = None
+        self._sendq: queue.SimpleQueue = queue.SimpleQueue()
+        self.proc.start()
+        in_r.close()
+        out_w.close()
+
+    def wait_ready(self, timeout: float = 600.0) -> CoreReady:
+        """Block until the core has loaded its model; raises RuntimeError if it failed."""
+        deadline = time.monotonic() + timeout
+        while not self._out_r.poll(0.2):
+            if not self.proc.is_alive():
+                raise RuntimeError(f"engine core exited with code {self.proc.exitcode}"
+                                   " while starting")
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"engine core not ready after {timeout:.0f}s")
+        msg = self._out_r.recv()
+        if isinstance(msg, CoreFailed):
+            raise RuntimeError(f"engine core failed to start: {msg.message}")
+        self.info = msg
+        threading.Thread(target=self._read, name="fluidserve-core-reader", daemon=True).start()
+        threading.Thread(target=self._write, name="fluidserve-core-writer", daemon=True).start()
+        return msg
+
+    # Messages are queued and written by a thread of their own: a long prompt's AddRequest
+    # may fill the pipe while the core is mid-iteration, and that must not block the caller.
+    def add(self, msg: AddRequest) -> None:
+        self._sendq.put(msg)
+
+    def abort(self, request_ids: list[str], reason: str = "abort") -> None:
+        self._sendq.put(AbortRequests(request_ids, reason))
+
+    def fail_all(self, message: str) -> None:
+        self._sendq.put(FailAll(message))
+
+    def inject_fault(self, point: str, times: int = 1) -> None:
+        """Testing: see ``messages.InjectFault``."""
+        self._sendq.put(InjectFault(point, times))
+
+    def shutdown(self, timeout: float = 10.0) -> int | None:
+        """Stop the core (it fails what is unfinished); returns its exit code."""
+        self._sendq.put(Shutdown())
+        self.proc.join(timeout)
+        if self.proc.is_alive():
+            self.proc.kill()
+            self.proc.join(5)
+        return self.proc.exitcode
+
+    def _write(self) -> None:
+        while True:
+            msg = self._sendq.get()
+            try:
+                self._in_w.send(msg)
+            except (OSError, ValueError):
+                return  # the core is gone; the reader reports it
+            if isinstance(msg, Shutdown):
+                return
+
+    def _read(self) -> None:
+        while True:
+            try:
+                msg = self._out_r.recv()
+            except (EOFError, OSError):
+                if self.proc.is_alive():
+                    self.proc.join(2)
+                code = self.proc.exitcode
+                if code == 0:
+                    return  # a clean shutdown
+                self._die(f"the engine core process died (exit code {code})")
+                return
+            if isinstance(msg, CoreFailed):
+                self._die(f"the engine core failed: {msg.message.splitlines()[0]}")
+                return
+            try:
+                self.on_outputs(msg)
+            except Exception:  # a front-end bug must not stop delivery to everyone else
+                log.exception("processing engine outputs failed")
+
+    def _die(self, message: str) -> None:
+        if self.dead is None:
+            self.dead = message
+            log.error("%s", message)
+            self.on_dead(message)

@@ -1,0 +1,105 @@
+"""The typed messages between a front end (HTTP server, offline API) and an engine core.
+
+The engine core is reached only through these: requests go in as ``AddRequest`` and
+``AbortRequests``; every step comes back as ``EngineCoreOutputs`` (what changed for each request
+that produced a token or ended, plus scheduler statistics). They hold plain Python values only,
+so they cross a process boundary as they are (pickled over a pipe) and cost nothing in-process.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from fluidserve.sampling_params import SamplingParams
+
+
+@dataclass(frozen=True, slots=True)
+class AddRequest:
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    eos_token_id: int | None = None
+    arrival_time: float | None = None  # engine clock; None: when the core receives it
+
+
+@dataclass(frozen=True, slots=True)
+class AbortRequests:
+    request_ids: list[str]
+    reason: str = "abort"  # "stop" when the front end found a stop string
+
+
+@dataclass(frozen=True, slots=True)
+class FailAll:
+    """End every unfinished request with this error (shutdown, drain timeout)."""
+
+    message: str
+
+
+@dataclass(frozen=True, slots=True)
+class Shutdown:
+    pass
+
+
+@dataclass(frozen=True, slots=True)
+class InjectFault:
+    """Testing: make the next ``times`` passes through a fault point raise.
+
+    Points: ``execute`` (inside the executor: the batch's requests fail, the core goes on)
+    and ``loop`` (in the core's own loop, outside any iteration: the core dies)."""
+
+    point: str
+    times: int = 1
+
+
+@dataclass(slots=True)
+class RequestDelta:
+    """One request's news from one step: a new token, an end, or both."""
+
+    request_id: str
+    new_token_ids: list[int]
+    finish_reason: str | None = None  # stop | length | abort | error, once finished
+    error: str | None = None
+    new_logprobs: list = field(default_factory=list)  # (logprob, [(id, logprob), ...])
+    num_prompt_tokens: int = 0
+    scheduling_delay: float | None = None  # set when finished: first scheduled - arrival
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass(frozen=True, slots=True)
+class SchedulerStats:
+    num_running: int
+    num_waiting: int
+    kv_cache_usage: float
+    num_preemptions: int  # since start
+    num_unfinished: int
+
+
+@dataclass(slots=True)
+class EngineCoreOutputs:
+    outputs: list[RequestDelta]
+    stats: SchedulerStats | None = None
+    iteration_tokens: list[int] = field(default_factory=list)  # per iteration completed
+    finished: list[dict] = field(default_factory=list)  # telemetry rows of ended requests
+    rejected: dict[str, str] = field(default_factory=dict)  # request id -> reason
+
+
+@dataclass(frozen=True, slots=True)
+class CoreReady:
+    """Sent once by an engine-core process when its model is loaded."""
+
+    model_dir: str
+    max_model_len: int
+    vocab_size: int | None
+    num_kv_blocks: int
+    block_size: int
+    load_seconds: float
+
+
+@dataclass(frozen=True, slots=True)
+class CoreFailed:
+    """Sent by an engine-core process that cannot continue (startup or loop failure)."""
+
+    message: str

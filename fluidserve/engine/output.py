@@ -1,0 +1,99 @@
+"""Front-end output processing: token deltas from the engine core become text deltas.
+
+Detokenization and stop strings run here, in the front end, so the engine core never waits on
+text work. A stop string ends the request here at once (its text cut before the stop string)
+and the caller tells the core to stop computing it; tokens the core produced meanwhile are
+dropped. A stop string completed by the very last allowed token still applies.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from fluidserve.engine.messages import RequestDelta
+from fluidserve.model.tokenizer import IncrementalDetokenizer, Tokenizer
+from fluidserve.sampling_params import SamplingParams
+
+
+@dataclass(slots=True)
+class RequestOutput:
+    """What one step produced for one request: new tokens and text, and whether it ended."""
+
+    request_id: str
+    new_token_ids: list[int]
+    new_text: str
+    finished: bool
+    finish_reason: str | None = None
+    error: str | None = None
+    num_prompt_tokens: int = 0
+    num_output_tokens: int = 0
+    new_logprobs: list = field(default_factory=list)
+    scheduling_delay: float | None = None  # set when finished: first scheduled - arrival
+
+
+@dataclass(slots=True)
+class _State:
+    params: SamplingParams
+    detok: IncrementalDetokenizer | None
+    num_output_tokens: int = 0
+    sent: int = 0  # characters of text already emitted
+
+
+class OutputProcessor:
+    def __init__(self, tokenizer: Tokenizer | None) -> None:
+        self.tokenizer = tokenizer
+        self._states: dict[str, _State] = {}
+
+    def add(self, request_id: str, params: SamplingParams) -> None:
+        detok = IncrementalDetokenizer(self.tokenizer) if self.tokenizer is not None else None
+        self._states[request_id] = _State(params, detok)
+
+    def forget(self, request_id: str) -> None:
+        self._states.pop(request_id, None)
+
+    def __contains__(self, request_id: str) -> bool:
+        return request_id in self._states
+
+    def __len__(self) -> int:
+        return len(self._states)
+
+    def process(self, delta: RequestDelta) -> tuple[RequestOutput | None, bool]:
+        """The client-facing output for ``delta`` (None if the request already ended here), and
+        whether a stop string ended it (the core must then be told to stop it)."""
+        st = self._states.get(delta.request_id)
+        if st is None:
+            return None, False
+        st.num_output_tokens += len(delta.new_token_ids)
+        reason, stopped = delta.finish_reason, False
+        text = ""
+        if st.detok is not None and delta.new_token_ids:
+            text, stopped = self._advance_text(st, delta.new_token_ids, delta.finished)
+        if stopped and reason != "error":
+            reason = "stop"
+        out = RequestOutput(delta.request_id, delta.new_token_ids, text, reason is not None,
+                            reason, delta.error, delta.num_prompt_tokens, st.num_output_tokens,
+                            delta.new_logprobs, delta.scheduling_delay)
+        if out.finished:
+            del self._states[delta.request_id]
+        return out, stopped and not delta.finished
+
+    def _advance_text(self, st: _State, token_ids: list[int], finished: bool
+                      ) -> tuple[str, bool]:
+        """Detokenize, apply stop strings, and return the text delta safe to emit now."""
+        det = st.detok
+        det.push(token_ids)
+        text, stops = det.text, st.params.stop
+        stopped = False
+        if stops and st.num_output_tokens >= st.params.min_tokens:
+            # Only text after what was already emitted can complete a stop string now.
+            first = max(0, st.sent - max(len(s) for s in stops))
+            hits = [i for i in (text.find(s, first) for s in stops) if i >= 0]
+            if hits:
+                det.text = text = text[: min(hits)]
+                stopped = True
+        # While a stop string could still complete, hold back a possible partial match.
+        hold = 0 if finished or stopped or not stops else max(len(s) for s in stops) - 1
+        upto = max(st.sent, len(text) - hold)
+        out = text[st.sent : upto]
+        st.sent = upto
+        return out, stopped

@@ -7,12 +7,16 @@ import json
 import sys
 import time
 
-from fluidserve.cli_args import add_dataclass_args, dataclass_from_args
+from fluidserve.cli_args import (
+    add_dataclass_args,
+    add_engine_args,
+    dataclass_from_args,
+    engine_config_from_args,
+)
 from fluidserve.config import (
     BenchConfig,
     CapacityConfig,
     ConfigError,
-    EngineConfig,
     ProfileConfig,
     ServerConfig,
     SimConfig,
@@ -41,7 +45,7 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     if not prompts:
         print("error: give at least one --prompt or --prompt-file", file=sys.stderr)
         return 2
-    cfg = dataclass_from_args(EngineConfig, args)
+    cfg = engine_config_from_args(args)
     params = SamplingParams(
         max_tokens=args.max_tokens,
         temperature=args.temperature,
@@ -51,7 +55,7 @@ def _cmd_generate(args: argparse.Namespace) -> int:
         stop=tuple(args.stop),
         ignore_eos=args.ignore_eos,
     )
-    llm = LLM(**vars(cfg))
+    llm = LLM(config=cfg)
     t0 = time.perf_counter()
     outs = llm.generate(prompts, params, use_tqdm=len(prompts) > 1 and not args.json)
     elapsed = time.perf_counter() - t0
@@ -98,9 +102,7 @@ def _cmd_build_model(args: argparse.Namespace) -> int:
 def _cmd_serve(args: argparse.Namespace) -> int:
     from fluidserve.serve.server import run_server
 
-    return run_server(
-        dataclass_from_args(EngineConfig, args), dataclass_from_args(ServerConfig, args)
-    )
+    return run_server(engine_config_from_args(args), dataclass_from_args(ServerConfig, args))
 
 
 def _cmd_bench(args: argparse.Namespace) -> int:
@@ -130,10 +132,10 @@ def _cmd_capacity(args: argparse.Namespace) -> int:
 
 
 def _cmd_simulate(args: argparse.Namespace) -> int:
-    from fluidserve.sim.run import run_simulate
+    from fluidserve.sim.run import SIM_SECTIONS, run_simulate
 
     return run_simulate(dataclass_from_args(SimConfig, args),
-                        dataclass_from_args(EngineConfig, args),
+                        engine_config_from_args(args, SIM_SECTIONS),
                         dataclass_from_args(BenchConfig, args),
                         dataclass_from_args(CapacityConfig, args))
 
@@ -156,12 +158,12 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--json", action="store_true", help="One JSON object per prompt.")
     gen.add_argument("--telemetry", help="Write per-iteration/per-token records (JSON lines).")
     _sampling_args(gen)
-    add_dataclass_args(gen, EngineConfig, "engine")
+    add_engine_args(gen)
     gen.set_defaults(func=_cmd_generate)
 
     srv = sub.add_parser("serve", help="OpenAI-compatible HTTP server.")
     add_dataclass_args(srv, ServerConfig, "server")
-    add_dataclass_args(srv, EngineConfig, "engine")
+    add_engine_args(srv)
     srv.set_defaults(func=_cmd_serve)
 
     bench = sub.add_parser("bench", help="Evaluate an OpenAI-compatible endpoint (Etalon).")
@@ -179,11 +181,11 @@ def build_parser() -> argparse.ArgumentParser:
     add_dataclass_args(cap, BenchConfig, "workload and client")
     cap.set_defaults(func=_cmd_capacity)
 
-    from fluidserve.sim.run import ENGINE_FIELDS, WORKLOAD_FIELDS
+    from fluidserve.sim.run import SIM_SECTIONS, WORKLOAD_FIELDS
 
     sim = sub.add_parser("simulate", help="Run the schedulers against a cost model.")
     add_dataclass_args(sim, SimConfig, "simulation")
-    add_dataclass_args(sim, EngineConfig, "scheduler", only=ENGINE_FIELDS)
+    add_engine_args(sim, SIM_SECTIONS)
     add_dataclass_args(sim, BenchConfig, "workload", only=WORKLOAD_FIELDS)
     add_dataclass_args(sim, CapacityConfig, "SLO and capacity search")
     # sharegpt_8k keeps requests up to 8k tokens: do not clip them in simulation.

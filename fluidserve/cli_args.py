@@ -26,13 +26,15 @@ def add_dataclass_args(parser: argparse.ArgumentParser, cls: type, title: str,
     for f in dataclasses.fields(cls):
         if only is not None and f.name not in only:
             continue
-        flags = ["--" + f.name.replace("_", "-"), *f.metadata.get("aliases", ())]
+        flags = [f.metadata.get("flag", "--" + f.name.replace("_", "-")),
+                 *f.metadata.get("aliases", ())]
         help_text = f.metadata.get("help", "").replace("%", "%%")  # argparse formats help
         tp, _ = _base_type(hints[f.name])
         default = f.default
         if tp is bool:
             group.add_argument(
-                *flags, action=argparse.BooleanOptionalAction, default=default, help=help_text
+                *flags, action=argparse.BooleanOptionalAction, default=default, help=help_text,
+                dest=f.name,
             )
             continue
         shown = "" if default is None else " (default: %(default)s)"
@@ -43,6 +45,7 @@ def add_dataclass_args(parser: argparse.ArgumentParser, cls: type, title: str,
             choices=f.metadata.get("choices"),
             help=help_text + shown,
             metavar=f.name.upper() if tp is not str or not f.metadata.get("choices") else None,
+            dest=f.name,
         )
 
 
@@ -50,3 +53,23 @@ def dataclass_from_args(cls: type, args: argparse.Namespace) -> Any:
     """Build ``cls`` from parsed flags; fields without a flag keep their defaults."""
     return cls(**{f.name: getattr(args, f.name) for f in dataclasses.fields(cls)
                   if hasattr(args, f.name)})
+
+
+ALL_SECTIONS = ("model", "cache", "scheduler", "parallel")
+
+
+def add_engine_args(parser: argparse.ArgumentParser,
+                    sections: tuple[str, ...] = ALL_SECTIONS) -> None:
+    """Flags of the EngineConfig sections, one argument group each."""
+    from fluidserve.config import SECTIONS
+
+    for name in sections:
+        add_dataclass_args(parser, SECTIONS[name], f"engine: {name}")
+
+
+def engine_config_from_args(args: argparse.Namespace,
+                            sections: tuple[str, ...] = ALL_SECTIONS) -> Any:
+    """An EngineConfig from the flags of ``sections``; the others keep their defaults."""
+    from fluidserve.config import SECTIONS, EngineConfig
+
+    return EngineConfig(**{name: dataclass_from_args(SECTIONS[name], args) for name in sections})

@@ -7,7 +7,7 @@ flag is the ``help`` metadata of its field, so a knob is documented exactly once
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 
 SCHEDULERS = (
     "sarathi",
@@ -30,8 +30,8 @@ def knob(default, help: str, **kw):  # noqa: A002 - "help" mirrors argparse
 
 
 @dataclass(frozen=True)
-class EngineConfig:
-    """Model, KV cache and scheduling knobs shared by `generate`, `serve` and `profile`."""
+class ModelConfig:
+    """Which model runs, in what precision, on what device, with which kernels."""
 
     model: str | None = knob(
         None, "Path to a Hugging Face-format model directory. Default: the embedded model."
@@ -39,30 +39,12 @@ class EngineConfig:
     tokenizer: str | None = knob(None, "Tokenizer directory (default: the model directory).")
     dtype: str = knob("float32", "Weight and activation dtype.", choices=DTYPES)
     device: str = knob("cpu", "Torch device: cpu, cuda, cuda:N.")
-    seed: int = knob(0, "Seed for requests that do not carry one.")
+    seed: int = knob(0, "Sampling seed for requests that do not carry one.")
     max_model_len: int | None = knob(
         None, "Context window in tokens (default: the model's max_position_embeddings)."
     )
-    scheduler: str = knob("sarathi", "Batching policy.", choices=SCHEDULERS)
-    token_budget: int = knob(
-        512,
-        "Tokens per iteration (prefill chunk tokens + decodes). For vllm/chunked_only it caps"
-        " the prefill tokens of one prefill iteration.",
-    )
-    max_num_seqs: int = knob(128, "Maximum number of running requests.")
-    tile_size: int = knob(
-        1, "Round prefill chunk sizes down to a multiple of this (1 = no rounding)."
-    )
-    queue_policy: str = knob("fcfs", "Order of the waiting queue.", choices=("fcfs", "sjf", "ljf"))
-    block_size: int = knob(16, "Tokens per KV-cache block.")
-    num_kv_blocks: int | None = knob(
-        None, "KV-cache blocks (default: derived from --kv-cache-memory-gb)."
-    )
-    kv_cache_memory_gb: float = knob(
-        1.0, "Memory for the KV cache in GiB, used when --num-kv-blocks is not given."
-    )
-    watermark: float = knob(0.01, "Fraction of KV blocks kept free when admitting new requests.")
-    num_threads: int | None = knob(None, "Torch intra-op threads on CPU (default: torch's).")
+    num_threads: int | None = knob(
+        None, "Torch intra-op threads on CPU, per worker process (default: torch's).")
     attention_backend: str = knob(
         "auto", "native: the compiled paged-attention kernel (built once per machine); eager:"
         " PyTorch reference code; auto: native where it builds and supports the shape.",
@@ -73,30 +55,140 @@ class EngineConfig:
         choices=("auto", "packed", "eager"))
 
     def __post_init__(self) -> None:
-        if self.scheduler not in SCHEDULERS:
-            raise ConfigError(
-                f"scheduler must be one of {', '.join(SCHEDULERS)}, got {self.scheduler!r}"
-            )
         if self.dtype not in DTYPES:
             raise ConfigError(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
-        _positive("token_budget", self.token_budget)
-        _positive("max_num_seqs", self.max_num_seqs)
-        _positive("tile_size", self.tile_size)
-        _positive("block_size", self.block_size)
-        if self.num_kv_blocks is not None:
-            _positive("num_kv_blocks", self.num_kv_blocks)
         if self.max_model_len is not None:
             _positive("max_model_len", self.max_model_len)
         if self.num_threads is not None:
             _positive("num_threads", self.num_threads)
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    """The paged KV cache."""
+
+    block_size: int = knob(16, "Tokens per KV-cache block.")
+    num_kv_blocks: int | None = knob(
+        None, "KV-cache blocks (default: derived from --kv-cache-memory-gb)."
+    )
+    kv_cache_memory_gb: float = knob(
+        1.0, "Memory for the KV cache in GiB (per worker), used when --num-kv-blocks is not"
+        " given.")
+    watermark: float = knob(0.01, "Fraction of KV blocks kept free when admitting new requests.")
+
+    def __post_init__(self) -> None:
+        _positive("block_size", self.block_size)
+        if self.num_kv_blocks is not None:
+            _positive("num_kv_blocks", self.num_kv_blocks)
         if not (self.kv_cache_memory_gb > 0 and math.isfinite(self.kv_cache_memory_gb)):
             raise ConfigError(f"kv_cache_memory_gb must be > 0, got {self.kv_cache_memory_gb}")
         if not 0.0 <= self.watermark < 1.0:
             raise ConfigError(f"watermark must be in [0, 1), got {self.watermark}")
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    """How each iteration's batch is chosen."""
+
+    policy: str = knob("sarathi", "Batching policy.", choices=SCHEDULERS, flag="--scheduler")
+    token_budget: int = knob(
+        512,
+        "Tokens per iteration (prefill chunk tokens + decodes). For vllm/chunked_only it caps"
+        " the prefill tokens of one prefill iteration.",
+        aliases=("--max-num-batched-tokens",),
+    )
+    max_num_seqs: int = knob(128, "Maximum number of running requests.")
+    tile_size: int = knob(
+        1, "Round prefill chunk sizes down to a multiple of this (1 = no rounding)."
+    )
+    queue_policy: str = knob("fcfs", "Order of the waiting queue.", choices=("fcfs", "sjf", "ljf"))
+
+    def __post_init__(self) -> None:
+        if self.policy not in SCHEDULERS:
+            raise ConfigError(
+                f"scheduler must be one of {', '.join(SCHEDULERS)}, got {self.policy!r}"
+            )
+        _positive("token_budget", self.token_budget)
+        _positive("max_num_seqs", self.max_num_seqs)
+        _positive("tile_size", self.tile_size)
         if self.tile_size > self.token_budget:
             raise ConfigError(
                 f"tile_size ({self.tile_size}) must not exceed token_budget ({self.token_budget})"
             )
+
+
+EXECUTOR_BACKENDS = ("mp", "ray")
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    """How the model is split over worker processes (shared by serve, generate and simulate)."""
+
+    tensor_parallel_size: int = knob(
+        1, "Tensor-parallel ranks per pipeline stage (attention heads and MLP split"
+        " Megatron-style, all-reduce after each block).", aliases=("-tp",))
+    pipeline_parallel_size: int = knob(
+        1, "Pipeline stages (layers split evenly; as many micro-batches in flight as stages).",
+        aliases=("-pp",))
+    distributed_executor_backend: str = knob(
+        "mp", "Launcher of the worker processes when tp x pp > 1: mp (local processes) or ray"
+        " (Ray actors on an existing cluster, or a local one; pip install fluidserve[ray]).",
+        choices=EXECUTOR_BACKENDS)
+
+    def __post_init__(self) -> None:
+        _positive("tensor_parallel_size", self.tensor_parallel_size)
+        _positive("pipeline_parallel_size", self.pipeline_parallel_size)
+        if self.distributed_executor_backend not in EXECUTOR_BACKENDS:
+            raise ConfigError(f"distributed_executor_backend must be one of {EXECUTOR_BACKENDS}")
+
+    @property
+    def world_size(self) -> int:
+        return self.tensor_parallel_size * self.pipeline_parallel_size
+
+
+SECTIONS = {"model": ModelConfig, "cache": CacheConfig, "scheduler": SchedulerConfig,
+            "parallel": ParallelConfig}
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Everything an engine core needs, by concern. ``EngineConfig.create(**knobs)`` takes the
+    flat knob names (``token_budget=256``, ``scheduler="vllm"``, ``tensor_parallel_size=2``)."""
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+
+    @classmethod
+    def create(cls, **knobs) -> EngineConfig:
+        parts: dict[str, dict] = {name: {} for name in SECTIONS}
+        for key, value in knobs.items():
+            section, name = _KNOB_SECTION.get(key, (None, key))
+            if section is None:
+                raise TypeError(f"unknown engine option {key!r}; valid: {sorted(_KNOB_SECTION)}")
+            parts[section][name] = value
+        return cls(**{name: SECTIONS[name](**kw) for name, kw in parts.items()})
+
+    def knobs(self) -> dict:
+        """The flat knob names and values (the inverse of ``create``)."""
+        return {key: getattr(getattr(self, section), name)
+                for key, (section, name) in _KNOB_SECTION.items()}
+
+    def replace(self, **knobs) -> EngineConfig:
+        return EngineConfig.create(**(self.knobs() | knobs))
+
+
+def _knob_sections() -> dict[str, tuple[str, str]]:
+    out = {}
+    for section, cls in SECTIONS.items():
+        for f in fields(cls):
+            flag = f.metadata.get("flag", "--" + f.name.replace("_", "-"))
+            out[flag[2:].replace("-", "_")] = (section, f.name)
+    return out
+
+
+_KNOB_SECTION = _knob_sections()
 
 
 @dataclass(frozen=True)
@@ -242,8 +334,6 @@ class SimConfig:
                            choices=("gpu", "cpu"))
     model_shape: str = knob("mistral-7b", "Model shape for the gpu cost model.")
     device: str = knob("a100", "GPU for the gpu cost model: a100, h100, a40.")
-    tp: int = knob(1, "Tensor-parallel degree.")
-    pp: int = knob(1, "Pipeline stages (micro-batches in flight = stages).")
     cpu_profile: str | None = knob(None, "profile.json for the cpu cost model (default: the"
                                    " shipped 250M bf16 profile of this machine).")
     cpu_calibration: str | None = knob(
@@ -254,6 +344,7 @@ class SimConfig:
                             " so tails include the machine's variability (--no-cpu-jitter: the"
                             " mean time).")
     gpu_memory_utilization: float = knob(0.9, "Fraction of GPU memory for weights + KV cache.")
+    max_model_len: int = knob(16384, "Context window of the simulated engine (tokens).")
     capacity: bool = knob(False, "Search the capacity (max QPS meeting the SLO) instead.")
     find_token_budget: bool = knob(False, "Print the largest token budget meeting --tbt-slo.")
     budget_decodes: int = knob(32, "--find-token-budget: decodes in the reference batch.")
@@ -262,8 +353,6 @@ class SimConfig:
     max_budget: int = knob(8192, "--find-token-budget: largest budget considered.")
 
     def __post_init__(self) -> None:
-        _positive("tp", self.tp)
-        _positive("pp", self.pp)
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ConfigError("gpu_memory_utilization must be in (0, 1]")
         _positive("budget_decodes", self.budget_decodes)

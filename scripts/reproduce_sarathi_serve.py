@@ -22,21 +22,22 @@ from fluidserve.sim.run import make_cost_model, run_once
 VLLM_PREFILL_CAP = 8192  # vLLM admits whole prompts; its max_num_batched_tokens >= max_model_len
 
 
-def engine(scheduler: str, budget: int, max_seqs: int = 128) -> EngineConfig:
+def engine(scheduler: str, budget: int, max_seqs: int = 128, tp: int = 1, pp: int = 1
+           ) -> EngineConfig:
     if scheduler in ("vllm", "orca"):
         budget = VLLM_PREFILL_CAP
-    return EngineConfig(scheduler=scheduler, token_budget=budget, max_num_seqs=max_seqs,
-                        max_model_len=16384)
+    return EngineConfig.create(scheduler=scheduler, token_budget=budget, max_num_seqs=max_seqs,
+                               tensor_parallel_size=tp, pipeline_parallel_size=pp)
 
 
 def capacity(job: dict) -> dict:
-    sim = SimConfig(model_shape=job["shape"], device=job["device"], tp=job["tp"], pp=job["pp"])
-    eng = engine(job["scheduler"], job["budget"], job.get("max_seqs", 128))
+    sim = SimConfig(model_shape=job["shape"], device=job["device"])
+    eng = engine(job["scheduler"], job["budget"], job.get("max_seqs", 128), job["tp"], job["pp"])
     bench = BenchConfig(dataset_name="sharegpt", num_prompts=job["num_prompts"], seed=0,
                         max_prompt_len=8192, max_output_len=8192, plots=False)
     cap = CapacityConfig(slo="tbt", tbt_slo=job["slo"], max_scheduling_delay=2.0,
                          start_rate=job.get("start", 1.0), granularity=0.025, max_probes=20)
-    cost = make_cost_model(sim)
+    cost = make_cost_model(sim, eng.parallel)
     check = slo_check(cap)
     last: dict = {}
 

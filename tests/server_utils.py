@@ -42,7 +42,7 @@ class InProcessServer:
         kw = dict(model=str(model_dir), max_model_len=512, token_budget=64, block_size=8,
                   num_threads=1)
         config = ServerConfig(port=self.port, served_model_name=name, **server_kw)
-        self.engine, _ = start_engine(EngineConfig(**kw | (engine_kw or {})), config)
+        self.engine, _ = start_engine(EngineConfig.create(**kw | (engine_kw or {})), config)
         self.app = build_app(self.engine, config, name)
         self.server = uvicorn.Server(
             uvicorn.Config(self.app, host="127.0.0.1", port=self.port, log_level="warning")

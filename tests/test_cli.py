@@ -47,12 +47,15 @@ def test_generate_json_matches_offline_api(default_model_dir):
 def test_help_lists_every_engine_knob():
     import dataclasses
 
-    from fluidserve.config import EngineConfig, ServerConfig
+    from fluidserve.config import SECTIONS, ServerConfig
 
     text = cli("serve", "--help").stdout
-    for cls in (EngineConfig, ServerConfig):
+    for cls in (*SECTIONS.values(), ServerConfig):
         for f in dataclasses.fields(cls):
-            assert "--" + f.name.replace("_", "-") in text, f.name
+            flag = f.metadata.get("flag", "--" + f.name.replace("_", "-"))
+            assert flag in text, f.name
+    for alias in ("--max-num-batched-tokens", "-tp", "-pp", "--distributed-executor-backend"):
+        assert alias in text
 
 
 def test_bad_config_is_a_clear_error(default_model_dir, tmp_path):

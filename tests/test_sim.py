@@ -39,7 +39,7 @@ def test_simulated_batches_equal_real_engine_batches(default_model_dir, schedule
     cost = CPUCostModel(load_cpu_profile(None))
     work, _ = build_workload(WorkloadSpec(dataset="uniform", num_prompts=14, input_len=60,
                                           output_len=10, request_rate=40.0, seed=1))
-    cfg = EngineConfig(scheduler=scheduler, token_budget=32, block_size=8, max_num_seqs=6)
+    cfg = EngineConfig.create(scheduler=scheduler, token_budget=32, block_size=8, max_num_seqs=6)
     real = Recording(ModelExecutor(default_model_dir, block_size=8, num_blocks=64), cost)
     fake = Recording(CostModelExecutor(cost, 64, 8, real.max_model_len), cost)
     r_real, r_fake = simulate(work, cfg, real), simulate(work, cfg, fake)
@@ -149,7 +149,7 @@ def test_pipeline_bubbles_smaller_with_uniform_microbatches():
     for sched in ("sarathi", "vllm"):
         cost = GPUCostModel("llama-2-70b", "a40", tp=4, pp=2)
         ex = CostModelExecutor(cost, 20000, 16, 8192)
-        res = simulate(work, EngineConfig(scheduler=sched, token_budget=512), ex)
+        res = simulate(work, EngineConfig.create(scheduler=sched, token_budget=512), ex)
         assert all(r.ok and r.num_output_tokens == r.output_len for r in res.records)
         assert len(res.stage_busy) == 2
         idle[sched] = max(res.stage_idle_fraction)

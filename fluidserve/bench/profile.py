@@ -5,6 +5,8 @@ Measures, on a real model through the real executor:
   (b) decode throughput vs batch size, prefill throughput vs prompt length;
   (c) chunked-prefill overhead vs chunk size;
   (d) a generation-stall timeline: ongoing decodes while a long prompt arrives, vllm vs sarathi;
+  (e) engine overhead: the share of a step that is not the forward pass, with many running
+      requests;
 plus achieved weight bandwidth and FLOP/s against this machine's measured peaks.
 Writes PNG plots and ``profile.json`` to the output directory; the JSON is also the last line.
 """
@@ -34,6 +36,8 @@ FULL = {
     "stall_prompt": 2048,
     "stall_budget": 256,
     "stall_decodes": 4,
+    "overhead_running": [32, 128],
+    "overhead_context": 256,
 }
 QUICK = {
     "tokens": [1, 16, 64, 128],
@@ -44,6 +48,8 @@ QUICK = {
     "stall_prompt": 96,
     "stall_budget": 32,
     "stall_decodes": 2,
+    "overhead_running": [4],
+    "overhead_context": 16,
 }
 
 
@@ -131,7 +137,7 @@ def chunk_sweep(t: Timer, prompt: int, sizes: list[int]) -> list[dict]:
 def stall_timeline(model_dir: str, args: ProfileConfig, q: dict, scheduler: str) -> dict:
     from fluidserve.engine.engine import LLMEngine
 
-    cfg = EngineConfig(
+    cfg = EngineConfig.create(
         model=model_dir,
         dtype=args.dtype,
         device=args.device,
@@ -164,13 +170,48 @@ def stall_timeline(model_dir: str, args: ProfileConfig, q: dict, scheduler: str)
     ]
     return {
         "scheduler": scheduler,
-        "token_budget": cfg.token_budget,
+        "token_budget": cfg.scheduler.token_budget,
         "decode_max_tbt_s": max(gaps),
         "decode_median_tbt_s": statistics.median(gaps),
         "long_prompt_ttft_s": times["long"][0] - arrival,
         "token_times": {rid: [x - t0 for x in ts] for rid, ts in times.items()},
         "long_arrival_s": arrival - t0,
     }
+
+
+def engine_overhead(model_dir: str, args: ProfileConfig, running: int, context: int,
+                    steps: int = 10) -> dict:
+    """Step time of the engine with ``running`` decodes vs the time of its forward passes:
+    the rest (scheduling, input preparation, sampling, state updates) is engine overhead."""
+    from fluidserve.engine.engine import LLMEngine
+
+    bs = 16
+    cfg = EngineConfig.create(model=model_dir, dtype=args.dtype, device=args.device,
+                              max_num_seqs=running, token_budget=max(running, 2048),
+                              num_kv_blocks=running * -(-(context + steps + 8) // bs) + 16)
+    eng = LLMEngine(cfg)
+    params = SamplingParams(max_tokens=steps + 4, temperature=0.0, ignore_eos=True)
+    for i in range(running):
+        eng.add_request(f"r{i}", [5 + i % 50] * context, params)
+    while any(not r.is_decode for r in eng.scheduler.running) or eng.scheduler.num_waiting:
+        eng.step()
+    ex = eng.executor
+    forward, spent = ex.forward, [0.0]
+
+    def timed(plan):
+        t = time.perf_counter()
+        out = forward(plan)
+        spent[0] += time.perf_counter() - t
+        return out
+
+    ex.forward = timed
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        eng.step()
+    total = time.perf_counter() - t0
+    ex.forward = forward
+    return {"running": running, "context": context, "step_s": total / steps,
+            "forward_s": spent[0] / steps, "overhead_fraction": 1 - spent[0] / total}
 
 
 def run_profile(args: ProfileConfig) -> int:
@@ -193,7 +234,8 @@ def run_profile(args: ProfileConfig) -> int:
     )
     t = Timer(ex, args.repeats)
     arch = ex.arch
-    weight_bytes = sum(p.numel() * p.element_size() for p in ex.model.parameters())
+    # Linear weights may be prepacked (not parameters any more): count from the shape.
+    weight_bytes = arch.num_params * ex.kv_caches[0][0].element_size()
     print(
         f"model {model_dir}: {arch.num_params / 1e6:.1f}M params, {args.dtype},"
         f" {torch.get_num_threads()} threads"
@@ -204,6 +246,8 @@ def run_profile(args: ProfileConfig) -> int:
     chunks = chunk_sweep(t, q["chunk_prompt"], q["chunk_sizes"])
     del ex, t
     stalls = [stall_timeline(model_dir, args, q, s) for s in ("vllm", "sarathi")]
+    overhead = [engine_overhead(model_dir, args, n, q["overhead_context"])
+                for n in tqdm(q["overhead_running"], desc="(e) engine overhead", leave=False)]
     decode1 = decodes[0]["time_s"]
     best_prefill = max(iters, key=lambda p: p["prefill_tokens_per_s"])
     achieved = {
@@ -229,6 +273,7 @@ def run_profile(args: ProfileConfig) -> int:
         "decode": decodes,
         "chunked_prefill": chunks,
         "stall": [{k: v for k, v in s.items() if k != "token_times"} for s in stalls],
+        "engine_overhead": overhead,
     }
     (out_dir / "profile.json").write_text(
         json.dumps(result | {"stall_timelines": stalls}, indent=1)

@@ -82,14 +82,15 @@ class EngineCore:
         self.telemetry = telemetry or Telemetry()
         self.emit_outputs = emit_outputs
         self.vocab_size = vocab_size
-        self.max_model_len = min(config.max_model_len or executor.max_model_len,
+        self.max_model_len = min(config.model.max_model_len or executor.max_model_len,
                                  executor.max_model_len)
-        limits = SchedulerLimits(config.token_budget, config.max_num_seqs, self.max_model_len,
-                                 config.tile_size, config.queue_policy)
+        sc = config.scheduler
+        limits = SchedulerLimits(sc.token_budget, sc.max_num_seqs, self.max_model_len,
+                                 sc.tile_size, sc.queue_policy)
         self.block_manager = BlockManager(executor.num_blocks, executor.block_size,
-                                          config.watermark)
-        self.scheduler = make_scheduler(config.scheduler, limits, self.block_manager)
-        self._rng = random.Random(config.seed)
+                                          config.cache.watermark)
+        self.scheduler = make_scheduler(sc.policy, limits, self.block_manager)
+        self._rng = random.Random(config.model.seed)
         # Gathered for the front end's metrics between two outputs messages.
         self._finished_rows: list[dict] = []
         self._iteration_tokens: list[int] = []

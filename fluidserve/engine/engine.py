@@ -31,10 +31,10 @@ class LLMEngine:
         emit_outputs: bool = True,
     ) -> None:
         self.config = config
-        self.model_dir = config.model
+        self.model_dir = config.model.model
         if executor is None:
             executor, self.model_dir = build_model_executor(config)
-            tokenizer = tokenizer or Tokenizer(config.tokenizer or self.model_dir)
+            tokenizer = tokenizer or Tokenizer(config.model.tokenizer or self.model_dir)
         vocab = getattr(getattr(executor, "arch", None), "vocab_size", None)
         self.core = EngineCore(config, executor, clock, telemetry, emit_outputs, vocab)
         self.tokenizer = tokenizer
@@ -129,18 +129,19 @@ def build_model_executor(config: EngineConfig):
     from fluidserve.model.builder import cached_model_dir
     from fluidserve.model.runner import ModelExecutor
 
-    if config.num_threads:
-        torch.set_num_threads(config.num_threads)
-    model_dir = str(config.model or cached_model_dir())
+    m, c = config.model, config.cache
+    if m.num_threads:
+        torch.set_num_threads(m.num_threads)
+    model_dir = str(m.model or cached_model_dir())
     executor = ModelExecutor(
         model_dir,
-        dtype=config.dtype,
-        device=config.device,
-        block_size=config.block_size,
-        num_blocks=config.num_kv_blocks,
-        kv_cache_memory_gb=config.kv_cache_memory_gb,
-        max_model_len=config.max_model_len,
-        attention_backend=config.attention_backend,
-        linear_backend=config.linear_backend,
+        dtype=m.dtype,
+        device=m.device,
+        block_size=c.block_size,
+        num_blocks=c.num_kv_blocks,
+        kv_cache_memory_gb=c.kv_cache_memory_gb,
+        max_model_len=m.max_model_len,
+        attention_backend=m.attention_backend,
+        linear_backend=m.linear_backend,
     )
     return executor, model_dir

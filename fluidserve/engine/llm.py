@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -25,16 +24,20 @@ class CompletionOutput:
 
 
 class LLM:
-    """Runs prompts to completion on one engine. Keyword arguments are EngineConfig fields."""
+    """Runs prompts to completion on one engine.
 
-    def __init__(self, model: str | None = None, **kwargs) -> None:
-        known = {f.name for f in dataclasses.fields(EngineConfig)}
-        unknown = set(kwargs) - known
-        if unknown:
-            raise TypeError(f"unknown LLM options {sorted(unknown)}; valid: {sorted(known)}")
-        engine = kwargs.pop("engine", None)
-        self.config = EngineConfig(model=model, **kwargs)
-        self.engine = engine or LLMEngine(self.config)
+    Keyword arguments are engine knobs by their flag names (``token_budget=256``,
+    ``scheduler="vllm"``, ``tensor_parallel_size=2``), or pass a whole ``config``.
+    """
+
+    def __init__(self, model: str | None = None, *, config: EngineConfig | None = None,
+                 **knobs) -> None:
+        if config is None:
+            config = EngineConfig.create(model=model, **knobs)
+        elif knobs or model is not None:
+            config = config.replace(**knobs, **({"model": model} if model else {}))
+        self.config = config
+        self.engine = LLMEngine(config)
         self.tokenizer = self.engine.tokenizer
         self._counter = 0
 

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import json
 import logging
 import secrets
@@ -189,7 +188,8 @@ async def _serve(state: ServerState, body, ids: list[int], request: Request, cha
         )
     info = state.engine.info
     why = admission_error(len(ids), max_tokens, max_len, info.block_size,
-                          admissible_blocks(info.num_kv_blocks, state.engine.config.watermark))
+                          admissible_blocks(info.num_kv_blocks,
+                                            state.engine.config.cache.watermark))
     if why is not None:
         state.metrics.rejected.labels("invalid").inc()
         raise ApiError(400, why)
@@ -305,12 +305,12 @@ class DrainingServer(uvicorn.Server):
 def start_engine(engine_config: EngineConfig, config: ServerConfig,
                  on_dead=None) -> tuple[AsyncEngine, str]:
     """Resolve the model, load its tokenizer here and start the engine-core process."""
-    given = engine_config.model
+    given = engine_config.model.model
     default_name = Path(given).name if given else f"fluidserve-{DEFAULT_SHAPE}"
     name = config.served_model_name or default_name
     model_dir = given or str(cached_model_dir())
-    engine_config = dataclasses.replace(engine_config, model=model_dir)
-    tokenizer = Tokenizer(engine_config.tokenizer or model_dir)
+    engine_config = engine_config.replace(model=model_dir)
+    tokenizer = Tokenizer(engine_config.model.tokenizer or model_dir)
     engine = AsyncEngine(engine_config, tokenizer, ServerMetrics(), config.telemetry_file, on_dead)
     engine.start()
     return engine, name
@@ -344,8 +344,8 @@ def run_server(engine_config: EngineConfig, config: ServerConfig) -> int:
         info.num_kv_blocks,
         info.block_size,
         info.max_model_len,
-        engine_config.scheduler,
-        engine_config.token_budget,
+        engine_config.scheduler.policy,
+        engine_config.scheduler.token_budget,
     )
     uv = uvicorn.Config(
         app,

@@ -11,7 +11,7 @@ from pathlib import Path
 from fluidserve.bench.capacity import search_capacity, slo_check
 from fluidserve.bench.report import constant_deadline, score_fluidity, summarize_run, write_run
 from fluidserve.bench.workload import build_workload
-from fluidserve.config import BenchConfig, CapacityConfig, EngineConfig, SimConfig
+from fluidserve.config import BenchConfig, CapacityConfig, EngineConfig, ParallelConfig, SimConfig
 from fluidserve.core.scheduler.output import ScheduledChunk, SchedulerOutput
 from fluidserve.core.token_budget import find_token_budget
 from fluidserve.sampling_params import SamplingParams
@@ -25,9 +25,8 @@ from fluidserve.sim.cost_model import (
 from fluidserve.sim.shapes import DEVICES, SHAPES
 from fluidserve.sim.simulate import CostModelExecutor, gpu_kv_blocks, simulate
 
-# Scheduler/cache knobs of EngineConfig that the simulator uses (model knobs do not apply).
-ENGINE_FIELDS = {"scheduler", "token_budget", "max_num_seqs", "tile_size", "queue_policy",
-                 "block_size", "num_kv_blocks", "kv_cache_memory_gb", "watermark", "max_model_len"}
+# The EngineConfig sections the simulator uses (no model is loaded).
+SIM_SECTIONS = ("cache", "scheduler", "parallel")
 WORKLOAD_FIELDS = {"dataset_name", "dataset_path", "num_prompts", "input_len", "output_len",
                    "range_ratio", "prompt_scale", "output_scale", "max_prompt_len",
                    "max_output_len", "request_rate", "burstiness", "arrivals", "seed",
@@ -35,30 +34,33 @@ WORKLOAD_FIELDS = {"dataset_name", "dataset_path", "num_prompts", "input_len", "
 SIM_MAX_MODEL_LEN = 16384
 
 
-def make_cost_model(sim: SimConfig) -> CostModel:
+def make_cost_model(sim: SimConfig, par: ParallelConfig) -> CostModel:
     if sim.cost_model == "cpu":
-        if sim.tp != 1 or sim.pp != 1:
+        if par.world_size != 1:
             raise ValueError("the cpu cost model has no tensor/pipeline parallelism")
         model = CPUCostModel(load_cpu_profile(sim.cpu_profile))
         if sim.cpu_calibration:
             model.calibrate(read_telemetry(sim.cpu_calibration.split(",")))
             model.jitter = sim.cpu_jitter
         return model
-    return GPUCostModel(sim.model_shape, sim.device, sim.tp, sim.pp)
+    return GPUCostModel(sim.model_shape, sim.device, par.tensor_parallel_size,
+                        par.pipeline_parallel_size)
 
 
 def make_executor(sim: SimConfig, eng: EngineConfig, cost: CostModel) -> CostModelExecutor:
-    blocks = eng.num_kv_blocks
+    c, par = eng.cache, eng.parallel
+    blocks = c.num_kv_blocks
     if blocks is None and sim.cost_model == "gpu":
-        blocks = gpu_kv_blocks(SHAPES[sim.model_shape], DEVICES[sim.device], sim.tp, sim.pp,
-                               eng.block_size, sim.gpu_memory_utilization)
+        blocks = gpu_kv_blocks(SHAPES[sim.model_shape], DEVICES[sim.device],
+                               par.tensor_parallel_size, par.pipeline_parallel_size,
+                               c.block_size, sim.gpu_memory_utilization)
     if blocks is None:  # cpu: what `fluidserve serve` allots the profiled 250M model by default
         from fluidserve.model.builder import SHAPES as MODEL_SHAPES
 
         m = MODEL_SHAPES["250m"]
         per_token = 2 * m.num_layers * m.num_kv_heads * (m.hidden_size // m.num_heads) * 2
-        blocks = int(eng.kv_cache_memory_gb * (1 << 30) // (per_token * eng.block_size))
-    return CostModelExecutor(cost, blocks, eng.block_size, eng.max_model_len or SIM_MAX_MODEL_LEN)
+        blocks = int(c.kv_cache_memory_gb * (1 << 30) // (per_token * c.block_size))
+    return CostModelExecutor(cost, blocks, c.block_size, sim.max_model_len)
 
 
 def reference_batch(budget: int, decodes: int, context: int) -> SchedulerOutput:
@@ -75,7 +77,7 @@ def run_once(sim: SimConfig, eng: EngineConfig, bench: BenchConfig, rate: float 
              cost: CostModel | None = None) -> tuple[list, dict]:
     from fluidserve.bench.run import workload_spec
 
-    cost = cost or make_cost_model(sim)
+    cost = cost or make_cost_model(sim, eng.parallel)
     spec = workload_spec(bench, **({"request_rate": rate} if rate is not None else {}))
     work, source = build_workload(spec)
     ex = make_executor(sim, eng, cost)
@@ -88,10 +90,12 @@ def run_once(sim: SimConfig, eng: EngineConfig, bench: BenchConfig, rate: float 
         "label": bench.label, "simulated": True, "request_rate": spec.request_rate,
         "lengths": source, "cost_model": sim.cost_model, "cost_model_note": cost.note,
         "model_shape": sim.model_shape if sim.cost_model == "gpu" else None,
-        "device": sim.device if sim.cost_model == "gpu" else "this cpu", "tp": sim.tp,
-        "pp": sim.pp, "scheduler": eng.scheduler, "token_budget": eng.token_budget,
-        "max_num_seqs": eng.max_num_seqs, "kv_blocks": ex.num_blocks,
-        "block_size": eng.block_size, "iterations": res.num_iterations,
+        "device": sim.device if sim.cost_model == "gpu" else "this cpu",
+        "tp": eng.parallel.tensor_parallel_size,
+        "pp": eng.parallel.pipeline_parallel_size, "scheduler": eng.scheduler.policy,
+        "token_budget": eng.scheduler.token_budget,
+        "max_num_seqs": eng.scheduler.max_num_seqs, "kv_blocks": ex.num_blocks,
+        "block_size": eng.cache.block_size, "iterations": res.num_iterations,
         "preemptions": res.preemptions, "makespan_s": res.makespan,
         "stage_idle_fraction": res.stage_idle_fraction,
         "simulation_wall_s": time.perf_counter() - t0,
@@ -101,7 +105,7 @@ def run_once(sim: SimConfig, eng: EngineConfig, bench: BenchConfig, rate: float 
 
 def run_simulate(sim: SimConfig, eng: EngineConfig, bench: BenchConfig, cap: CapacityConfig
                  ) -> int:
-    cost = make_cost_model(sim)
+    cost = make_cost_model(sim, eng.parallel)
     if cost.note:
         print(f"note: {cost.note}", file=sys.stderr)
     if sim.find_token_budget:
@@ -114,7 +118,7 @@ def run_simulate(sim: SimConfig, eng: EngineConfig, bench: BenchConfig, cap: Cap
     if bench.plots:
         from fluidserve.bench.plots import plot_run
 
-        plot_run(records, summary, out, bench.label or f"simulated {eng.scheduler}")
+        plot_run(records, summary, out, bench.label or f"simulated {eng.scheduler.policy}")
     print(f"wrote {out}", file=sys.stderr)
     print(json.dumps(summary, default=float))
     return 0
@@ -132,12 +136,12 @@ def _token_budget(sim: SimConfig, eng: EngineConfig, cap: CapacityConfig, cost: 
                " --budget-decodes / --budget-context or relax --tbt-slo")
         print(f"error: {msg}", file=sys.stderr)
     else:
-        budget, t = find_token_budget(batch_time, cap.tbt_slo, eng.tile_size, sim.max_budget)
+        budget, t = find_token_budget(batch_time, cap.tbt_slo, eng.scheduler.tile_size,
+                                      sim.max_budget)
         msg = None
     result = {"token_budget": budget, "iteration_time_s": t, "tbt_slo_s": cap.tbt_slo,
-              "error": msg,
-              "tile_size": eng.tile_size, "reference_batch": {"decodes": sim.budget_decodes,
-                                                              "context": sim.budget_context},
+              "error": msg, "tile_size": eng.scheduler.tile_size,
+              "reference_batch": {"decodes": sim.budget_decodes, "context": sim.budget_context},
               "cost_model": sim.cost_model, "note": cost.note}
     print(json.dumps(result))
     return 0 if msg is None else 1
@@ -159,9 +163,11 @@ def _capacity(sim, eng, bench, cap, cost, out: Path) -> int:
                           lambda m: print(m, file=sys.stderr))
     summary = {"capacity_qps": res["capacity_qps"], "upper_bound_qps": res["upper_bound_qps"],
                "num_probes": res["num_probes"], "converged": res["converged"],
-               "slo": dataclasses.asdict(cap), "scheduler": eng.scheduler,
-               "token_budget": eng.token_budget, "cost_model": sim.cost_model,
-               "model_shape": sim.model_shape, "device": sim.device, "tp": sim.tp, "pp": sim.pp,
+               "slo": dataclasses.asdict(cap), "scheduler": eng.scheduler.policy,
+               "token_budget": eng.scheduler.token_budget, "cost_model": sim.cost_model,
+               "model_shape": sim.model_shape, "device": sim.device,
+               "tp": eng.parallel.tensor_parallel_size,
+               "pp": eng.parallel.pipeline_parallel_size,
                "note": cost.note, "curve": curve}
     out.mkdir(parents=True, exist_ok=True)
     (out / "capacity.json").write_text(json.dumps(summary | {"probes": res["probes"]}, indent=1,
@@ -169,7 +175,7 @@ def _capacity(sim, eng, bench, cap, cost, out: Path) -> int:
     if bench.plots:
         from fluidserve.bench.plots import plot_capacity
 
-        plot_capacity({eng.scheduler: curve}, "P99 TBT (s)" if cap.slo == "tbt" else cap.slo,
+        plot_capacity({eng.scheduler.policy: curve}, "P99 TBT (s)" if cap.slo == "tbt" else cap.slo,
                       out, cap.tbt_slo if cap.slo == "tbt" else None)
     print(json.dumps(summary, default=float))
     return 0

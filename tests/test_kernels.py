@@ -105,7 +105,7 @@ def test_argmax_rows_matches_torch_and_prefers_the_lowest_tie(dtype, vocab):
 
 def test_kernels_can_be_disabled_and_the_engine_falls_back():
     code = ("from fluidserve.kernels import cpu_ops, build_error; import torch;"
-            "from fluidserve.model.runner import _choose_attention as c;"
+            "from fluidserve.model.worker import choose_attention as c;"
             "print(cpu_ops() is None, build_error(), c('auto', 16, 64, torch.device('cpu')))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          env=os.environ | {"FLUIDSERVE_NO_KERNELS": "1"}, check=True)

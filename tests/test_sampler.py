@@ -7,13 +7,23 @@ import math
 import pytest
 import torch
 
-from fluidserve.core.scheduler.output import ScheduledChunk
-from fluidserve.model.sampler import filter_threshold, sample, uniform
+from fluidserve.model.inputs import SamplingMetadata
+from fluidserve.model.sampler import filter_threshold, uniform
+from fluidserve.model.sampler import sample as sample_meta
 from fluidserve.sampling_params import SamplingParams
 
 
-def chunk(params: SamplingParams, seed: int, index: int = 0) -> ScheduledChunk:
-    return ScheduledChunk("r", 0, (1,), (), True, params, seed, index)
+def chunk(params: SamplingParams, seed: int, index: int = 0) -> tuple:
+    return params, seed, index
+
+
+def sample(logits, rows):
+    """Sample with one (params, seed, output index) per row."""
+    p = [r[0] for r in rows]
+    meta = SamplingMetadata([f"r{i}" for i in range(len(rows))], [x.temperature for x in p],
+                            [x.top_k for x in p], [x.top_p for x in p], [r[1] for r in rows],
+                            [r[2] for r in rows], [x.logprobs for x in p])
+    return sample_meta(logits, meta)
 
 
 def test_frequencies_follow_softmax_of_logits_over_temperature():

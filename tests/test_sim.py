@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from concurrent.futures import Future
 
 import numpy as np
 import pytest
@@ -20,16 +21,26 @@ from fluidserve.sim.simulate import CostModelExecutor, simulate
 class Recording:
     """Wraps an executor: records each batch's composition and reports the cost model's time."""
 
+    depth = 1
+    busy = (0.0,)
+
     def __init__(self, inner, cost) -> None:
         self.inner, self.cost = inner, cost
         self.num_blocks, self.block_size = inner.num_blocks, inner.block_size
         self.max_model_len = inner.max_model_len
         self.batches: list[tuple] = []
 
-    def execute(self, plan):
+    def __setattr__(self, name, value):  # simulate() hands its clock to the executor
+        if name == "clock" and hasattr(self.inner, "clock"):
+            self.inner.clock = value
+        super().__setattr__(name, value)
+
+    def submit(self, plan):
         self.batches.append(plan.composition())
-        result = self.inner.execute(plan)
-        return RunnerOutput(result.sampled, self.cost.iteration_time(plan))
+        result = self.inner.submit(plan).result()
+        fut = Future()
+        fut.set_result(RunnerOutput(result.sampled, self.cost.iteration_time(plan)))
+        return fut
 
 
 @pytest.mark.parametrize("scheduler", ["sarathi", "vllm"])

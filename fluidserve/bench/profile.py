@@ -195,7 +195,7 @@ def engine_overhead(model_dir: str, args: ProfileConfig, running: int, context: 
         eng.add_request(f"r{i}", [5 + i % 50] * context, params)
     while any(not r.is_decode for r in eng.scheduler.running) or eng.scheduler.num_waiting:
         eng.step()
-    ex = eng.executor
+    ex = eng.executor.worker
     forward, spent = ex.forward, [0.0]
 
     def timed(plan):

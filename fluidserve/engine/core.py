@@ -12,6 +12,8 @@ from __future__ import annotations
 import logging
 import random
 import time
+from collections import deque
+from concurrent.futures import Future
 from typing import Protocol
 
 from fluidserve.config import EngineConfig
@@ -37,18 +39,29 @@ log = logging.getLogger(__name__)
 
 
 class Executor(Protocol):
+    """Runs batches. ``submit`` returns at once with a future of the batch's RunnerOutput; up
+    to ``depth`` batches may be in flight (the pipeline-parallel stages), and results come back
+    in submission order. A future that raises ``ExecutorDead`` means the executor is gone."""
+
     num_blocks: int
     block_size: int
     max_model_len: int
+    depth: int
 
-    def execute(self, plan: SchedulerOutput) -> RunnerOutput: ...
+    def submit(self, plan: SchedulerOutput) -> Future: ...
+
+    def shutdown(self) -> None: ...
+
+
+class ExecutorDead(RuntimeError):
+    """A worker of the executor died: no batch can run any more."""
 
 
 class WallClock:
     def now(self) -> float:
         return time.monotonic()
 
-    def after(self, elapsed: float) -> float:
+    def completed(self, result: RunnerOutput) -> float:
         return time.monotonic()
 
 
@@ -61,8 +74,10 @@ class VirtualClock:
     def now(self) -> float:
         return self.t
 
-    def after(self, elapsed: float) -> float:
-        self.t += elapsed
+    def completed(self, result: RunnerOutput) -> float:
+        end = result.finish_time if result.finish_time is not None \
+            else self.t + result.execution_time
+        self.t = max(self.t, end)
         return self.t
 
 
@@ -90,6 +105,8 @@ class EngineCore:
         self.block_manager = BlockManager(executor.num_blocks, executor.block_size,
                                           config.cache.watermark)
         self.scheduler = make_scheduler(sc.policy, limits, self.block_manager)
+        # Batches submitted and not yet applied: (plan, future of its RunnerOutput, start).
+        self.in_flight: deque[tuple[SchedulerOutput, Future, float]] = deque()
         self._rng = random.Random(config.model.seed)
         # Gathered for the front end's metrics between two outputs messages.
         self._finished_rows: list[dict] = []
@@ -143,23 +160,50 @@ class EngineCore:
         return self.fail(list(self.scheduler.requests), message)
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished()
+        return self.scheduler.has_unfinished() or bool(self.in_flight)
 
     # ------------------------------------------------------------------ the loop
     def step(self) -> EngineCoreOutputs:
-        start = self.clock.now()
-        plan = self.scheduler.schedule(start)
-        if plan.is_empty:
-            return self.make_outputs([])
+        """Fill the pipeline, then complete the oldest batch in flight."""
+        self.fill()
+        return self.finish_oldest() if self.in_flight else self.make_outputs([])
+
+    @property
+    def pipeline_full(self) -> bool:
+        return len(self.in_flight) >= self.executor.depth
+
+    def fill(self) -> None:
+        """Schedule and submit batches until ``depth`` are in flight or nothing is left; each
+        is scheduled without the requests still in flight in earlier ones."""
+        while not self.pipeline_full:
+            start = self.clock.now()
+            busy = frozenset(c.request_id for p, _, _ in self.in_flight for c in p.chunks) \
+                if self.in_flight else frozenset()
+            plan = self.scheduler.schedule(start, busy)
+            if plan.is_empty:
+                return
+            try:
+                self.trip("execute")
+                fut = self.executor.submit(plan)
+            except ExecutorDead:
+                raise
+            except Exception as e:
+                fut = Future()
+                fut.set_exception(e)
+            self.in_flight.append((plan, fut, start))
+
+    def finish_oldest(self) -> EngineCoreOutputs:
+        """Wait for the oldest batch in flight and apply it."""
+        plan, fut, start = self.in_flight.popleft()
         try:
-            self.trip("execute")
-            result = self.executor.execute(plan)
+            result = fut.result()
+        except ExecutorDead:
+            raise
         except Exception as e:  # one bad batch must not take the engine down
-            log.exception("executor failed on iteration %d", plan.iteration)
+            log.error("batch of iteration %d failed: %s", plan.iteration, e)
             message = f"internal error while executing the batch: {e}"
             return self.make_outputs(self.fail([c.request_id for c in plan.chunks], message))
-        end = self.clock.after(result.execution_time)
-        return self.complete(plan, result, start, end)
+        return self.complete(plan, result, start, self.clock.completed(result))
 
     def complete(self, plan: SchedulerOutput, result: RunnerOutput, start: float, end: float
                  ) -> EngineCoreOutputs:

@@ -7,6 +7,7 @@ there is no batch dimension and no padding. QKV and gate/up projections are fuse
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -66,10 +67,60 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return (x.float() * cos + rotated * sin).to(x.dtype)
 
 
+@dataclass(frozen=True)
+class Shard:
+    """Which part of the model one worker holds: pipeline stage ``pp_rank`` of ``pp_size``
+    (a contiguous range of layers) and tensor-parallel rank ``tp_rank`` of ``tp_size``
+    (1/tp_size of the attention heads, KV heads and MLP columns of those layers)."""
+
+    tp_rank: int = 0
+    tp_size: int = 1
+    pp_rank: int = 0
+    pp_size: int = 1
+
+    @property
+    def first(self) -> bool:
+        return self.pp_rank == 0
+
+    @property
+    def last(self) -> bool:
+        return self.pp_rank == self.pp_size - 1
+
+    def layers(self, num_layers: int) -> range:
+        return range(num_layers * self.pp_rank // self.pp_size,
+                     num_layers * (self.pp_rank + 1) // self.pp_size)
+
+    def check(self, cfg: ArchConfig) -> None:
+        """Raise ValueError if ``cfg`` cannot be split this way."""
+        tp, pp = self.tp_size, self.pp_size
+        if cfg.num_heads % tp or cfg.num_kv_heads % tp or cfg.intermediate_size % tp:
+            raise ValueError(
+                f"tensor-parallel size {tp} must divide the attention heads ({cfg.num_heads}),"
+                f" KV heads ({cfg.num_kv_heads}) and MLP width ({cfg.intermediate_size})")
+        if pp > cfg.num_layers:
+            raise ValueError(f"pipeline-parallel size {pp} exceeds the {cfg.num_layers} layers")
+
+
+class TensorParallel:
+    """The all-reduce of row-parallel layers over this stage's tensor-parallel group."""
+
+    def __init__(self, size: int = 1, group=None) -> None:
+        self.size, self.group = size, group
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        if self.size > 1:
+            torch.distributed.all_reduce(x, group=self.group)
+        return x
+
+
 class Attention(nn.Module):
-    def __init__(self, cfg: ArchConfig) -> None:
+    """Column-parallel QKV (this rank's query and KV heads), row-parallel output projection."""
+
+    def __init__(self, cfg: ArchConfig, tp: TensorParallel) -> None:
         super().__init__()
-        self.h, self.hkv, self.d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        self.tp = tp
+        self.h, self.hkv = cfg.num_heads // tp.size, cfg.num_kv_heads // tp.size
+        self.d = cfg.head_dim
         self.qkv_proj = nn.Linear(
             cfg.hidden_size, (self.h + 2 * self.hkv) * self.d, bias=cfg.qkv_bias
         )
@@ -84,28 +135,30 @@ class Attention(nn.Module):
         q = apply_rope(q.view(t, self.h, self.d), cos, sin)
         k = apply_rope(k.view(t, self.hkv, self.d), cos, sin)
         v = v.view(t, self.hkv, self.d)
-        o = paged_attention(q, k, v, kv[0], kv[1], meta, self.scale)  # [T, H, D]
-        return self.o_proj(o.reshape(t, self.h * self.d))
+        o = paged_attention(q, k, v, kv[0], kv[1], meta, self.scale)  # [T, H/tp, D]
+        return self.tp.all_reduce(self.o_proj(o.reshape(t, self.h * self.d)))
 
 
 class MLP(nn.Module):
-    def __init__(self, cfg: ArchConfig) -> None:
+    """Column-parallel gate/up projection, row-parallel down projection."""
+
+    def __init__(self, cfg: ArchConfig, tp: TensorParallel) -> None:
         super().__init__()
-        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=cfg.mlp_bias)
-        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
+        self.tp = tp
+        width = cfg.intermediate_size // tp.size
+        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * width, bias=cfg.mlp_bias)
+        self.down_proj = nn.Linear(width, cfg.hidden_size, bias=cfg.mlp_bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
-
-
+        return self.tp.all_reduce(self.down_proj(F.silu(gate) * up))
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ArchConfig) -> None:
+    def __init__(self, cfg: ArchConfig, tp: TensorParallel) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = Attention(cfg)
+        self.self_attn = Attention(cfg, tp)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = MLP(cfg)
+        self.mlp = MLP(cfg, tp)
 
     def forward(self, x, cos, sin, meta, kv):
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, meta, kv)
@@ -113,28 +166,41 @@ class DecoderLayer(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
-    def __init__(self, cfg: ArchConfig, max_len: int) -> None:
+    """The decoder, or this worker's shard of it: the embedding on the first pipeline stage,
+    the final norm and LM head on the last, a range of layers on each. ``layers[i]`` is model
+    layer ``layer_offset + i``."""
+
+    def __init__(self, cfg: ArchConfig, max_len: int, shard: Shard | None = None,
+                 tp: TensorParallel | None = None) -> None:
         super().__init__()
-        self.cfg = cfg
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
-        if cfg.tie_word_embeddings:
-            self.lm_head.weight = self.embed_tokens.weight
+        shard = shard or Shard()
+        self.cfg, self.shard = cfg, shard
+        tp = tp or TensorParallel()
+        span = shard.layers(cfg.num_layers)
+        self.layer_offset = span.start
+        if shard.first:
+            self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, tp) for _ in span)
+        if shard.last:
+            self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+            self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+            if cfg.tie_word_embeddings and shard.first:
+                self.lm_head.weight = self.embed_tokens.weight
         self.rotary = Rotary(cfg, max_len)
 
     def forward(
         self,
-        input_ids: torch.Tensor,  # [T]
+        inputs: torch.Tensor,  # [T] token ids on the first stage, else [T, hidden] states
         positions: torch.Tensor,  # [T]
         meta: AttentionMetadata,
-        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],  # this stage's layers
         logits_idx: torch.Tensor,  # [S]: batch positions whose next-token logits are needed
     ) -> torch.Tensor:
-        x = self.embed_tokens(input_ids)
+        """[S, vocab] logits on the last stage (model dtype), else [T, hidden] states."""
+        x = self.embed_tokens(inputs) if self.shard.first else inputs
         cos, sin = self.rotary(positions)
         for layer, kv in zip(self.layers, kv_caches, strict=True):
             x = layer(x, cos, sin, meta, kv)
-        x = self.norm(x[logits_idx])
-        return self.lm_head(x)  # [S, vocab], model dtype
+        if not self.shard.last:
+            return x
+        return self.lm_head(self.norm(x[logits_idx]))

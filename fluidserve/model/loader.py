@@ -10,7 +10,7 @@ import torch
 from safetensors import safe_open
 
 from fluidserve.model.arch import ArchConfig, ModelLoadError, read_arch
-from fluidserve.model.llama import LlamaForCausalLM, Rotary
+from fluidserve.model.llama import LlamaForCausalLM, Rotary, Shard, TensorParallel
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -45,13 +45,14 @@ def safetensors_files(model_dir: Path) -> list[Path]:
     return files
 
 
-def read_weights(files: list[Path]) -> dict[str, torch.Tensor]:
+def read_weights(files: list[Path], wanted=lambda name: True) -> dict[str, torch.Tensor]:
     out: dict[str, torch.Tensor] = {}
     for f in files:
         try:
             with safe_open(str(f), framework="pt") as fh:
                 for name in fh.keys():  # noqa: SIM118 - safe_open has no __iter__
-                    out[name] = fh.get_tensor(name)
+                    if wanted(name):
+                        out[name] = fh.get_tensor(name)
         except Exception as e:  # safetensors raises its own error types
             raise ModelLoadError(f"{f}: cannot read safetensors file ({e})") from None
     return out
@@ -88,17 +89,76 @@ def map_hf_weights(hf: dict[str, torch.Tensor], cfg: ArchConfig) -> dict[str, to
     return out
 
 
+def wanted_for(cfg: ArchConfig, shard: Shard):
+    """Which HF tensors a shard needs (its layers; embedding, norm and LM head by stage)."""
+    span = shard.layers(cfg.num_layers)
+
+    def wanted(name: str) -> bool:
+        m = _LAYER.match(name)
+        if m is not None:
+            return int(m.group(1)) in span
+        if name.startswith("model.embed_tokens."):
+            return shard.first or (shard.last and cfg.tie_word_embeddings)
+        if name.startswith(("model.norm.", "lm_head.")):
+            return shard.last
+        return True
+
+    return wanted
+
+
+def shard_weights(weights: dict[str, torch.Tensor], cfg: ArchConfig, shard: Shard
+                  ) -> dict[str, torch.Tensor]:
+    """Renumber this stage's layers from 0 and keep this tensor-parallel rank's slices:
+    column-parallel QKV and gate/up by output rows (per fused part), row-parallel output and
+    down projections by input columns (their bias added by rank 0 only)."""
+    r, n = shard.tp_rank, shard.tp_size
+    h, hkv, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+    offset = shard.layers(cfg.num_layers).start
+    out = {}
+    for key, t in weights.items():
+        m = re.match(r"^layers\.(\d+)\.(.+)$", key)
+        if m is None:
+            out[key] = t
+            continue
+        key = f"layers.{int(m.group(1)) - offset}.{m.group(2)}"
+        if n > 1:
+            t = _tp_slice(m.group(2), t, r, n, [h * d, hkv * d, hkv * d])
+        out[key] = t
+    if shard.last and cfg.tie_word_embeddings and not shard.first:
+        out["lm_head.weight"] = out.pop("embed_tokens.weight")
+    return out
+
+
+def _tp_slice(name: str, t: torch.Tensor, r: int, n: int, qkv: list[int]) -> torch.Tensor:
+    if name.startswith("self_attn.qkv_proj."):
+        return torch.cat([p.chunk(n, 0)[r] for p in t.split(qkv, 0)], 0)
+    if name.startswith("mlp.gate_up_proj."):
+        return torch.cat([p.chunk(n, 0)[r] for p in t.chunk(2, 0)], 0)
+    if name in ("self_attn.o_proj.weight", "mlp.down_proj.weight"):
+        return t.chunk(n, 1)[r]
+    if name in ("self_attn.o_proj.bias", "mlp.down_proj.bias"):
+        return t if r == 0 else torch.zeros_like(t)
+    return t  # norms: replicated
+
+
 def load_model(
-    model_dir: str | Path, dtype: str = "float32", device: str = "cpu", max_len: int | None = None
+    model_dir: str | Path, dtype: str = "float32", device: str = "cpu",
+    max_len: int | None = None, shard: Shard | None = None, tp: TensorParallel | None = None,
 ) -> tuple[ArchConfig, LlamaForCausalLM]:
+    shard = shard or Shard()
     model_dir = Path(model_dir)
     if not model_dir.is_dir():
         raise ModelLoadError(f"model directory {str(model_dir)!r} does not exist")
     cfg = read_arch(model_dir)
-    weights = map_hf_weights(read_weights(safetensors_files(model_dir)), cfg)
+    try:
+        shard.check(cfg)
+    except ValueError as e:
+        raise ModelLoadError(f"{model_dir}: {e}") from None
+    hf = read_weights(safetensors_files(model_dir), wanted_for(cfg, shard))
+    weights = shard_weights(map_hf_weights(hf, cfg), cfg, shard)
     with torch.device("meta"):
-        expected = dict(LlamaForCausalLM(cfg, 1).state_dict())
-    if cfg.tie_word_embeddings:
+        expected = dict(LlamaForCausalLM(cfg, 1, shard, tp).state_dict())
+    if cfg.tie_word_embeddings and shard.first:
         expected.pop("lm_head.weight", None)
     missing = sorted(set(expected) - set(weights))
     unexpected = sorted(set(weights) - set(expected))
@@ -116,10 +176,10 @@ def load_model(
             )
     torch_dtype = DTYPES[dtype]
     with torch.device("meta"):
-        model = LlamaForCausalLM(cfg, 1)
+        model = LlamaForCausalLM(cfg, 1, shard, tp)
     tensors = {k: t.to(device=device, dtype=torch_dtype) for k, t in weights.items()}
     model.load_state_dict(tensors, strict=False, assign=True)
-    if cfg.tie_word_embeddings:
+    if cfg.tie_word_embeddings and shard.first and shard.last:
         model.lm_head.weight = model.embed_tokens.weight
     # RoPE tables stay float32 whatever the weight dtype.
     model.rotary = Rotary(cfg, max_len or cfg.max_position_embeddings).to(device)

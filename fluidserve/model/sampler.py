@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from fluidserve.core.scheduler.output import ScheduledChunk
+from fluidserve.model.inputs import SamplingMetadata
 
 _MASK64 = (1 << 64) - 1
 
@@ -58,34 +58,33 @@ def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
 
 
 def sample(
-    logits: torch.Tensor, chunks: list[ScheduledChunk]
+    logits: torch.Tensor, meta: SamplingMetadata
 ) -> tuple[list[int], list[tuple[float, list[tuple[int, float]]] | None]]:
-    """logits: [S, V], one row per sampling chunk. Returns token ids and logprobs."""
-    params = [c.params for c in chunks]
+    """logits: [S, V], one row per sampled request. Returns token ids and logprobs."""
     tokens = greedy_tokens(logits)
-    rows = [i for i, p in enumerate(params) if not p.greedy]
+    rows = [i for i, t in enumerate(meta.temperature) if t != 0.0]
     if rows:
-        tokens[rows] = _sample_rows(logits[rows].float(), [chunks[i] for i in rows])
+        tokens[rows] = _sample_rows(logits[rows].float(), meta, rows)
     token_list = tokens.tolist()
-    logprobs: list = [None] * len(chunks)
-    want = [i for i, p in enumerate(params) if p.logprobs is not None]
+    logprobs: list = [None] * len(token_list)
+    want = [i for i, k in enumerate(meta.logprobs) if k is not None]
     if want:
         _logprobs(logits[want].float(), [token_list[i] for i in want],
-                  [params[i].logprobs for i in want], want, logprobs)
+                  [meta.logprobs[i] for i in want], want, logprobs)
     return token_list, logprobs
 
 
-def _sample_rows(logits: torch.Tensor, chunks: list[ScheduledChunk]) -> torch.Tensor:
+def _sample_rows(logits: torch.Tensor, meta: SamplingMetadata, rows: list[int]) -> torch.Tensor:
     dev = logits.device
-    temp = torch.tensor([c.params.temperature for c in chunks], device=dev)
+    temp = torch.tensor([meta.temperature[i] for i in rows], device=dev)
     logits = logits / temp[:, None]
-    top_k = torch.tensor([c.params.top_k for c in chunks], device=dev)
-    top_p = torch.tensor([c.params.top_p for c in chunks], device=dev)
+    top_k = torch.tensor([meta.top_k[i] for i in rows], device=dev)
+    top_p = torch.tensor([meta.top_p[i] for i in rows], device=dev)
     if bool((top_k > 0).any() or (top_p < 1).any()):
         threshold = filter_threshold(logits, top_k, top_p)
         logits = logits.masked_fill(logits < threshold[:, None], float("-inf"))
     cdf = logits.softmax(-1).cumsum(-1)
-    u = torch.tensor([uniform(c.seed, c.output_index) for c in chunks], device=dev,
+    u = torch.tensor([uniform(meta.seeds[i], meta.output_index[i]) for i in rows], device=dev,
                      dtype=cdf.dtype)
     target = (u * cdf[:, -1])[:, None]
     picked = torch.searchsorted(cdf, target, right=True).squeeze(1)

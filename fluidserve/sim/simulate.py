@@ -1,22 +1,24 @@
-"""The simulator: the real engine loop and scheduler, a cost-model executor, a virtual clock.
+"""The simulator: the engine core and its scheduler, a cost-model executor, a virtual clock.
 
-With one pipeline stage the loop is ``LLMEngine.step`` itself. With ``pp`` stages up to
-``pp`` micro-batches are in flight: a new one is scheduled (excluding requests still in the
-pipeline) as soon as a slot frees, each stage processes micro-batches in order, and the
-idle time of every stage (the pipeline bubbles) is measured.
+It is the same core that serves requests (``EngineCore.fill`` / ``finish_oldest``): with
+``pp`` pipeline stages up to ``pp`` micro-batches are in flight, each scheduled without the
+requests still in the pipeline, each stage processes micro-batches in order, and the idle time
+of every stage (the pipeline bubbles) is measured.
 """
 
 from __future__ import annotations
 
 import math
 from collections import deque
+from concurrent.futures import Future
 from dataclasses import dataclass
 
 from fluidserve.bench.client import RequestRecord
 from fluidserve.bench.workload import WorkloadRequest
 from fluidserve.config import EngineConfig
 from fluidserve.core.scheduler import RequestRejected, RunnerOutput, SchedulerOutput
-from fluidserve.engine.engine import LLMEngine, VirtualClock
+from fluidserve.engine.core import EngineCore, VirtualClock
+from fluidserve.engine.messages import AddRequest
 from fluidserve.engine.telemetry import Telemetry
 from fluidserve.request import Request
 from fluidserve.sampling_params import SamplingParams
@@ -25,15 +27,35 @@ from fluidserve.sim.shapes import Device, Shape
 
 
 class CostModelExecutor:
-    """Executor contract of the engine, with times from a cost model and no weights."""
+    """The engine's executor contract, with times from a cost model and no weights.
+
+    A batch enters pipeline stage ``s`` when both the batch has left stage ``s - 1`` and stage
+    ``s`` is free; the future carries the virtual time the batch leaves the last stage. With
+    one stage this is just the iteration time after the submit time."""
 
     def __init__(self, cost: CostModel, num_blocks: int, block_size: int, max_model_len: int):
         self.cost = cost
         self.num_blocks, self.block_size, self.max_model_len = num_blocks, block_size, max_model_len
+        self.depth = cost.pp
+        self.clock: VirtualClock | None = None  # set by simulate()
+        self.free_at = [0.0] * cost.pp
+        self.busy = [0.0] * cost.pp
 
-    def execute(self, plan: SchedulerOutput) -> RunnerOutput:
+    def submit(self, plan: SchedulerOutput) -> Future:
+        start = t = self.clock.now()
+        stage_times = [self.cost.iteration_time(plan)] if self.depth == 1 \
+            else self.cost.stage_times(PlanShape.of(plan))
+        for s, dt in enumerate(stage_times):
+            t = max(t, self.free_at[s]) + dt
+            self.free_at[s] = t
+            self.busy[s] += dt
+        fut: Future = Future()
         sampled = {c.request_id: 0 for c in plan.chunks if c.samples}
-        return RunnerOutput(sampled, self.cost.iteration_time(plan))
+        fut.set_result(RunnerOutput(sampled, t - start, finish_time=t))
+        return fut
+
+    def shutdown(self) -> None:
+        pass
 
 
 def gpu_kv_blocks(shape: Shape, device: Device, tp: int, pp: int, block_size: int,
@@ -64,70 +86,39 @@ class SimResult:
 
 def simulate(work: list[WorkloadRequest], config: EngineConfig, executor: CostModelExecutor
              ) -> SimResult:
-    eng = LLMEngine(config, executor=executor, clock=VirtualClock(),
-                    telemetry=Telemetry(max_records=0), emit_outputs=False)
+    """Run the workload through the engine core on a virtual clock: requests join at their
+    arrival times, the pipeline is kept full, and the clock moves to the next batch
+    completion or the next arrival, whichever comes first."""
+    clock = VirtualClock()
+    executor.clock = clock
+    core = EngineCore(config, executor, clock, Telemetry(max_records=0), emit_outputs=False)
     pending = deque(sorted(work, key=lambda w: w.arrival))
     reqs: dict[int, Request | str] = {}
-    if executor.cost.pp == 1:
-        busy = _run_serial(eng, pending, reqs)
-    else:
-        busy = _run_pipelined(eng, pending, reqs, executor.cost)
+    while pending or core.has_unfinished():
+        _admit(core, pending, reqs, clock.t)
+        core.fill()
+        next_arrival = pending[0].arrival if pending else math.inf
+        if core.in_flight and (core.pipeline_full
+                               or core.in_flight[0][1].result().finish_time <= next_arrival):
+            core.finish_oldest()
+        elif pending:
+            clock.t = max(clock.t, next_arrival)
+        elif core.has_unfinished():
+            raise RuntimeError("simulation stalled: nothing schedulable or in flight")
     records = [_record(w, reqs[w.index]) for w in work]
-    return SimResult(records, eng.clock.now(), busy, eng.scheduler.iteration,
-                     eng.scheduler.num_preemptions)
+    return SimResult(records, clock.now(), executor.busy, core.scheduler.iteration,
+                     core.scheduler.num_preemptions)
 
 
-def _admit(eng: LLMEngine, pending: deque, reqs: dict, now: float) -> None:
+def _admit(core: EngineCore, pending: deque, reqs: dict, now: float) -> None:
     while pending and pending[0].arrival <= now:
         w = pending.popleft()
         params = SamplingParams(max_tokens=w.output_len, ignore_eos=True, temperature=0.0)
         try:
-            reqs[w.index] = eng.add_request(str(w.index), [1] * w.prompt_len, params, w.arrival)
+            reqs[w.index] = core.add(AddRequest(str(w.index), [1] * w.prompt_len, params,
+                                                arrival_time=w.arrival))
         except RequestRejected as e:
             reqs[w.index] = str(e)
-
-
-def _run_serial(eng: LLMEngine, pending: deque, reqs: dict) -> list[float]:
-    busy = 0.0
-    while pending or eng.has_unfinished():
-        _admit(eng, pending, reqs, eng.clock.now())
-        if not eng.has_unfinished():
-            eng.clock.t = max(eng.clock.t, pending[0].arrival)
-            continue
-        start = eng.clock.now()
-        eng.step()
-        busy += eng.clock.now() - start
-    return [busy]
-
-
-def _run_pipelined(eng: LLMEngine, pending: deque, reqs: dict, cost: CostModel) -> list[float]:
-    pp, clock = cost.pp, eng.clock
-    free_at, busy = [0.0] * pp, [0.0] * pp
-    flight: deque[tuple[float, float, SchedulerOutput]] = deque()  # (finish, start, plan)
-    while pending or eng.has_unfinished():
-        _admit(eng, pending, reqs, clock.t)
-        while len(flight) < pp:
-            in_flight = frozenset(c.request_id for _, _, p in flight for c in p.chunks)
-            plan = eng.scheduler.schedule(clock.t, in_flight)
-            if plan.is_empty:
-                break
-            t = clock.t
-            for s, dt in enumerate(cost.stage_times(PlanShape.of(plan))):
-                t = max(t, free_at[s]) + dt
-                free_at[s] = t
-                busy[s] += dt
-            flight.append((t, clock.t, plan))
-        next_arrival = pending[0].arrival if pending else math.inf
-        if flight and (len(flight) == pp or flight[0][0] <= next_arrival):
-            finish, start, plan = flight.popleft()
-            clock.t = max(clock.t, finish)
-            sampled = {c.request_id: 0 for c in plan.chunks if c.samples}
-            eng.complete(plan, RunnerOutput(sampled, finish - start), start, finish)
-        elif pending:
-            clock.t = max(clock.t, next_arrival)
-        elif eng.has_unfinished():
-            raise RuntimeError("pipeline simulation stalled: nothing schedulable or in flight")
-    return busy
 
 
 def _record(w: WorkloadRequest, req: Request | str) -> RequestRecord:

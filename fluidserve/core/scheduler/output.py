@@ -71,3 +71,4 @@ class RunnerOutput:
     sampled: dict[str, int]
     execution_time: float
     logprobs: dict[str, tuple[float, list[tuple[int, float]]]] = field(default_factory=dict)
+    finish_time: float | None = None  # on a virtual clock: when the batch completes

@@ -1,0 +1,91 @@
+"""A scheduler plan flattened into model inputs, once, by the driver.
+
+``StepInputs`` holds numpy arrays and plain values only: it is built once per iteration and
+sent as it is (pickled: a few KB for a hundred decodes) to every worker process of a tensor- or
+pipeline-parallel executor, which turn the arrays into tensors without copying.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from fluidserve.core.scheduler.output import SchedulerOutput
+
+
+@dataclass
+class SamplingMetadata:
+    """One entry per sampled row (a chunk that ends a request's known tokens)."""
+
+    request_ids: list[str]
+    temperature: list[float]
+    top_k: list[int]
+    top_p: list[float]
+    seeds: list[int]
+    output_index: list[int]  # index of the token being sampled in its request's output
+    logprobs: list[int | None]
+
+    @property
+    def all_greedy(self) -> bool:
+        return all(t == 0.0 for t in self.temperature)
+
+
+@dataclass
+class StepInputs:
+    token_ids: np.ndarray  # [T] int64
+    positions: np.ndarray  # [T] int64
+    slot_mapping: np.ndarray  # [T] int64: flat KV-cache slot of every token
+    cu_q: np.ndarray  # [S + 1] int32: run s holds tokens cu_q[s] .. cu_q[s+1]-1
+    ctx_lens: np.ndarray  # [S] int32: the run's last position + 1
+    block_tables: np.ndarray  # [S, max_blocks] int32, padded with block 0
+    logits_idx: np.ndarray  # [R] int64: batch positions whose next-token logits are sampled
+    sampling: SamplingMetadata
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    def runs(self) -> list[tuple[int, int, int]]:
+        """(q_start, q_len, ctx_len) per run."""
+        cu, ctx = self.cu_q.tolist(), self.ctx_lens.tolist()
+        return [(cu[i], cu[i + 1] - cu[i], ctx[i]) for i in range(len(ctx))]
+
+
+def prepare_inputs(plan: SchedulerOutput, block_size: int) -> StepInputs:
+    bs = block_size
+    ids: list[int] = []
+    pos: list[int] = []
+    lens: list[int] = []
+    ctxs: list[int] = []
+    logits_idx: list[int] = []
+    tables: list[tuple[int, ...]] = []
+    sampled = []
+    for c in plan.chunks:
+        q0, n = len(ids), len(c.token_ids)
+        ids.extend(c.token_ids)
+        ctx = c.start + n
+        pos.extend(range(c.start, ctx))
+        lens.append(n)
+        ctxs.append(ctx)
+        tables.append(c.block_table[: -(-ctx // bs)])
+        if c.samples:
+            logits_idx.append(q0 + n - 1)
+            sampled.append(c)
+    width = max(map(len, tables))
+    table_arr = np.zeros((len(tables), width), dtype=np.int32)
+    for i, t in enumerate(tables):
+        table_arr[i, : len(t)] = t
+    pos_arr = np.asarray(pos, dtype=np.int64)
+    run_of_token = np.repeat(np.arange(len(lens)), lens)
+    slots = table_arr[run_of_token, pos_arr // bs].astype(np.int64) * bs + pos_arr % bs
+    cu_q = np.zeros(len(lens) + 1, dtype=np.int32)
+    np.cumsum(lens, out=cu_q[1:])
+    p = [c.params for c in sampled]
+    sampling = SamplingMetadata(
+        [c.request_id for c in sampled], [x.temperature for x in p], [x.top_k for x in p],
+        [x.top_p for x in p], [c.seed for c in sampled], [c.output_index for c in sampled],
+        [x.logprobs for x in p])
+    return StepInputs(np.asarray(ids, dtype=np.int64), pos_arr, slots, cu_q,
+                      np.asarray(ctxs, dtype=np.int32), table_arr,
+                      np.asarray(logits_idx, dtype=np.int64), sampling)

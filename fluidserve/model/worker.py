@@ -1,0 +1,154 @@
+"""One worker's part of an iteration: its shard of the model, its KV cache, one forward pass.
+
+With one worker (no parallelism) it holds the whole model. With tensor parallelism each worker
+of a stage holds a slice of every layer and the layers all-reduce their outputs; with pipeline
+parallelism stage ``s`` receives the hidden states of stage ``s - 1`` and sends its own to stage
+``s + 1`` (``torch.distributed`` point-to-point: gloo on CPU, NCCL on CUDA). Only the last
+stage's first tensor-parallel rank samples.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from fluidserve.model.arch import ArchConfig, read_arch
+from fluidserve.model.attention import AttentionMetadata, native_supported, new_kv_cache
+from fluidserve.model.inputs import StepInputs
+from fluidserve.model.linear import pack_linear_layers, packed_linear_supported
+from fluidserve.model.llama import Shard, TensorParallel
+from fluidserve.model.loader import DTYPES, load_model
+from fluidserve.model.sampler import sample
+
+
+@dataclass(frozen=True)
+class WorkerSpec:
+    """Everything a worker needs to build its part (plain values: it crosses processes)."""
+
+    model_dir: str
+    dtype: str = "float32"
+    device: str = "cpu"
+    block_size: int = 16
+    num_blocks: int = 0
+    max_model_len: int = 0
+    attention_backend: str = "auto"
+    linear_backend: str = "auto"
+
+
+def resolve_max_model_len(arch: ArchConfig, requested: int | None) -> int:
+    n = min(requested or arch.max_position_embeddings, arch.max_position_embeddings)
+    if arch.sliding_window and arch.sliding_window < n:
+        # Sliding-window attention is not implemented; within the window it is exact.
+        n = arch.sliding_window
+    return n
+
+
+def kv_cache_blocks(arch: ArchConfig, dtype: str, block_size: int, memory_gb: float,
+                    tp: int = 1, pp: int = 1) -> int:
+    """Blocks that fit ``memory_gb`` on each worker (the stage with the most layers)."""
+    layers = -(-arch.num_layers // pp)
+    per_token = 2 * layers * (arch.num_kv_heads // tp) * arch.head_dim * DTYPES[dtype].itemsize
+    return max(1, int(memory_gb * (1 << 30) // (per_token * block_size)))
+
+
+def plan_workers(model_dir: str | Path, config) -> tuple[ArchConfig, WorkerSpec]:
+    """The architecture and the worker spec of an EngineConfig (KV size, context window)."""
+    m, c, p = config.model, config.cache, config.parallel
+    arch = read_arch(model_dir)
+    Shard(0, p.tensor_parallel_size, 0, p.pipeline_parallel_size).check(arch)
+    blocks = c.num_kv_blocks or kv_cache_blocks(arch, m.dtype, c.block_size, c.kv_cache_memory_gb,
+                                                p.tensor_parallel_size, p.pipeline_parallel_size)
+    spec = WorkerSpec(str(model_dir), m.dtype, m.device, c.block_size, blocks,
+                      resolve_max_model_len(arch, m.max_model_len), m.attention_backend,
+                      m.linear_backend)
+    return arch, spec
+
+
+class Worker:
+    def __init__(self, spec: WorkerSpec, shard: Shard | None = None, tp_group=None) -> None:
+        shard = shard or Shard()
+        self.spec, self.shard = spec, shard
+        self.device = torch.device(spec.device)
+        if self.device.type == "cuda" and not torch.cuda.is_available():
+            raise ValueError("device 'cuda' requested but torch sees no CUDA device")
+        tp = TensorParallel(shard.tp_size, tp_group)
+        self.arch, self.model = load_model(spec.model_dir, spec.dtype, spec.device,
+                                           spec.max_model_len, shard, tp)
+        dtype = DTYPES[spec.dtype]
+        self.packed_linear = choose_linear(spec.linear_backend, dtype, self.device)
+        if self.packed_linear:
+            pack_linear_layers(self.model)
+        hkv = self.arch.num_kv_heads // shard.tp_size
+        # One (key, value) pair of caches per layer of this stage (layouts: model/attention.py).
+        self.kv_caches = [new_kv_cache(spec.num_blocks, spec.block_size, hkv, self.arch.head_dim,
+                                       dtype, self.device) for _ in self.model.layers]
+        self.native_attention = choose_attention(spec.attention_backend, spec.block_size,
+                                                 self.arch.head_dim, self.device)
+        self.tp_size, self.pp_size = shard.tp_size, shard.pp_size
+
+    def _rank(self, pp_rank: int) -> int:
+        return pp_rank * self.tp_size + self.shard.tp_rank
+
+    def forward(self, inputs: StepInputs) -> torch.Tensor:
+        """This stage's forward pass: logits on the last stage, hidden states elsewhere."""
+        dev, sh = self.device, self.shard
+        meta = AttentionMetadata(
+            slot_mapping=torch.from_numpy(inputs.slot_mapping).to(dev),
+            cu_q=torch.from_numpy(inputs.cu_q).to(dev),
+            ctx_lens=torch.from_numpy(inputs.ctx_lens).to(dev),
+            block_tables=torch.from_numpy(inputs.block_tables).to(dev),
+            block_size=self.spec.block_size,
+            runs=[] if self.native_attention else inputs.runs(),
+            native=self.native_attention,
+        )
+        if sh.first:
+            x = torch.from_numpy(inputs.token_ids).to(dev)
+        else:
+            x = torch.empty(inputs.num_tokens, self.arch.hidden_size, device=dev,
+                            dtype=DTYPES[self.spec.dtype])
+            torch.distributed.recv(x, src=self._rank(sh.pp_rank - 1))
+        out = self.model(x, torch.from_numpy(inputs.positions).to(dev), meta, self.kv_caches,
+                         torch.from_numpy(inputs.logits_idx).to(dev))
+        if not sh.last:
+            torch.distributed.send(out, dst=self._rank(sh.pp_rank + 1))
+        return out
+
+    def execute(self, inputs: StepInputs) -> tuple[list[int], list] | None:
+        """Run the step; the sampled tokens and logprobs on the sampling worker, else None."""
+        with torch.inference_mode():
+            out = self.forward(inputs)
+            if not self.shard.last or self.shard.tp_rank != 0:
+                return None
+            tokens, logprobs = sample(out, inputs.sampling)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        return tokens, logprobs
+
+
+def choose_attention(backend: str, block_size: int, head_dim: int, device: torch.device) -> bool:
+    """True for the compiled kernel, False for eager PyTorch; 'native' fails loudly."""
+    if backend == "eager":
+        return False
+    from fluidserve.kernels import build_error, cpu_ops
+
+    supported = native_supported(block_size, head_dim, device)
+    if supported and cpu_ops() is not None:
+        return True
+    if backend == "native":
+        why = build_error() if supported else (
+            f"block size {block_size} / head_dim {head_dim} / device {device.type} not supported"
+            " (needs cpu, block size 16 or 32, head_dim a multiple of 16)")
+        raise ValueError(f"attention backend 'native' unavailable: {why}")
+    return False
+
+
+def choose_linear(backend: str, dtype: torch.dtype, device: torch.device) -> bool:
+    if backend == "eager":
+        return False
+    supported = packed_linear_supported(dtype, device)
+    if backend == "packed" and not supported:
+        raise ValueError(f"linear backend 'packed' unavailable for {dtype} on {device.type}"
+                         " (needs a CPU with oneDNN support for the dtype)")
+    return supported

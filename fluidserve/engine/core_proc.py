@@ -45,6 +45,7 @@ def run_engine_core(config: EngineConfig, inbox: Connection, outbox: Connection,
     """Entry point of the engine-core process."""
     logging.basicConfig(level=logging.INFO,
                         format="%(asctime)s %(levelname)s %(name)s[core]: %(message)s")
+    core = None
     try:
         core = _start_core(config, max_records)
         ex = core.executor
@@ -52,12 +53,18 @@ def run_engine_core(config: EngineConfig, inbox: Connection, outbox: Connection,
                               core.vocab_size, ex.num_blocks, ex.block_size,
                               core.load_seconds))
         _busy_loop(core, inbox, outbox)
+        ex.shutdown()
     except BaseException as e:  # report, then exit non-zero: the front end fails requests
         log.exception("engine core failed")
         try:
             outbox.send(CoreFailed(f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
         except OSError:
             pass
+        if core is not None:
+            try:
+                core.executor.shutdown()  # worker processes must not outlive the core
+            except Exception:
+                pass
         os._exit(1)
     if telemetry_file:
         core.telemetry.export_jsonl(telemetry_file)
@@ -125,8 +132,9 @@ class EngineCoreClient:
         in_r, self._in_w = ctx.Pipe(duplex=False)
         self._out_r, out_w = ctx.Pipe(duplex=False)
         self.proc = ctx.Process(target=run_engine_core, name="fluidserve-engine-core",
-                                args=(config, in_r, out_w, telemetry_file, max_records),
-                                daemon=True)
+                                args=(config, in_r, out_w, telemetry_file, max_records))
+        # Not a daemon: it starts worker processes of its own for tp/pp. It exits when its
+        # inbox closes, so it never outlives this process.
         self.on_outputs, self.on_dead = on_outputs, on_dead
         self.info: CoreReady | None = None
         self.dead: str | None = None

@@ -96,6 +96,10 @@ class LLMEngine:
     def has_unfinished(self) -> bool:
         return self.core.has_unfinished()
 
+    def shutdown(self) -> None:
+        """Stop the executor's worker processes, if it has any."""
+        self.core.executor.shutdown()
+
     # ------------------------------------------------------------------ the loop
     def step(self) -> list[RequestOutput]:
         return self._process(self.core.step())
@@ -123,16 +127,31 @@ class LLMEngine:
 
 
 def build_model_executor(config: EngineConfig):
-    """The real-model executor for ``config`` (building the embedded model if needed)."""
+    """The real-model executor for ``config`` (building the embedded model if needed): the
+    model in this process, or tp x pp worker processes (local, or Ray actors)."""
     import torch
 
     from fluidserve.model.builder import cached_model_dir
     from fluidserve.model.runner import ModelExecutor
 
-    m, c = config.model, config.cache
+    m, c, par = config.model, config.cache, config.parallel
+    model_dir = str(m.model or cached_model_dir())
+    if par.world_size > 1:
+        from fluidserve.model.worker import plan_workers
+
+        arch, spec = plan_workers(model_dir, config)
+        if par.distributed_executor_backend == "ray":
+            from fluidserve.engine.ray_executor import RayExecutor
+
+            executor = RayExecutor(spec, par, m.num_threads)
+        else:
+            from fluidserve.engine.distributed import MultiprocExecutor
+
+            executor = MultiprocExecutor(spec, par, m.num_threads)
+        executor.arch = arch
+        return executor, model_dir
     if m.num_threads:
         torch.set_num_threads(m.num_threads)
-    model_dir = str(m.model or cached_model_dir())
     executor = ModelExecutor(
         model_dir,
         dtype=m.dtype,

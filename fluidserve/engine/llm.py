@@ -41,6 +41,16 @@ class LLM:
         self.tokenizer = self.engine.tokenizer
         self._counter = 0
 
+    def close(self) -> None:
+        """Stop worker processes (tensor/pipeline parallelism); also on leaving a ``with``."""
+        self.engine.shutdown()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
     def generate(
         self,
         prompts: str | Sequence[str] | Sequence[Sequence[int]],

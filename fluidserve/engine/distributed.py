@@ -1,0 +1,275 @@
+"""Tensor- and pipeline-parallel execution over worker processes (torch.distributed).
+
+World: ``tp x pp`` ranks; rank ``r`` is pipeline stage ``r // tp``, tensor-parallel rank
+``r % tp``. Every rank receives every step's ``StepInputs`` from the driver (the engine core) in
+the same order; stage ``s`` receives hidden states from stage ``s - 1`` and sends its own on
+(point-to-point), the ranks of a stage all-reduce after attention and MLP, and the last stage's
+first rank samples and replies. Because each stage processes steps in order, up to ``pp``
+steps are in flight at once: the driver's ``submit`` returns a future per step.
+
+Launchers: ``MultiprocExecutor`` starts the ranks as local processes (``mp``);
+``fluidserve.engine.ray_executor.RayExecutor`` as Ray actors (``ray``). Both use the rank loop
+and the ``RankRunner`` below. A rank that dies makes the executor raise ``ExecutorDead``:
+in-flight requests fail with that error and the engine core stops (nothing hangs); surviving
+ranks are killed.
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import multiprocessing as mp
+import os
+import pickle
+import socket
+import threading
+import time
+from collections import deque
+from concurrent.futures import Future
+from multiprocessing.connection import Connection, wait
+
+from fluidserve.config import ParallelConfig
+from fluidserve.core.scheduler.output import SchedulerOutput
+from fluidserve.engine.core import ExecutorDead
+from fluidserve.model.inputs import prepare_inputs
+from fluidserve.model.worker import WorkerSpec
+
+log = logging.getLogger(__name__)
+
+DIST_TIMEOUT = datetime.timedelta(minutes=10)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def rank_threads(parallel: ParallelConfig, num_threads: int | None) -> int:
+    return num_threads or max(1, (os.cpu_count() or 1) // parallel.world_size)
+
+
+class RankRunner:
+    """One rank: joins the process group, loads its shard, runs steps, counts busy time."""
+
+    def __init__(self, rank: int, parallel: ParallelConfig, spec: WorkerSpec,
+                 init_method: str, threads: int) -> None:
+        import dataclasses
+
+        import torch
+        import torch.distributed as dist
+
+        from fluidserve.model.llama import Shard
+        from fluidserve.model.worker import Worker
+
+        torch.set_num_threads(threads)
+        tp, pp = parallel.tensor_parallel_size, parallel.pipeline_parallel_size
+        self.rank = rank
+        cuda = spec.device.startswith("cuda")
+        if cuda:
+            spec = dataclasses.replace(spec, device=f"cuda:{rank % torch.cuda.device_count()}")
+        dist.init_process_group("nccl" if cuda else "gloo", init_method=init_method, rank=rank,
+                                world_size=tp * pp, timeout=DIST_TIMEOUT)
+        groups = [dist.new_group(list(range(s * tp, (s + 1) * tp))) for s in range(pp)]
+        shard = Shard(rank % tp, tp, rank // tp, pp)
+        self.samples = shard.last and shard.tp_rank == 0
+        self.worker = Worker(spec, shard, groups[shard.pp_rank] if tp > 1 else None)
+        self.busy = 0.0
+        self.started = time.monotonic()
+
+    def step(self, payload: bytes):
+        t0 = time.perf_counter()
+        out = self.worker.execute(pickle.loads(payload))
+        dt = time.perf_counter() - t0
+        self.busy += dt
+        return (out, dt) if out is not None else None
+
+    def stats(self) -> dict:
+        return {"rank": self.rank, "busy_s": self.busy, "wall_s": time.monotonic() - self.started}
+
+    def close(self) -> None:
+        import torch.distributed as dist
+
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def rank_main(rank: int, parallel: ParallelConfig, spec: WorkerSpec, init_method: str,
+              threads: int, inbox: Connection, outbox: Connection) -> None:
+    """Entry point of one rank process of the mp launcher."""
+    logging.basicConfig(level=logging.INFO,
+                        format=f"%(asctime)s %(levelname)s %(name)s[rank {rank}]: %(message)s")
+    try:
+        runner = RankRunner(rank, parallel, spec, init_method, threads)
+        outbox.send(("ready", rank))
+        while True:
+            kind, payload = pickle.loads(inbox.recv_bytes())
+            if kind == "step":
+                out = runner.step(payload)
+                if out is not None:
+                    outbox.send(("result", out))
+            elif kind == "stats":
+                outbox.send(("stats", runner.stats()))
+            elif kind == "shutdown":
+                runner.close()
+                return
+    except (EOFError, OSError):
+        os._exit(1)  # the driver is gone
+    except BaseException as e:
+        log.exception("rank %d failed", rank)
+        try:
+            outbox.send(("failed", f"rank {rank}: {type(e).__name__}: {e}"))
+        except OSError:
+            pass
+        os._exit(1)
+
+
+class MultiprocExecutor:
+    """The ranks as local processes (``--distributed-executor-backend mp``)."""
+
+    def __init__(self, spec: WorkerSpec, parallel: ParallelConfig,
+                 num_threads: int | None = None, startup_timeout: float = 600.0) -> None:
+        self.spec, self.parallel = spec, parallel
+        self.num_blocks, self.block_size = spec.num_blocks, spec.block_size
+        self.max_model_len = spec.max_model_len
+        self.depth = parallel.pipeline_parallel_size
+        world, tp = parallel.world_size, parallel.tensor_parallel_size
+        self.sampler_rank = world - tp  # last stage, tensor-parallel rank 0
+        ctx = mp.get_context("spawn")
+        init = f"tcp://127.0.0.1:{free_port()}"
+        threads = rank_threads(parallel, num_threads)
+        self.procs, self.inboxes, self.outboxes = [], [], []
+        for rank in range(world):
+            in_r, in_w = ctx.Pipe(duplex=False)
+            out_r, out_w = ctx.Pipe(duplex=False)
+            p = ctx.Process(target=rank_main, name=f"fluidserve-rank-{rank}", daemon=True,
+                            args=(rank, parallel, spec, init, threads, in_r, out_w))
+            p.start()
+            in_r.close()
+            out_w.close()
+            self.procs.append(p)
+            self.inboxes.append(in_w)
+            self.outboxes.append(out_r)
+        self.dead: str | None = None
+        self._closing = False
+        self._pending: deque[tuple[Future, list[str]]] = deque()
+        self._stats: deque = deque()
+        self._lock = threading.Lock()
+        try:
+            self._wait_ready(startup_timeout)
+        except BaseException:
+            self._kill()
+            raise
+        threading.Thread(target=self._read, name="fluidserve-ranks-reader", daemon=True).start()
+
+    def _wait_ready(self, timeout: float) -> None:
+        waiting = set(range(len(self.procs)))
+        deadline = time.monotonic() + timeout
+        while waiting:
+            conns = [self.outboxes[r] for r in waiting]
+            ready = wait(conns + [self.procs[r].sentinel for r in waiting], timeout=1.0)
+            for r in list(waiting):
+                if self.outboxes[r] in ready:
+                    msg = self.outboxes[r].recv()
+                    if msg[0] != "ready":
+                        raise RuntimeError(f"worker rank {r} failed to start: {msg[1]}")
+                    waiting.discard(r)
+                elif self.procs[r].sentinel in ready:
+                    self.procs[r].join(1)
+                    raise RuntimeError(f"worker rank {r} exited with code"
+                                       f" {self.procs[r].exitcode} while starting")
+            if waiting and time.monotonic() > deadline:
+                raise RuntimeError(f"worker ranks {sorted(waiting)} not ready after {timeout}s")
+
+    # ------------------------------------------------------------------ driver side
+    def submit(self, plan: SchedulerOutput) -> Future:
+        if self.dead is not None:
+            raise ExecutorDead(self.dead)
+        inputs = prepare_inputs(plan, self.block_size)
+        payload = pickle.dumps(("step", pickle.dumps(inputs)), protocol=pickle.HIGHEST_PROTOCOL)
+        fut: Future = Future()
+        with self._lock:
+            self._pending.append((fut, inputs.sampling.request_ids))
+        try:
+            for conn in self.inboxes:
+                conn.send_bytes(payload)
+        except OSError:
+            self._die("a worker rank's pipe closed")
+        return fut
+
+    def stats(self, timeout: float = 30.0) -> list[dict]:
+        """Per rank: busy seconds (computing steps) and wall seconds since it started."""
+        msg = pickle.dumps(("stats", None))
+        for conn in self.inboxes:
+            conn.send_bytes(msg)
+        out = []
+        for r, conn in enumerate(self.outboxes):
+            if r == self.sampler_rank:
+                deadline = time.monotonic() + timeout
+                while not self._stats and time.monotonic() < deadline:
+                    time.sleep(0.01)
+                out.append(self._stats.popleft())
+            else:
+                out.append(conn.recv()[1])
+        return out
+
+    def shutdown(self) -> None:
+        self._closing = True
+        msg = pickle.dumps(("shutdown", None))
+        for conn in self.inboxes:
+            try:
+                conn.send_bytes(msg)
+            except OSError:
+                pass
+        for p in self.procs:
+            p.join(10)
+        self._kill()
+
+    def _kill(self) -> None:
+        for p in self.procs:
+            if p.is_alive():
+                p.kill()
+                p.join(5)
+
+    def _read(self) -> None:
+        from fluidserve.model.runner import runner_output
+
+        conn = self.outboxes[self.sampler_rank]
+        sentinels = {p.sentinel: r for r, p in enumerate(self.procs)}
+        while self.dead is None:
+            ready = wait([conn, *sentinels])
+            if conn in ready:
+                try:
+                    kind, body = conn.recv()
+                except (EOFError, OSError):
+                    kind, body = "failed", f"rank {self.sampler_rank}: pipe closed"
+                if kind == "result":
+                    (tokens, logprobs), seconds = body
+                    with self._lock:
+                        fut, rids = self._pending.popleft()
+                    fut.set_result(runner_output(rids, tokens, logprobs, seconds))
+                    continue
+                if kind == "stats":
+                    self._stats.append(body)
+                    continue
+                self._die(f"worker {body}")
+                return
+            for s in ready:
+                if s in sentinels:
+                    if self._closing:
+                        return
+                    r = sentinels[s]
+                    self.procs[r].join(1)
+                    self._die(f"worker rank {r} died (exit code {self.procs[r].exitcode})")
+                    return
+
+    def _die(self, message: str) -> None:
+        with self._lock:
+            if self.dead is not None or self._closing:
+                return
+            self.dead = message
+            pending, self._pending = list(self._pending), deque()
+        log.error("%s: failing %d batches in flight", message, len(pending))
+        for fut, _ in pending:
+            fut.set_exception(ExecutorDead(message))
+        self._kill()

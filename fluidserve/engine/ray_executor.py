@@ -1,0 +1,194 @@
+"""The ranks of a tp x pp executor as Ray actors (``--distributed-executor-backend ray``).
+
+Ray only places and starts the rank processes (one placement-group bundle per rank, packed onto
+as few nodes as possible) and carries each step's inputs to them; the ranks talk to each other
+with torch.distributed exactly as under the ``mp`` launcher (``fluidserve.engine.distributed``).
+
+Cluster: with ``RAY_ADDRESS`` set or a cluster started by ``ray start`` on this node, the
+executor joins it; otherwise it starts a local Ray instance bound to 127.0.0.1. Every node must
+see the model directory at the same path.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import pickle
+import threading
+from collections import deque
+from concurrent.futures import Future
+
+from fluidserve.config import ParallelConfig
+from fluidserve.core.scheduler.output import SchedulerOutput
+from fluidserve.engine.core import ExecutorDead
+from fluidserve.engine.distributed import RankRunner, free_port, rank_threads
+from fluidserve.model.inputs import prepare_inputs
+from fluidserve.model.worker import WorkerSpec
+
+log = logging.getLogger(__name__)
+
+
+def connect_ray(num_cpus_needed: int):
+    """Ray, joined to a running cluster or a local instance started here; and whether this
+    call started it (then the executor stops it at shutdown)."""
+    try:
+        import ray
+    except ImportError:
+        raise ValueError("the ray backend needs Ray: pip install 'fluidserve[ray]'") from None
+    if ray.is_initialized():
+        return ray, False
+    try:
+        ray.init(address="auto", log_to_driver=False)
+        log.info("joined the Ray cluster at %s", ray.get_runtime_context().gcs_address)
+        return ray, False
+    except ConnectionError:
+        ray.init(num_cpus=max(os.cpu_count() or 1, num_cpus_needed), include_dashboard=False,
+                 _node_ip_address="127.0.0.1", object_store_memory=256 << 20,
+                 log_to_driver=False)
+        log.info("started a local Ray instance on 127.0.0.1")
+        return ray, True
+
+
+class _Rank:
+    """The actor body: one rank of the executor."""
+
+    def __init__(self, rank: int, parallel: ParallelConfig, spec: WorkerSpec,
+                 threads: int) -> None:
+        self.args = (rank, parallel, spec)
+        self.threads = threads
+        self.runner: RankRunner | None = None
+
+    def address(self) -> tuple[str, int]:
+        import ray
+
+        return ray.util.get_node_ip_address(), free_port()
+
+    def start(self, init_method: str) -> int:
+        rank, parallel, spec = self.args
+        self.runner = RankRunner(rank, parallel, spec, init_method, self.threads)
+        return os.getpid()
+
+    def step(self, payload: bytes):
+        return self.runner.step(payload)
+
+    def stats(self) -> dict:
+        return self.runner.stats()
+
+    def close(self) -> None:
+        if self.runner is not None:
+            self.runner.close()
+
+
+class RayExecutor:
+    def __init__(self, spec: WorkerSpec, parallel: ParallelConfig,
+                 num_threads: int | None = None, startup_timeout: float = 600.0) -> None:
+        from ray.util.placement_group import placement_group
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        world, tp = parallel.world_size, parallel.tensor_parallel_size
+        threads = rank_threads(parallel, num_threads)
+        ray, self._own_ray = connect_ray(world * threads)
+        self.ray = ray
+        self.num_blocks, self.block_size = spec.num_blocks, spec.block_size
+        self.max_model_len = spec.max_model_len
+        self.depth = parallel.pipeline_parallel_size
+        self.sampler_rank = world - tp
+        self.pg = placement_group([{"CPU": threads}] * world, strategy="PACK")
+        ray.get(self.pg.ready(), timeout=startup_timeout)
+        actor = ray.remote(_Rank)
+        self.actors = [
+            actor.options(num_cpus=threads, scheduling_strategy=PlacementGroupSchedulingStrategy(
+                placement_group=self.pg, placement_group_bundle_index=r)).remote(
+                    r, parallel, spec, threads)
+            for r in range(world)]
+        host, port = ray.get(self.actors[0].address.remote(), timeout=startup_timeout)
+        init = f"tcp://{host}:{port}"
+        try:
+            self.pids = ray.get([a.start.remote(init) for a in self.actors],
+                                timeout=startup_timeout)
+        except Exception as e:
+            self.shutdown()
+            raise RuntimeError(f"Ray worker ranks failed to start: {e}") from None
+        self.dead: str | None = None
+        self._closing = False
+        self._lock = threading.Lock()
+        self._pending: deque[Future] = deque()
+        self._watch: list = []  # refs of every rank's steps, checked for failures
+        threading.Thread(target=self._monitor, name="fluidserve-ray-monitor", daemon=True).start()
+
+    def submit(self, plan: SchedulerOutput) -> Future:
+        if self.dead is not None:
+            raise ExecutorDead(self.dead)
+        from fluidserve.model.runner import runner_output
+
+        inputs = prepare_inputs(plan, self.block_size)
+        payload = pickle.dumps(inputs, protocol=pickle.HIGHEST_PROTOCOL)
+        refs = [a.step.remote(payload) for a in self.actors]
+        fut: Future = Future()
+        rids = inputs.sampling.request_ids
+
+        def done(rf: Future) -> None:
+            with self._lock:
+                if self._pending and self._pending[0] is fut:
+                    self._pending.popleft()
+            if fut.done():
+                return
+            try:
+                (tokens, logprobs), seconds = rf.result()
+            except Exception as e:
+                self._die(f"a Ray worker rank failed: {type(e).__name__}: {e}")
+                return
+            fut.set_result(runner_output(rids, tokens, logprobs, seconds))
+
+        with self._lock:
+            self._pending.append(fut)
+            self._watch.extend(refs)
+        refs[self.sampler_rank].future().add_done_callback(done)
+        return fut
+
+    def stats(self) -> list[dict]:
+        return self.ray.get([a.stats.remote() for a in self.actors])
+
+    def shutdown(self) -> None:
+        self._closing = True
+        try:
+            self.ray.get([a.close.remote() for a in self.actors], timeout=30)
+        except Exception:  # dying ranks: they are killed below
+            pass
+        for a in self.actors:
+            self.ray.kill(a)
+        self.ray.util.remove_placement_group(self.pg)
+        if self._own_ray:
+            self.ray.shutdown()
+
+    def _monitor(self) -> None:
+        while self.dead is None and not self._closing:
+            with self._lock:
+                watch = list(self._watch)
+            if not watch:
+                threading.Event().wait(0.5)
+                continue
+            ready, _ = self.ray.wait(watch, num_returns=len(watch), timeout=0.5,
+                                     fetch_local=False)
+            for ref in ready:
+                try:
+                    self.ray.get(ref)
+                except Exception as e:
+                    self._die(f"a Ray worker rank failed: {type(e).__name__}: {e}")
+                    return
+            with self._lock:
+                done = set(ready)
+                self._watch = [r for r in self._watch if r not in done]
+
+    def _die(self, message: str) -> None:
+        with self._lock:
+            if self.dead is not None or self._closing:
+                return
+            self.dead = message
+            pending, self._pending = list(self._pending), deque()
+        log.error("%s: failing %d batches in flight", message, len(pending))
+        for fut in pending:
+            if not fut.done():
+                fut.set_exception(ExecutorDead(message))
+        for a in self.actors:
+            self.ray.kill(a)

@@ -1,0 +1,150 @@
+"""Tensor and pipeline parallelism across processes: same tokens as one process, no hangs.
+
+Each worker process runs one torch thread; executors are shared across schedulers (the
+scheduler lives in the engine core, the executor only runs batches) to keep the test fast.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from fluidserve.config import SCHEDULERS, EngineConfig
+from fluidserve.engine.engine import LLMEngine
+from fluidserve.engine.llm import LLM
+from fluidserve.model.tokenizer import Tokenizer
+from fluidserve.sampling_params import SamplingParams
+
+from .server_utils import InProcessServer
+
+PROMPTS = [
+    "The river rose slowly in the spring, and the people of the valley moved their goats.",
+    "Hi",
+    "A good teacher explains a hard idea twice: once in words and once with a picture.",
+    "Why is the sky blue?",
+]
+MAX_TOKENS = [10, 14, 6, 9]
+PARALLEL = [(1, 2), (2, 1), (2, 2)]  # (tensor, pipeline)
+
+
+def greedy(i: int) -> SamplingParams:
+    return SamplingParams(max_tokens=MAX_TOKENS[i], temperature=0.0, ignore_eos=True)
+
+
+def knobs(model_dir, **kw) -> dict:
+    return dict(model=str(model_dir), num_threads=1, block_size=16, num_kv_blocks=64,
+                token_budget=24) | kw
+
+
+def generate(engine: LLMEngine) -> list[list[int]]:
+    reqs = [engine.add_request(f"r{i}", p, greedy(i)) for i, p in enumerate(PROMPTS)]
+    while engine.has_unfinished():
+        engine.step()
+    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+    return [r.output_token_ids for r in reqs]
+
+
+@pytest.fixture(scope="module")
+def reference_outputs(default_model_dir):
+    with LLM(**knobs(default_model_dir)) as llm:
+        return llm.generate(PROMPTS, [greedy(i) for i in range(4)])
+
+
+@pytest.fixture(scope="module")
+def reference(reference_outputs):
+    return [o.token_ids for o in reference_outputs]
+
+
+@pytest.mark.parametrize("tp,pp", PARALLEL, ids=lambda v: str(v))
+def test_greedy_outputs_equal_one_process_for_every_scheduler(default_model_dir, reference,
+                                                               tp, pp):
+    first = LLMEngine(EngineConfig.create(**knobs(default_model_dir, tensor_parallel_size=tp,
+                                                  pipeline_parallel_size=pp)))
+    assert first.executor.depth == pp
+    tok = Tokenizer(default_model_dir)
+    try:
+        for policy in SCHEDULERS:
+            cfg = EngineConfig.create(**knobs(default_model_dir, scheduler=policy,
+                                              tensor_parallel_size=tp, pipeline_parallel_size=pp))
+            engine = LLMEngine(cfg, executor=first.executor, tokenizer=tok)
+            assert generate(engine) == reference, policy
+        stats = first.executor.stats()
+        assert len(stats) == tp * pp and all(s["busy_s"] > 0 for s in stats)
+    finally:
+        first.shutdown()
+
+
+def test_pipeline_keeps_micro_batches_in_flight(default_model_dir):
+    cfg = EngineConfig.create(**knobs(default_model_dir, pipeline_parallel_size=2,
+                                      token_budget=8))
+    engine = LLMEngine(cfg)
+    try:
+        for i, p in enumerate(PROMPTS):
+            engine.add_request(f"r{i}", p, greedy(i))
+        depths = []
+        while engine.has_unfinished():
+            engine.core.fill()
+            depths.append(len(engine.core.in_flight))
+            engine.step()
+        assert max(depths) == 2  # two micro-batches, never one request in both
+    finally:
+        engine.shutdown()
+
+
+def test_ray_backend_on_a_local_instance(default_model_dir, reference):
+    pytest.importorskip("ray")
+    with LLM(**knobs(default_model_dir, tensor_parallel_size=2,
+                     distributed_executor_backend="ray")) as llm:
+        outs = llm.generate(PROMPTS, [greedy(i) for i in range(4)])
+    assert [o.token_ids for o in outs] == reference
+
+
+def test_bad_split_is_a_clear_error(default_model_dir):
+    with pytest.raises(ValueError, match="must divide"):
+        LLM(**knobs(default_model_dir, tensor_parallel_size=3))
+    with pytest.raises(ValueError, match="exceeds"):
+        LLM(**knobs(default_model_dir, pipeline_parallel_size=9))
+
+
+def children(pid: int) -> list[int]:
+    kids = []
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        text = (task / "children").read_text().split()
+        kids += [int(k) for k in text]
+    return kids
+
+
+def test_server_greedy_matches_and_a_dead_rank_fails_requests_visibly(default_model_dir,
+                                                                      reference_outputs):
+    eng = knobs(default_model_dir, tensor_parallel_size=2, pipeline_parallel_size=2)
+    eng.pop("model")
+    with InProcessServer(default_model_dir, engine_kw=eng) as s:
+        for i, prompt in enumerate(PROMPTS):
+            r = httpx.post(s.url + "/v1/completions", timeout=120, json={
+                "prompt": prompt, "max_tokens": MAX_TOKENS[i], "temperature": 0,
+                "ignore_eos": True})
+            assert r.status_code == 200, r.text
+            assert r.json()["usage"]["completion_tokens"] == MAX_TOKENS[i]
+            assert r.json()["choices"][0]["text"] == reference_outputs[i].text
+        ranks = children(s.engine.client.proc.pid)
+        assert len(ranks) == 4
+        with httpx.stream("POST", s.url + "/v1/completions", timeout=60, json={
+                "prompt": PROMPTS[0], "max_tokens": 300, "ignore_eos": True,
+                "stream": True}) as r:
+            lines = r.iter_lines()
+            next(x for x in lines if x.startswith("data: "))
+            os.kill(ranks[-1], signal.SIGKILL)
+            events = [x for x in lines if x.startswith("data: ")]
+        assert events[-1] == "data: [DONE]" and '"error"' in events[-2]
+        assert "rank" in events[-2] and "died" in events[-2]
+        deadline = time.monotonic() + 30
+        while httpx.get(s.url + "/health").status_code != 503:
+            assert time.monotonic() < deadline, "the server still says it is healthy"
+            time.sleep(0.1)
+        r = httpx.post(s.url + "/v1/completions", json={"prompt": "x"}, timeout=10)
+        assert r.status_code == 503

@@ -141,7 +141,7 @@ def _cmd_simulate(args: argparse.Namespace) -> int:
 
 
 def _cmd_profile(args: argparse.Namespace) -> int:
-    from fluidserve.bench.profile import run_profile
+    from fluidserve.profiler.run import run_profile
 
     return run_profile(dataclass_from_args(ProfileConfig, args))
 

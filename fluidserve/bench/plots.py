@@ -11,8 +11,8 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 
-from fluidserve.bench.client import RequestRecord  # noqa: E402
 from fluidserve.bench.fluidity import miss_rate_curve  # noqa: E402
+from fluidserve.bench.records import RequestRecord  # noqa: E402
 
 
 def _save(fig, path: Path) -> None:

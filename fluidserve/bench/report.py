@@ -10,13 +10,13 @@ from pathlib import Path
 
 import numpy as np
 
-from fluidserve.bench.client import RequestRecord
 from fluidserve.bench.fluidity import (
     TARGET_FLUIDITY,
     TARGET_QUANTILE,
     fluid_token_rate,
     fluidity_index,
 )
+from fluidserve.bench.records import RequestRecord
 from fluidserve.metrics import summarize
 
 Deadline = Callable[[int], float]  # prompt length -> TTFT deadline D_p

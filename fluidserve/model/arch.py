@@ -10,6 +10,13 @@ SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCa
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 
 
+def kv_bytes_per_token(layers: int, kv_heads: int, head_dim: int, dtype_bytes: int,
+                       tp: int = 1, pp: int = 1) -> int:
+    """Bytes of keys and values one token occupies on one worker: the stage with the most
+    layers, and this tensor-parallel rank's share of the KV heads (at least one head)."""
+    return 2 * -(-layers // pp) * max(1, kv_heads // tp) * head_dim * dtype_bytes
+
+
 class ModelLoadError(ValueError):
     """The model directory cannot be served; the message says what is wrong."""
 
@@ -45,8 +52,9 @@ class ArchConfig:
         emb = self.vocab_size * h * (1 if self.tie_word_embeddings else 2)
         return self.num_layers * layer + emb + h
 
-    def kv_bytes_per_token(self, dtype_bytes: int) -> int:
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * dtype_bytes
+    def kv_bytes_per_token(self, dtype_bytes: int, tp: int = 1, pp: int = 1) -> int:
+        return kv_bytes_per_token(self.num_layers, self.num_kv_heads, self.head_dim,
+                                  dtype_bytes, tp, pp)
 
 
 def read_arch(model_dir: str | Path) -> ArchConfig:

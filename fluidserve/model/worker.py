@@ -48,8 +48,7 @@ def resolve_max_model_len(arch: ArchConfig, requested: int | None) -> int:
 def kv_cache_blocks(arch: ArchConfig, dtype: str, block_size: int, memory_gb: float,
                     tp: int = 1, pp: int = 1) -> int:
     """Blocks that fit ``memory_gb`` on each worker (the stage with the most layers)."""
-    layers = -(-arch.num_layers // pp)
-    per_token = 2 * layers * (arch.num_kv_heads // tp) * arch.head_dim * DTYPES[dtype].itemsize
+    per_token = arch.kv_bytes_per_token(DTYPES[dtype].itemsize, tp, pp)
     return max(1, int(memory_gb * (1 << 30) // (per_token * block_size)))
 
 

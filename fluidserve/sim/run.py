@@ -14,6 +14,7 @@ from fluidserve.bench.workload import build_workload
 from fluidserve.config import BenchConfig, CapacityConfig, EngineConfig, ParallelConfig, SimConfig
 from fluidserve.core.scheduler.output import ScheduledChunk, SchedulerOutput
 from fluidserve.core.token_budget import find_token_budget
+from fluidserve.model.arch import kv_bytes_per_token
 from fluidserve.sampling_params import SamplingParams
 from fluidserve.sim.cost_model import (
     CostModel,
@@ -58,7 +59,8 @@ def make_executor(sim: SimConfig, eng: EngineConfig, cost: CostModel) -> CostMod
         from fluidserve.model.builder import SHAPES as MODEL_SHAPES
 
         m = MODEL_SHAPES["250m"]
-        per_token = 2 * m.num_layers * m.num_kv_heads * (m.hidden_size // m.num_heads) * 2
+        per_token = kv_bytes_per_token(m.num_layers, m.num_kv_heads,
+                                       m.hidden_size // m.num_heads, 2)
         blocks = int(c.kv_cache_memory_gb * (1 << 30) // (per_token * c.block_size))
     return CostModelExecutor(cost, blocks, c.block_size, sim.max_model_len)
 

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from fluidserve.model.arch import kv_bytes_per_token
+
 
 @dataclass(frozen=True)
 class Shape:
@@ -25,8 +27,8 @@ class Shape:
         attn = h * (self.heads + 2 * self.kv_heads) * d + self.heads * d * h
         return self.layers * (attn + 3 * h * self.ffn) + 2 * self.vocab * h
 
-    def kv_bytes_per_token(self, dtype_bytes: int = 2) -> int:
-        return 2 * self.layers * self.kv_heads * self.head_dim * dtype_bytes
+    def kv_bytes_per_token(self, dtype_bytes: int = 2, tp: int = 1, pp: int = 1) -> int:
+        return kv_bytes_per_token(self.layers, self.kv_heads, self.head_dim, dtype_bytes, tp, pp)
 
 
 SHAPES = {s.name: s for s in (

@@ -13,7 +13,7 @@ from collections import deque
 from concurrent.futures import Future
 from dataclasses import dataclass
 
-from fluidserve.bench.client import RequestRecord
+from fluidserve.bench.records import RequestRecord
 from fluidserve.bench.workload import WorkloadRequest
 from fluidserve.config import EngineConfig
 from fluidserve.core.scheduler import RequestRejected, RunnerOutput, SchedulerOutput
@@ -63,7 +63,7 @@ def gpu_kv_blocks(shape: Shape, device: Device, tp: int, pp: int, block_size: in
     """KV blocks per GPU: memory left after this GPU's weights and an activation reserve."""
     weights = shape.params * 2 / (tp * pp)
     free = device.memory_bytes * memory_utilization - weights - reserve_bytes
-    per_token = 2 * (shape.layers / pp) * max(1.0, shape.kv_heads / tp) * shape.head_dim * 2
+    per_token = shape.kv_bytes_per_token(2, tp, pp)
     blocks = int(free // (per_token * block_size))
     if blocks < 1:
         raise ValueError(f"{shape.name} does not fit on {tp * pp} x {device.name}: weights need"

@@ -279,7 +279,7 @@ def run_profile(args: ProfileConfig) -> int:
         json.dumps(result | {"stall_timelines": stalls}, indent=1)
     )
     if args.plots:
-        from fluidserve.bench.profile_plots import plot_profile
+        from fluidserve.profiler.plots import plot_profile
 
         plot_profile(result, stalls, out_dir)
     print(f"wrote {out_dir}")

@@ -81,7 +81,7 @@ class RankRunner:
         t0 = time.perf_counter()
         out = self.worker.execute(pickle.loads(payload))
         dt = time.perf_counter() - t0
-        self.busy += dt
+        self.busy += dt - self.worker.comm_wait  # computing, not waiting on another stage
         return (out, dt) if out is not None else None
 
     def stats(self) -> dict:

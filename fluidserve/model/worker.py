@@ -9,6 +9,7 @@ stage's first tensor-parallel rank samples.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -102,16 +103,21 @@ class Worker:
             runs=[] if self.native_attention else inputs.runs(),
             native=self.native_attention,
         )
+        self.comm_wait = 0.0  # seconds blocked on the neighbouring stages this step
         if sh.first:
             x = torch.from_numpy(inputs.token_ids).to(dev)
         else:
             x = torch.empty(inputs.num_tokens, self.arch.hidden_size, device=dev,
                             dtype=DTYPES[self.spec.dtype])
+            t = time.perf_counter()
             torch.distributed.recv(x, src=self._rank(sh.pp_rank - 1))
+            self.comm_wait += time.perf_counter() - t
         out = self.model(x, torch.from_numpy(inputs.positions).to(dev), meta, self.kv_caches,
                          torch.from_numpy(inputs.logits_idx).to(dev))
         if not sh.last:
+            t = time.perf_counter()
             torch.distributed.send(out, dst=self._rank(sh.pp_rank + 1))
+            self.comm_wait += time.perf_counter() - t
         return out
 
     def execute(self, inputs: StepInputs) -> tuple[list[int], list] | None:

@@ -236,7 +236,10 @@ class CPUCostModel(CostModel):
     residuals: dict[tuple[bool, int] | None, np.ndarray] | None = None
     _rng: np.random.Generator | None = None
 
-    def __init__(self, profile: dict) -> None:
+    def __init__(self, profile: dict, pp: int = 1) -> None:
+        # With pp stages each holds 1/pp of the layers: a stage takes 1/pp of the fitted
+        # whole-model time (hidden-state hops over loopback are not modelled).
+        self.pp = pp
         rows, ys = [], []
         for p in profile["iteration_time"]:  # one fresh prompt of n tokens
             n = p["tokens"]
@@ -252,6 +255,8 @@ class CPUCostModel(CostModel):
             ys.append(p["time_s"])
         self._fit(np.array(rows), np.array(ys))
         self.note = f"cpu profile of {profile.get('model', '?')} ({profile.get('dtype', '?')})"
+        if pp > 1:
+            self.note += f"; {pp} pipeline stages of 1/{pp} of the layers each"
 
     @classmethod
     def features(cls, tokens: int, sq_work: float, prefix_work: float, singles: int,
@@ -316,7 +321,7 @@ class CPUCostModel(CostModel):
             g = self._group(bool(s.prefills), len(s.prefills) + len(s.decode_ctx))
             pool = self.residuals.get(g, self.residuals[None])
             t *= pool[self._rng.integers(len(pool))]
-        return [t]
+        return [t / self.pp] * self.pp
 
     @classmethod
     def _group(cls, has_chunk: bool, requests: int) -> tuple[bool, int]:

@@ -37,9 +37,9 @@ SIM_MAX_MODEL_LEN = 16384
 
 def make_cost_model(sim: SimConfig, par: ParallelConfig) -> CostModel:
     if sim.cost_model == "cpu":
-        if par.world_size != 1:
-            raise ValueError("the cpu cost model has no tensor/pipeline parallelism")
-        model = CPUCostModel(load_cpu_profile(sim.cpu_profile))
+        if par.tensor_parallel_size != 1:
+            raise ValueError("the cpu cost model has no tensor parallelism")
+        model = CPUCostModel(load_cpu_profile(sim.cpu_profile), par.pipeline_parallel_size)
         if sim.cpu_calibration:
             model.calibrate(read_telemetry(sim.cpu_calibration.split(",")))
             model.jitter = sim.cpu_jitter

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 import time
@@ -134,10 +135,13 @@ def _cmd_capacity(args: argparse.Namespace) -> int:
 def _cmd_simulate(args: argparse.Namespace) -> int:
     from fluidserve.sim.run import SIM_SECTIONS, run_simulate
 
+    # One --tbt-slo: the SLO of the capacity search and of --token-budget auto.
+    if args.tbt_slo is None:
+        args.tbt_slo = CapacityConfig.tbt_slo
+    cap = dataclass_from_args(CapacityConfig, args)
     return run_simulate(dataclass_from_args(SimConfig, args),
                         engine_config_from_args(args, SIM_SECTIONS),
-                        dataclass_from_args(BenchConfig, args),
-                        dataclass_from_args(CapacityConfig, args))
+                        dataclass_from_args(BenchConfig, args), cap)
 
 
 def _cmd_profile(args: argparse.Namespace) -> int:
@@ -187,7 +191,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_dataclass_args(sim, SimConfig, "simulation")
     add_engine_args(sim, SIM_SECTIONS)
     add_dataclass_args(sim, BenchConfig, "workload", only=WORKLOAD_FIELDS)
-    add_dataclass_args(sim, CapacityConfig, "SLO and capacity search")
+    add_dataclass_args(sim, CapacityConfig, "SLO and capacity search",
+                       only={f.name for f in dataclasses.fields(CapacityConfig)} - {"tbt_slo"})
     # sharegpt_8k keeps requests up to 8k tokens: do not clip them in simulation.
     sim.set_defaults(max_prompt_len=8192, max_output_len=8192)
     sim.set_defaults(func=_cmd_simulate)

@@ -40,7 +40,7 @@ def add_dataclass_args(parser: argparse.ArgumentParser, cls: type, title: str,
         shown = "" if default is None else " (default: %(default)s)"
         group.add_argument(
             *flags,
-            type=tp,
+            type=f.metadata.get("parse", tp),
             default=default,
             choices=f.metadata.get("choices"),
             help=help_text + shown,

@@ -91,12 +91,18 @@ class SchedulerConfig:
     """How each iteration's batch is chosen."""
 
     policy: str = knob("sarathi", "Batching policy.", choices=SCHEDULERS, flag="--scheduler")
-    token_budget: int = knob(
+    token_budget: int | str = knob(
         512,
         "Tokens per iteration (prefill chunk tokens + decodes). For vllm/chunked_only it caps"
-        " the prefill tokens of one prefill iteration.",
-        aliases=("--max-num-batched-tokens",),
+        " the prefill tokens of one prefill iteration. 'auto' (sarathi, decode_maximal):"
+        " before each iteration, the largest budget predicted to keep it within --tbt-slo.",
+        aliases=("--max-num-batched-tokens",), parse=lambda v: v if v == "auto" else int(v),
     )
+    tbt_slo: float | None = knob(
+        None, "With --token-budget auto: the time-between-tokens SLO (s) every iteration is"
+        " planned to meet.")
+    budget_margin: float = knob(
+        0.1, "With --token-budget auto: iterations are planned for (1 - margin) x --tbt-slo.")
     max_num_seqs: int = knob(128, "Maximum number of running requests.")
     tile_size: int = knob(
         1, "Round prefill chunk sizes down to a multiple of this (1 = no rounding)."
@@ -108,9 +114,21 @@ class SchedulerConfig:
             raise ConfigError(
                 f"scheduler must be one of {', '.join(SCHEDULERS)}, got {self.policy!r}"
             )
-        _positive("token_budget", self.token_budget)
         _positive("max_num_seqs", self.max_num_seqs)
         _positive("tile_size", self.tile_size)
+        if self.token_budget == "auto":
+            if self.tbt_slo is None or not self.tbt_slo > 0:
+                raise ConfigError("--token-budget auto needs --tbt-slo (seconds, > 0)")
+            if self.policy not in ("sarathi", "decode_maximal"):
+                raise ConfigError("--token-budget auto needs a chunked hybrid-batch scheduler"
+                                  f" (sarathi, decode_maximal), not {self.policy}")
+            if not 0 <= self.budget_margin < 1:
+                raise ConfigError("budget_margin must be in [0, 1)")
+            return
+        if not isinstance(self.token_budget, int) or isinstance(self.token_budget, bool):
+            raise ConfigError(f"token_budget must be an integer or 'auto', got"
+                              f" {self.token_budget!r}")
+        _positive("token_budget", self.token_budget)
         if self.tile_size > self.token_budget:
             raise ConfigError(
                 f"tile_size ({self.tile_size}) must not exceed token_budget ({self.token_budget})"

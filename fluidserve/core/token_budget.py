@@ -35,3 +35,28 @@ def find_token_budget(
         else:
             hi = mid
     return lo * tile, batch_time(max(lo, 1) * tile)
+
+
+# A predictor of iteration time: (decode contexts, prefill chunk length, the chunk's cached
+# prefix) -> seconds. Non-decreasing in the chunk length.
+Predictor = Callable[[list[int], int, int], float]
+
+
+def largest_chunk(predict: Predictor, decode_ctxs: list[int], prefix: int, target: float,
+                  max_chunk: int, tile: int = 1, min_chunk: int = 1) -> tuple[int, bool]:
+    """The largest prefill chunk (a tile multiple, at most ``max_chunk``) whose iteration
+    with these decodes is predicted to take at most ``target`` seconds, and whether the
+    target is reachable at all. When even the decodes alone miss it, the answer is
+    ``min_chunk`` (prefills must still progress: new requests never starve) and False."""
+    if predict(decode_ctxs, 0, prefix) > target:
+        return min(min_chunk, max_chunk), False
+    lo, hi = 0, max_chunk // tile  # in tiles; lo fits, hi unknown
+    if predict(decode_ctxs, hi * tile, prefix) <= target:
+        return hi * tile, True
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if predict(decode_ctxs, mid * tile, prefix) <= target:
+            lo = mid
+        else:
+            hi = mid
+    return max(lo * tile, min(min_chunk, max_chunk)), True

@@ -25,6 +25,7 @@ from fluidserve.core.scheduler import (
     SchedulerOutput,
     make_scheduler,
 )
+from fluidserve.engine.budget import AUTO_MAX_BUDGET, learned_budget
 from fluidserve.engine.messages import (
     AbortRequests,
     AddRequest,
@@ -90,7 +91,10 @@ class EngineCore:
         telemetry: Telemetry | None = None,
         emit_outputs: bool = True,
         vocab_size: int | None = None,
+        budget_policy=None,
     ) -> None:
+        """``budget_policy``: for ``--token-budget auto``, the per-iteration budget (default:
+        learned online from this engine's iterations, engine/budget.py)."""
         self.config = config
         self.executor = executor
         self.clock = clock or WallClock()
@@ -100,11 +104,19 @@ class EngineCore:
         self.max_model_len = min(config.model.max_model_len or executor.max_model_len,
                                  executor.max_model_len)
         sc = config.scheduler
-        limits = SchedulerLimits(sc.token_budget, sc.max_num_seqs, self.max_model_len,
-                                 sc.tile_size, sc.queue_policy)
+        auto = sc.token_budget == "auto"
+        limits = SchedulerLimits(AUTO_MAX_BUDGET if auto else sc.token_budget, sc.max_num_seqs,
+                                 self.max_model_len, sc.tile_size, sc.queue_policy)
         self.block_manager = BlockManager(executor.num_blocks, executor.block_size,
                                           config.cache.watermark)
         self.scheduler = make_scheduler(sc.policy, limits, self.block_manager)
+        self.budget, self._budget_model = None, None
+        if auto:
+            if budget_policy is None:
+                budget_policy, self._budget_model = learned_budget(
+                    sc.tbt_slo, sc.budget_margin, sc.tile_size)
+            self.budget = budget_policy
+            self.scheduler.budget_policy = budget_policy
         # Batches submitted and not yet applied: (plan, future of its RunnerOutput, start).
         self.in_flight: deque[tuple[SchedulerOutput, Future, float]] = deque()
         self._rng = random.Random(config.model.seed)
@@ -210,6 +222,8 @@ class EngineCore:
         """Apply a finished iteration (``step`` does this; a pipelined loop calls it directly)."""
         touched = self.scheduler.update(plan, result, end)
         self.telemetry.record_iteration(plan, start, end - start)
+        if self._budget_model is not None:
+            self._budget_model.observe(plan, end - start)
         if self.collect_stats:
             self._iteration_tokens.append(plan.num_tokens)
         if not self.emit_outputs:  # the simulator reads request state, not deltas
@@ -233,8 +247,11 @@ class EngineCore:
 
     def stats(self) -> SchedulerStats:
         s = self.scheduler
+        b = self.budget
         return SchedulerStats(len(s.running), s.num_waiting, self.block_manager.usage,
-                              s.num_preemptions, len(s.requests))
+                              s.num_preemptions, len(s.requests),
+                              b.last if b is not None else s.limits.token_budget,
+                              b.unreachable if b is not None else 0)
 
     def make_outputs(self, deltas: list[RequestDelta]) -> EngineCoreOutputs:
         """An outputs message: these deltas, plus statistics when ``collect_stats`` is on."""

@@ -75,6 +75,8 @@ class SchedulerStats:
     kv_cache_usage: float
     num_preemptions: int  # since start
     num_unfinished: int
+    token_budget: int = 0  # of the last iteration (--token-budget auto chooses it each time)
+    slo_unreachable: int = 0  # iterations where even decode-only work missed the TBT SLO
 
 
 @dataclass(slots=True)

@@ -29,6 +29,7 @@ class IterationRecord:
     num_single: int = 0
     single_ctx_max: int = 0
     sq_work: int = 0
+    token_budget: int | None = None
 
 
 @dataclass(frozen=True)
@@ -77,6 +78,7 @@ class Telemetry:
         rec = IterationRecord(
             plan.iteration, start, duration, plan.num_prefill_tokens, plan.num_decode_tokens,
             len(plan.chunks), prefill_reqs, len(plan.preempted), prefix, singles, ctx_max, sq,
+            plan.token_budget,
         )  # fmt: skip
         self.iterations.append(rec)
 

@@ -24,6 +24,11 @@ class ServerMetrics:
         self.waiting = Gauge(p + "num_requests_waiting", "Requests waiting", registry=r)
         self.kv_usage = Gauge(p + "kv_cache_usage", "Fraction of KV blocks in use", registry=r)
         self.preemptions = Counter(p + "preemptions", "Preemptions (recompute)", registry=r)
+        self.token_budget = Gauge(p + "token_budget", "Token budget of the last iteration"
+                                  " (chosen per iteration with --token-budget auto)", registry=r)
+        self.slo_unreachable = Gauge(
+            p + "tbt_slo_unreachable_iterations", "Iterations where even decode-only work was"
+            " predicted to miss --tbt-slo (--token-budget auto)", registry=r)
         self.iteration_tokens = Histogram(
             p + "iteration_tokens", "Tokens per iteration", buckets=TOKEN_BUCKETS, registry=r
         )
@@ -54,6 +59,8 @@ class ServerMetrics:
             self.kv_usage.set(st.kv_cache_usage)
             self.preemptions.inc(st.num_preemptions - self._preempted)
             self._preempted = st.num_preemptions
+            self.token_budget.set(st.token_budget)
+            self.slo_unreachable.set(st.slo_unreachable)
         for n in outs.iteration_tokens:
             self.iteration_tokens.observe(n)
         self.generated.inc(sum(len(d.new_token_ids) for d in outs.outputs))

@@ -17,6 +17,7 @@ from fluidserve.bench.records import RequestRecord
 from fluidserve.bench.workload import WorkloadRequest
 from fluidserve.config import EngineConfig
 from fluidserve.core.scheduler import RequestRejected, RunnerOutput, SchedulerOutput
+from fluidserve.engine.budget import cost_model_budget
 from fluidserve.engine.core import EngineCore, VirtualClock
 from fluidserve.engine.messages import AddRequest
 from fluidserve.engine.telemetry import Telemetry
@@ -91,7 +92,12 @@ def simulate(work: list[WorkloadRequest], config: EngineConfig, executor: CostMo
     completion or the next arrival, whichever comes first."""
     clock = VirtualClock()
     executor.clock = clock
-    core = EngineCore(config, executor, clock, Telemetry(max_records=0), emit_outputs=False)
+    budget = None
+    if config.scheduler.token_budget == "auto":
+        sc = config.scheduler
+        budget = cost_model_budget(executor.cost, sc.tbt_slo, sc.budget_margin, sc.tile_size)
+    core = EngineCore(config, executor, clock, Telemetry(max_records=0), emit_outputs=False,
+                      budget_policy=budget)
     pending = deque(sorted(work, key=lambda w: w.arrival))
     reqs: dict[int, Request | str] = {}
     while pending or core.has_unfinished():

@@ -35,6 +35,7 @@ class Batch:
     """An iteration under construction: (request, tokens) entries plus the budget left."""
 
     def __init__(self, budget: float, busy: frozenset[str] = frozenset()) -> None:
+        self.budget = budget
         self.left = budget
         self.entries: list[tuple[Request, int, bool]] = []  # (request, tokens, is decode)
         # Requests that may not join: those in this batch and those still in flight in an
@@ -133,7 +134,8 @@ class Scheduler(ABC):
         self.iteration += 1
         table = self.bm.table
         chunks = [batch.chunk(r, n, d, table(r.request_id)) for r, n, d in batch.entries]
-        return SchedulerOutput(self.iteration, chunks, self._preempted)
+        budget = batch.budget if math.isfinite(batch.budget) else None
+        return SchedulerOutput(self.iteration, chunks, self._preempted, budget)
 
     def update(self, output: SchedulerOutput, result: RunnerOutput, now: float) -> list[Request]:
         """Advance state after an iteration; returns requests that got a token or finished."""

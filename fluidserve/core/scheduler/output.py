@@ -42,6 +42,7 @@ class SchedulerOutput:
     iteration: int
     chunks: list[ScheduledChunk] = field(default_factory=list)
     preempted: list[str] = field(default_factory=list)
+    token_budget: int | None = None  # the budget this iteration was built under
 
     # Computed once: a plan is not modified after the scheduler returns it.
     @cached_property

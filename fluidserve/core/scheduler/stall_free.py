@@ -13,6 +13,7 @@ The same skeleton with other settings gives the baselines it is compared with:
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 from fluidserve.core.block_manager import BlockManager
 from fluidserve.core.scheduler.base import Batch, Scheduler, SchedulerLimits
@@ -35,8 +36,24 @@ class StallFreeScheduler(Scheduler):
         self.use_budget = use_budget
         self.max_prefills = max_prefills
 
+    #: (decode contexts, cached prefix of the next prefill) -> this iteration's token budget;
+    #: set by the engine for ``--token-budget auto`` (the budget that keeps the iteration
+    #: within the TBT SLO), else the fixed ``limits.token_budget`` applies.
+    budget_policy: Callable[[list[int], int], int] | None = None
+
     def _build(self, now: float) -> Batch:
         batch = self._new_batch(self.limits.token_budget if self.use_budget else math.inf)
         self._schedule_decodes(batch)
+        if self.budget_policy is not None and self.use_budget:
+            ctxs = [r.num_computed_tokens + 1 for r, _, decode in batch.entries if decode]
+            batch.budget = self.budget_policy(ctxs, self._next_prefix(batch))
+            batch.left = batch.budget - len(ctxs)
         self._schedule_prefills(batch, now, chunked=self.chunked, max_prefills=self.max_prefills)
         return batch
+
+    def _next_prefix(self, batch: Batch) -> int:
+        """Tokens already cached for the prefill that would get this iteration's chunk."""
+        for req in self.running:
+            if not req.is_decode and req.request_id not in batch.ids:
+                return req.num_computed_tokens
+        return 0

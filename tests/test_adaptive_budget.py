@@ -1,0 +1,119 @@
+"""--token-budget auto: the largest chunk that keeps each iteration within the TBT SLO,
+learned online, following a sudden slow-down, and never starving prefills."""
+
+from __future__ import annotations
+
+from concurrent.futures import Future
+
+import pytest
+
+from fluidserve.config import ConfigError, EngineConfig
+from fluidserve.core.scheduler import RunnerOutput
+from fluidserve.core.token_budget import largest_chunk
+from fluidserve.engine.core import EngineCore, VirtualClock
+from fluidserve.engine.messages import AddRequest
+from fluidserve.engine.telemetry import Telemetry
+from fluidserve.sampling_params import SamplingParams
+
+
+def linear(per_decode: float, per_token: float, base: float = 0.01):
+    return lambda ctxs, chunk, prefix: base + per_decode * len(ctxs) + per_token * chunk
+
+
+def test_largest_chunk_is_the_largest_that_fits_in_tiles():
+    p = linear(0.001, 0.0001)  # 8 decodes + chunk: 0.018 + 1e-4 * chunk
+    assert largest_chunk(p, [5] * 8, 0, 0.05, 4096) == (320, True)
+    assert largest_chunk(p, [5] * 8, 0, 0.05, 4096, tile=64) == (320, True)
+    assert largest_chunk(p, [5] * 8, 0, 0.05, 4096, tile=128) == (256, True)
+    assert largest_chunk(p, [5] * 8, 0, 0.05, 200) == (200, True)  # capped
+    # Even the decodes alone miss: the smallest chunk that keeps prefills moving.
+    assert largest_chunk(p, [5] * 80, 0, 0.05, 4096, min_chunk=16) == (16, False)
+
+
+class FakeExecutor:
+    """Iteration time = base + per_token x tokens x speed; ``speed`` can change mid-run."""
+
+    depth, num_blocks, block_size, max_model_len = 1, 4096, 16, 8192
+
+    def __init__(self, per_token: float, base: float = 0.004) -> None:
+        self.per_token, self.base, self.speed = per_token, base, 1.0
+
+    def submit(self, plan):
+        t = (self.base + self.per_token * plan.num_tokens) * self.speed
+        fut = Future()
+        fut.set_result(RunnerOutput({c.request_id: 7 for c in plan.chunks if c.samples}, t))
+        return fut
+
+    def shutdown(self) -> None:
+        pass
+
+
+def run(core: EngineCore, ex: FakeExecutor, n: int, slow_at: int | None = None,
+        prompt: int = 700, out: int = 40) -> list[tuple[int, float]]:
+    """(iteration, time) for every iteration; requests arrive a few at a time."""
+    times, added, step = [], 0, 0
+    while added < n or core.has_unfinished():
+        if added < n and step % 3 == 0:
+            core.add(AddRequest(f"r{added}", [5] * prompt,
+                                SamplingParams(max_tokens=out, ignore_eos=True, temperature=0)))
+            added += 1
+        if slow_at is not None and step == slow_at:
+            ex.speed = 3.0
+        t0 = core.clock.now()
+        core.step()
+        times.append((step, core.clock.now() - t0))
+        step += 1
+        assert step < 20_000, "no progress"
+    return times
+
+
+def auto_core(ex: FakeExecutor, slo: float) -> EngineCore:
+    cfg = EngineConfig.create(scheduler="sarathi", token_budget="auto", tbt_slo=slo,
+                              budget_margin=0.1, max_num_seqs=64)
+    return EngineCore(cfg, ex, VirtualClock(), Telemetry(max_records=None))
+
+
+def test_learned_budget_keeps_iterations_within_the_slo_and_follows_a_slowdown():
+    ex = FakeExecutor(per_token=1e-4)  # 0.1 ms per token: 0.05 s SLO allows ~450 tokens
+    core = auto_core(ex, 0.05)
+    times = run(core, ex, n=60, slow_at=150, out=100)
+    before = [t for i, t in times if 30 <= i < 150]
+    after = [t for i, t in times if i >= 160]
+    assert sum(t <= 0.05 for t in before) / len(before) >= 0.95
+    assert sum(t <= 0.05 for t in after) / len(after) >= 0.95
+    budgets = [r.token_budget for r in core.telemetry.iterations]
+    assert min(budgets[30:150]) > 350  # used most of the room before the slow-down
+    after_budgets = sorted(budgets[160:])
+    assert after_budgets[len(after_budgets) // 2] < 150  # and a third of it after
+    assert not core.has_unfinished()
+
+
+def test_unreachable_slo_degrades_to_small_chunks_and_still_finishes_everything():
+    ex = FakeExecutor(per_token=1e-3, base=0.02)  # 30 decodes alone: 0.05 s > 0.03 s
+    core = auto_core(ex, 0.03)
+    run(core, ex, n=40, prompt=300, out=60)
+    assert not core.has_unfinished() and core.scheduler.iteration > 0
+    assert core.budget.unreachable > 0
+    assert core.stats().slo_unreachable == core.budget.unreachable
+
+
+def test_auto_needs_an_slo_and_a_chunked_hybrid_scheduler():
+    with pytest.raises(ConfigError, match="tbt-slo"):
+        EngineConfig.create(token_budget="auto")
+    with pytest.raises(ConfigError, match="hybrid-batch"):
+        EngineConfig.create(token_budget="auto", tbt_slo=0.1, scheduler="vllm")
+
+
+def test_simulated_auto_meets_the_slo_on_a_gpu_cost_model():
+    from fluidserve.bench.workload import WorkloadSpec, build_workload
+    from fluidserve.sim.cost_model import GPUCostModel
+    from fluidserve.sim.simulate import CostModelExecutor, simulate
+
+    work, _ = build_workload(WorkloadSpec(dataset="sharegpt", num_prompts=150,
+                                          request_rate=3.0, max_prompt_len=4096, seed=2))
+    cost = GPUCostModel("mistral-7b", "a100")
+    cfg = EngineConfig.create(token_budget="auto", tbt_slo=0.1, budget_margin=0.05)
+    res = simulate(work, cfg, CostModelExecutor(cost, 20000, 16, 16384))
+    gaps = [g for r in res.records for g in r.gaps[1:]]
+    assert max(gaps) <= 0.1 + 1e-9 and all(r.num_output_tokens == w.output_len
+                                             for r, w in zip(res.records, work, strict=True))

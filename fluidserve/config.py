@@ -9,6 +9,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field, fields
 
+# Policies that run with a fixed token budget (sarathi_slack needs --token-budget auto).
 SCHEDULERS = (
     "sarathi",
     "vllm",
@@ -18,6 +19,7 @@ SCHEDULERS = (
     "hybrid_only",
     "chunked_only",
 )
+SLO_SCHEDULERS = ("sarathi_slack",)  # need --token-budget auto --tbt-slo
 DTYPES = ("float32", "bfloat16", "float16")
 
 
@@ -90,7 +92,8 @@ class CacheConfig:
 class SchedulerConfig:
     """How each iteration's batch is chosen."""
 
-    policy: str = knob("sarathi", "Batching policy.", choices=SCHEDULERS, flag="--scheduler")
+    policy: str = knob("sarathi", "Batching policy.", choices=SCHEDULERS + SLO_SCHEDULERS,
+                       flag="--scheduler")
     token_budget: int | str = knob(
         512,
         "Tokens per iteration (prefill chunk tokens + decodes). For vllm/chunked_only it caps"
@@ -110,21 +113,24 @@ class SchedulerConfig:
     queue_policy: str = knob("fcfs", "Order of the waiting queue.", choices=("fcfs", "sjf", "ljf"))
 
     def __post_init__(self) -> None:
-        if self.policy not in SCHEDULERS:
-            raise ConfigError(
-                f"scheduler must be one of {', '.join(SCHEDULERS)}, got {self.policy!r}"
-            )
+        if self.policy not in SCHEDULERS + SLO_SCHEDULERS:
+            raise ConfigError(f"scheduler must be one of"
+                              f" {', '.join(SCHEDULERS + SLO_SCHEDULERS)}, got {self.policy!r}")
         _positive("max_num_seqs", self.max_num_seqs)
         _positive("tile_size", self.tile_size)
         if self.token_budget == "auto":
             if self.tbt_slo is None or not self.tbt_slo > 0:
                 raise ConfigError("--token-budget auto needs --tbt-slo (seconds, > 0)")
-            if self.policy not in ("sarathi", "decode_maximal"):
+            if self.policy not in ("sarathi", "sarathi_slack", "decode_maximal"):
                 raise ConfigError("--token-budget auto needs a chunked hybrid-batch scheduler"
-                                  f" (sarathi, decode_maximal), not {self.policy}")
+                                  f" (sarathi, sarathi_slack, decode_maximal), not"
+                                  f" {self.policy}")
             if not 0 <= self.budget_margin < 1:
                 raise ConfigError("budget_margin must be in [0, 1)")
             return
+        if self.policy == "sarathi_slack":
+            raise ConfigError("sarathi_slack plans with the iteration-time prediction of"
+                              " --token-budget auto: give --token-budget auto --tbt-slo S")
         if not isinstance(self.token_budget, int) or isinstance(self.token_budget, bool):
             raise ConfigError(f"token_budget must be an integer or 'auto', got"
                               f" {self.token_budget!r}")

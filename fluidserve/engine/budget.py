@@ -121,15 +121,13 @@ class AdaptiveBudget:
         self.min_chunk = min_chunk or max(tile, 16)
         self.trust = trust  # the largest chunk the predictor may be trusted with, if bounded
         self.last = 0
+        self.reachable = True  # whether the last iteration's decodes alone fit the target
         self.unreachable = 0  # iterations where even the decodes alone miss the SLO
         self._warned = False
 
     def __call__(self, decode_ctxs: list[int], prefix: int) -> int:
-        cap = self.max_budget - len(decode_ctxs)
-        if self.trust is not None:
-            cap = min(cap, self.trust())
-        chunk, ok = largest_chunk(self.predict, decode_ctxs, prefix, self.target, max(cap, 0),
-                                  self.tile, self.min_chunk)
+        chunk, ok = self.chunk(decode_ctxs, prefix, self.target)
+        self.reachable = ok
         if not ok:
             self.unreachable += 1
             if not self._warned:
@@ -140,6 +138,15 @@ class AdaptiveBudget:
                             self.predict(decode_ctxs, 0, prefix), chunk)
         self.last = len(decode_ctxs) + chunk
         return self.last
+
+    def chunk(self, decode_ctxs: list[int], prefix: int, target: float) -> tuple[int, bool]:
+        """The largest chunk predicted to fit ``target`` with these decodes, and whether the
+        decodes alone fit it."""
+        cap = self.max_budget - len(decode_ctxs)
+        if self.trust is not None:
+            cap = min(cap, self.trust())
+        return largest_chunk(self.predict, decode_ctxs, prefix, target, max(cap, 0), self.tile,
+                             self.min_chunk)
 
 
 def learned_budget(tbt_slo: float, margin: float, tile: int) -> tuple[AdaptiveBudget,

@@ -9,12 +9,14 @@ from fluidserve.core.scheduler.base import RequestRejected, Scheduler, Scheduler
 from fluidserve.core.scheduler.output import RunnerOutput, ScheduledChunk, SchedulerOutput
 from fluidserve.core.scheduler.prefill_first import PrefillFirstScheduler
 from fluidserve.core.scheduler.request_level import RequestLevelScheduler
+from fluidserve.core.scheduler.slack import SlackScheduler
 from fluidserve.core.scheduler.stall_free import StallFreeScheduler
 
 Factory = Callable[[SchedulerLimits, BlockManager], Scheduler]
 
 SCHEDULER_REGISTRY: dict[str, Factory] = {
     "sarathi": lambda lim, bm: StallFreeScheduler(lim, bm),
+    "sarathi_slack": lambda lim, bm: SlackScheduler(lim, bm),
     "orca": lambda lim, bm: StallFreeScheduler(lim, bm, chunked=False, use_budget=False),
     "hybrid_only": lambda lim, bm: StallFreeScheduler(lim, bm, chunked=False),
     "decode_maximal": lambda lim, bm: StallFreeScheduler(lim, bm, max_prefills=1),

@@ -11,6 +11,18 @@ from __future__ import annotations
 from collections.abc import Callable
 
 
+def pass_target(tbt_slo: float, pp: int) -> float:
+    """The time one micro-batch's pass through all stages may take so that the time between a
+    request's tokens stays within ``tbt_slo``.
+
+    With one stage the two are the same. With ``pp`` stages, a micro-batch scheduled when its
+    predecessor completes may wait at the first stage for the micro-batch ahead of it, up to
+    that one's stage time (its pass / pp), so a pass of X gives token gaps up to X (1 + 1/pp).
+    (A budget sized to the SLO by the pass alone overshoots it by up to 50% with two stages.)
+    """
+    return tbt_slo if pp <= 1 else tbt_slo * pp / (pp + 1)
+
+
 def round_to_tile(n: int, tile: int) -> int:
     return n - n % tile if tile > 1 else n
 

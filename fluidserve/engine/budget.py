@@ -25,7 +25,7 @@ from collections.abc import Callable
 import numpy as np
 
 from fluidserve.core.scheduler.output import SchedulerOutput
-from fluidserve.core.token_budget import Predictor, largest_chunk
+from fluidserve.core.token_budget import Predictor, largest_chunk, pass_target
 
 log = logging.getLogger(__name__)
 
@@ -115,8 +115,10 @@ class AdaptiveBudget:
 
     def __init__(self, predict: Predictor, tbt_slo: float, margin: float, tile: int = 1,
                  max_budget: int = AUTO_MAX_BUDGET, min_chunk: int | None = None,
-                 trust: Callable[[], int] | None = None) -> None:
-        self.predict, self.target = predict, tbt_slo * (1 - margin)
+                 trust: Callable[[], int] | None = None, pp: int = 1) -> None:
+        # The predictor prices one micro-batch's pass; with pipeline stages a token gap can
+        # also include waiting behind the micro-batch ahead (core.token_budget.pass_target).
+        self.predict, self.target = predict, pass_target(tbt_slo, pp) * (1 - margin)
         self.tbt_slo, self.tile, self.max_budget = tbt_slo, tile, max_budget
         self.min_chunk = min_chunk or max(tile, 16)
         self.trust = trust  # the largest chunk the predictor may be trusted with, if bounded
@@ -149,13 +151,13 @@ class AdaptiveBudget:
                              self.min_chunk)
 
 
-def learned_budget(tbt_slo: float, margin: float, tile: int) -> tuple[AdaptiveBudget,
-                                                                      OnlineIterationModel]:
+def learned_budget(tbt_slo: float, margin: float, tile: int, pp: int = 1
+                   ) -> tuple[AdaptiveBudget, OnlineIterationModel]:
     """The real engine's adaptive budget: an online model, trusted up to 1.5x the largest
     batch it has seen (so a wrong prior ramps up instead of blowing the SLO at once)."""
     model = OnlineIterationModel()
     return AdaptiveBudget(model.predict, tbt_slo, margin, tile,
-                          trust=lambda: max(64, model.max_tokens_seen * 3 // 2)), model
+                          trust=lambda: max(64, model.max_tokens_seen * 3 // 2), pp=pp), model
 
 
 def cost_model_budget(cost, tbt_slo: float, margin: float, tile: int) -> AdaptiveBudget:
@@ -173,4 +175,4 @@ def cost_model_budget(cost, tbt_slo: float, margin: float, tile: int) -> Adaptiv
         finally:
             cost._rng = rng
 
-    return AdaptiveBudget(predict, tbt_slo, margin, tile)
+    return AdaptiveBudget(predict, tbt_slo, margin, tile, pp=cost.pp)

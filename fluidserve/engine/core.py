@@ -114,7 +114,8 @@ class EngineCore:
         if auto:
             if budget_policy is None:
                 budget_policy, self._budget_model = learned_budget(
-                    sc.tbt_slo, sc.budget_margin, sc.tile_size)
+                    sc.tbt_slo, sc.budget_margin, sc.tile_size,
+                    config.parallel.pipeline_parallel_size)
             self.budget = budget_policy
             self.scheduler.budget_policy = budget_policy
         # Batches submitted and not yet applied: (plan, future of its RunnerOutput, start).

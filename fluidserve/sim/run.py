@@ -13,7 +13,7 @@ from fluidserve.bench.report import constant_deadline, score_fluidity, summarize
 from fluidserve.bench.workload import build_workload
 from fluidserve.config import BenchConfig, CapacityConfig, EngineConfig, ParallelConfig, SimConfig
 from fluidserve.core.scheduler.output import ScheduledChunk, SchedulerOutput
-from fluidserve.core.token_budget import find_token_budget
+from fluidserve.core.token_budget import find_token_budget, pass_target
 from fluidserve.model.arch import kv_bytes_per_token
 from fluidserve.sampling_params import SamplingParams
 from fluidserve.sim.cost_model import (
@@ -130,18 +130,20 @@ def _token_budget(sim: SimConfig, eng: EngineConfig, cap: CapacityConfig, cost: 
     def batch_time(b: int) -> float:
         return cost.iteration_time(reference_batch(b, sim.budget_decodes, sim.budget_context))
 
+    target = pass_target(cap.tbt_slo, eng.parallel.pipeline_parallel_size)
     decodes_only = batch_time(sim.budget_decodes)
-    if decodes_only > cap.tbt_slo:
+    if decodes_only > target:
         budget, t = 0, decodes_only
         msg = (f"{sim.budget_decodes} decodes at context {sim.budget_context} alone take"
                f" {decodes_only:.3g} s > the {cap.tbt_slo} s SLO: no budget meets it; lower"
                " --budget-decodes / --budget-context or relax --tbt-slo")
         print(f"error: {msg}", file=sys.stderr)
     else:
-        budget, t = find_token_budget(batch_time, cap.tbt_slo, eng.scheduler.tile_size,
+        budget, t = find_token_budget(batch_time, target, eng.scheduler.tile_size,
                                       sim.max_budget)
         msg = None
     result = {"token_budget": budget, "iteration_time_s": t, "tbt_slo_s": cap.tbt_slo,
+              "pass_target_s": target,
               "error": msg, "tile_size": eng.scheduler.tile_size,
               "reference_batch": {"decodes": sim.budget_decodes, "context": sim.budget_context},
               "cost_model": sim.cost_model, "note": cost.note}

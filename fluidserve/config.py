@@ -115,6 +115,11 @@ class ServerConfig:
     drain_timeout: float = knob(
         30.0, "Seconds SIGTERM waits for in-flight requests before failing them."
     )
+    watchdog_timeout: float = knob(
+        60.0, "Seconds the engine core may go without finishing an iteration while requests are"
+        " in flight; after that the server fails them, turns /health to 503 and exits 1. Keep"
+        " it above the longest iteration (a full token-budget prefill)."
+    )
     log_requests: bool = knob(False, "Log one line per finished request.")
     telemetry_file: str | None = knob(
         None, "Write per-iteration and per-request telemetry (JSON lines) here at shutdown."
@@ -126,6 +131,8 @@ class ServerConfig:
         _positive("max_waiting_requests", self.max_waiting_requests)
         if self.drain_timeout < 0:
             raise ConfigError(f"drain_timeout must be >= 0, got {self.drain_timeout}")
+        if not (self.watchdog_timeout > 0 and math.isfinite(self.watchdog_timeout)):
+            raise ConfigError(f"watchdog_timeout must be > 0, got {self.watchdog_timeout}")
 
 
 def _positive(name: str, value: int) -> None:

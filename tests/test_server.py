@@ -269,6 +269,32 @@ def test_engine_exception_fails_requests_visibly_and_server_keeps_serving(srv):
     assert srv.kv_idle()
 
 
+def test_output_processing_fault_fails_only_its_request(srv):
+    srv.engine.inject_fault("output")
+    r = httpx.post(srv.url + "/v1/completions", json={"prompt": PROMPT, "max_tokens": 5},
+                   timeout=30)
+    assert r.status_code == 500 and "injected output fault" in r.json()["error"]["message"]
+    ok = httpx.post(srv.url + "/v1/completions", timeout=30,
+                    json={"prompt": PROMPT, "max_tokens": 3, "ignore_eos": True})
+    assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] == 3
+    assert httpx.get(srv.url + "/health").status_code == 200
+    assert srv.kv_idle()
+
+
+def test_metrics_fault_is_counted_and_fails_nobody(srv):
+    def errors() -> float:
+        m = metric_values(httpx.get(srv.url + "/metrics").text)
+        return m.get('fluidserve_internal_errors_total{where="metrics"}', 0.0)
+
+    before = errors()
+    srv.engine.inject_fault("metrics")
+    r = httpx.post(srv.url + "/v1/completions", timeout=30,
+                   json={"prompt": PROMPT, "max_tokens": 4, "ignore_eos": True})
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 4
+    assert errors() == before + 1
+    assert httpx.get(srv.url + "/health").status_code == 200
+
+
 def test_api_key(default_model_dir):
     with InProcessServer(default_model_dir, api_key="sekret") as s:
         body = {"prompt": "x", "max_tokens": 1}
@@ -288,7 +314,8 @@ def test_api_key(default_model_dir):
 
 
 def test_overload_gets_503_and_nothing_is_lost(default_model_dir):
-    with InProcessServer(default_model_dir, {"max_num_seqs": 2}, max_waiting_requests=3) as s:
+    with InProcessServer(default_model_dir, engine_kw={"max_num_seqs": 2},
+                         max_waiting_requests=3) as s:
 
         async def one(c: httpx.AsyncClient, i: int):
             r = await c.post(

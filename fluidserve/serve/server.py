@@ -311,7 +311,8 @@ def start_engine(engine_config: EngineConfig, config: ServerConfig,
     model_dir = given or str(cached_model_dir())
     engine_config = dataclasses.replace(engine_config, model=model_dir)
     tokenizer = Tokenizer(engine_config.tokenizer or model_dir)
-    engine = AsyncEngine(engine_config, tokenizer, ServerMetrics(), config.telemetry_file, on_dead)
+    engine = AsyncEngine(engine_config, tokenizer, ServerMetrics(), config.telemetry_file,
+                         on_dead, config.watchdog_timeout)
     engine.start()
     return engine, name
 

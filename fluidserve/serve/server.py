@@ -6,7 +6,6 @@ import asyncio
 import dataclasses
 import json
 import logging
-import secrets
 import signal
 import threading
 import time
@@ -27,6 +26,7 @@ from fluidserve.model.builder import DEFAULT_SHAPE, cached_model_dir
 from fluidserve.model.tokenizer import Tokenizer
 from fluidserve.serve import responses as R
 from fluidserve.serve.async_engine import AsyncEngine
+from fluidserve.serve.gate import Gate
 from fluidserve.serve.metrics import ServerMetrics
 from fluidserve.serve.protocol import ChatCompletionRequest, CompletionRequest, error_body
 
@@ -72,14 +72,6 @@ def build_app(engine: AsyncEngine, config: ServerConfig, model_name: str) -> Fas
     app.state.fluidserve = state
     _install_error_handlers(app)
 
-    def check_auth(request: Request) -> None:
-        if config.api_key is None:
-            return
-        header = request.headers.get("authorization", "")
-        token = header[7:] if header.lower().startswith("bearer ") else ""
-        if not secrets.compare_digest(token.encode(), config.api_key.encode()):
-            raise ApiError(401, "missing or invalid API key", "authentication_error")
-
     @app.get("/health")
     async def health() -> Response:
         if engine.dead is not None:
@@ -93,19 +85,16 @@ def build_app(engine: AsyncEngine, config: ServerConfig, model_name: str) -> Fas
         return Response(metrics.render(), media_type="text/plain; version=0.0.4")
 
     @app.get("/v1/models")
-    async def models(request: Request) -> dict:
-        check_auth(request)
+    async def models() -> dict:
         return R.model_list(model_name, state.max_model_len)
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request) -> Response:
-        check_auth(request)
         ids = await _prompt_ids(state, body.prompt)
         return await _serve(state, body, ids, request, chat=False)
 
     @app.post("/v1/chat/completions")
     async def chat(body: ChatCompletionRequest, request: Request) -> Response:
-        check_auth(request)
         if engine.tokenizer is None:
             raise ApiError(400, "this model has no tokenizer, so chat is unavailable")
         try:
@@ -115,6 +104,8 @@ def build_app(engine: AsyncEngine, config: ServerConfig, model_name: str) -> Fas
             raise ApiError(400, str(e), param="messages") from None
         return await _serve(state, body, ids, request, chat=True)
 
+    app.add_middleware(Gate, api_key=config.api_key, protect_metrics=config.protect_metrics,
+                       max_body=config.max_request_bytes)
     return app
 
 

@@ -333,6 +333,10 @@ def test_gate_checks_the_key_first_then_the_body_size(default_model_dir):
         assert r.status_code == 400
         good = httpx.post(s.url + "/v1/completions", json=body, timeout=30, headers=key)
         assert good.status_code == 200
+        schema = httpx.get(s.url + "/openapi.json").json()
+        ops = schema["paths"]["/v1/completions"]["post"]
+        assert ops["security"] and "401" in ops["responses"]
+        assert schema["paths"]["/metrics"]["get"]["security"]
 
 
 def test_metrics_stay_open_without_protect_metrics(srv):

@@ -42,6 +42,7 @@ class ServerState:
     model_name: str
     prompts: PromptTokenizer
     draining: bool = False  # refuse new requests (a drain has begun)
+    closed: bool = False  # refuse even those already past the first checks (shutting down)
     admitting: int = 0  # requests past the first checks, not yet handed to the engine
 
     @property
@@ -101,7 +102,7 @@ def _check_chars(state: ServerState, num_chars: int, max_tokens: int | None, par
 
 async def generate(state: ServerState, body, request: Request, chat: bool) -> Response:
     precheck(state, body)
-    state.admitting += 1
+    state.admitting += 1  # a drain waits for these too
     try:
         ids = await (chat_ids(state, body) if chat else completion_ids(state, body))
         handle, ctx = admit(state, body, ids, chat)
@@ -133,6 +134,8 @@ def admit(state: ServerState, body, ids: list[int], chat: bool):
         raise ApiError(400, why, code=CONTEXT_LENGTH_EXCEEDED)
     params = body.sampling_params(max_tokens, body.num_logprobs if chat else body.logprobs)
     rid = R.new_id("chatcmpl" if chat else "cmpl")
+    if state.closed:
+        raise ApiError(503, "the server is shutting down", "service_unavailable")
     try:
         handle = state.engine.add(rid, ids, params)
     except RuntimeError as e:  # the engine core died meanwhile

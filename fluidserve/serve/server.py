@@ -7,6 +7,7 @@ exactly what they accept. Every error, expected or not, is an OpenAI-style JSON 
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import logging
 import signal
@@ -50,6 +51,9 @@ def build_app(engine: AsyncEngine, config: ServerConfig, model_name: str) -> Fas
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         yield
+        state.closed = True
+        if engine.num_unfinished:  # a stop without a drain: their clients get an error
+            engine.fail_all("the server is shutting down")
         engine.stop()
         prompts.close()
 
@@ -117,7 +121,9 @@ class DrainingServer(uvicorn.Server):
     """A uvicorn server whose first SIGTERM/SIGINT drains in-flight requests, then exits.
 
     While draining, new requests get 503 and /health reports "draining"; requests still
-    running after ``drain_timeout`` are failed with an error their clients see.
+    unfinished after ``drain_timeout`` (running, waiting, or still on their way to the engine
+    core) are failed with an error their clients see. A second signal stops at once, failing
+    what is unfinished the same way.
     """
 
     def __init__(self, config: uvicorn.Config, state: ServerState) -> None:
@@ -137,14 +143,23 @@ class DrainingServer(uvicorn.Server):
         threading.Thread(target=self._drain, args=(sig, frame), daemon=True).start()
 
     def _drain(self, sig, frame) -> None:
-        eng = self.state.engine
-        deadline = time.monotonic() + self.state.config.drain_timeout
-        while eng.num_unfinished and time.monotonic() < deadline:
+        st = self.state
+        deadline = time.monotonic() + st.config.drain_timeout
+        while (st.engine.num_unfinished or st.admitting) and time.monotonic() < deadline \
+                and not self.should_exit:
             time.sleep(0.05)
-        if eng.num_unfinished:
-            eng.fail_all("the server is shutting down")
-            time.sleep(0.5)  # let the failed streams deliver their error events
         super().handle_exit(sig, frame)
+
+    async def shutdown(self, sockets=None) -> None:
+        # Before uvicorn waits for open connections: end every unfinished request with an
+        # error event, so that its stream closes instead of being cut when the wait runs out.
+        eng = self.state.engine
+        self.state.closed = True
+        if eng.num_unfinished:
+            log.info("failing %d unfinished requests", eng.num_unfinished)
+            eng.fail_all("the server is shutting down")
+            await asyncio.sleep(0.2)  # let the streams write their error events
+        await super().shutdown(sockets)
 
 
 def start_engine(engine_config: EngineConfig, config: ServerConfig,

@@ -119,9 +119,14 @@ def admit(state: ServerState, body, ids: list[int], chat: bool):
     if not ids:
         raise ApiError(400, "the prompt is empty", param="prompt")
     room = max_len - len(ids)
+    if room < 1:
+        state.metrics.rejected.labels("invalid").inc()
+        raise ApiError(400, f"the prompt has {len(ids)} tokens; the context window is {max_len}"
+                       " tokens, prompt and completion together", param="messages" if chat
+                       else "prompt", code=CONTEXT_LENGTH_EXCEEDED)
     requested = body.max_new_tokens if chat else body.max_tokens
     max_tokens = requested if requested is not None else (room if chat else min(16, room))
-    if room < 1 or len(ids) + max_tokens > max_len:
+    if len(ids) + max_tokens > max_len:
         state.metrics.rejected.labels("invalid").inc()
         raise ApiError(400, f"this model's context window is {max_len} tokens; the prompt has"
                        f" {len(ids)} and max_tokens is {max_tokens}", param="max_tokens",

@@ -94,6 +94,45 @@ class ChatCompletionResponse(BaseModel):
     metrics: ServerMetricsOut | None = None
 
 
+class CompletionStreamChoice(BaseModel):
+    index: int
+    text: str
+    logprobs: CompletionLogprobs | None
+    finish_reason: Literal["stop", "length"] | None
+
+
+class CompletionChunk(BaseModel):
+    id: str
+    object: Literal["text_completion"]
+    created: int
+    model: str
+    choices: list[CompletionStreamChoice]  # empty in the final usage chunk
+    usage: Usage | None = None
+    metrics: ServerMetricsOut | None = None
+
+
+class ChatDelta(BaseModel):
+    role: Literal["assistant"] | None = None
+    content: str | None = None
+
+
+class ChatStreamChoice(BaseModel):
+    index: int
+    delta: ChatDelta
+    logprobs: ChatLogprobs | None
+    finish_reason: Literal["stop", "length"] | None
+
+
+class ChatCompletionChunk(BaseModel):
+    id: str
+    object: Literal["chat.completion.chunk"]
+    created: int
+    model: str
+    choices: list[ChatStreamChoice]
+    usage: Usage | None = None
+    metrics: ServerMetricsOut | None = None
+
+
 class ModelCard(BaseModel):
     id: str
     object: Literal["model"]
@@ -116,9 +155,18 @@ def _error(description: str) -> dict:
     return {"model": ErrorResponse, "description": description}
 
 
-STREAM = {"text/event-stream": {"schema": {
-    "type": "string", "description": "With stream=true: server-sent events, one JSON chunk per"
-    " token, an error event if the request fails, then `data: [DONE]`."}}}
+def stream(chunk: type[BaseModel]) -> dict:
+    """One server-sent event: a JSON chunk per token, an error if the request fails, [DONE]."""
+    payload = {"anyOf": [{"$ref": f"#/components/schemas/{chunk.__name__}"},
+                         {"$ref": "#/components/schemas/ErrorResponse"}]}
+    event = {"type": "object", "required": ["data"], "properties": {
+        "event": {"type": "string"},
+        "data": {"anyOf": [{"const": "[DONE]"}, {
+            "type": "string", "contentMediaType": "application/json", "contentSchema": payload}]},
+    }}
+    return {"text/event-stream": {"schema": event}}
+
+
 EVERY_ROUTE = {
     413: _error("The request body exceeds --max-request-bytes (checked before it is read)."),
     500: _error("An internal error."),
@@ -126,9 +174,10 @@ EVERY_ROUTE = {
 AUTH = {401: _error("Missing or invalid API key (checked before anything else).")}
 
 
-def generate_responses(response_model: type[BaseModel], protected: bool) -> dict:
+def generate_responses(response_model: type[BaseModel], chunk: type[BaseModel],
+                       protected: bool) -> dict:
     return {
-        200: {"model": response_model, "content": STREAM,
+        200: {"model": response_model, "content": stream(chunk),
               "description": "The completion (JSON), or its stream (server-sent events)."},
         400: _error("Invalid request: malformed JSON, a value outside the schema, or a prompt"
                     " that does not fit the context window (code context_length_exceeded)."),
@@ -180,8 +229,10 @@ def install_openapi(app: FastAPI, request_models: list[type[BaseModel]],
     def openapi() -> dict:
         if app.openapi_schema is None:
             schema = get_openapi(title=app.title, version=app.version, routes=app.routes)
-            _, defs = models_json_schema([(m, "validation") for m in request_models],
-                                         ref_template="#/components/schemas/{model}")
+            models = [(m, "validation") for m in request_models]
+            models += [(m, "serialization") for m in (CompletionChunk, ChatCompletionChunk,
+                                                      ErrorResponse)]
+            _, defs = models_json_schema(models, ref_template="#/components/schemas/{model}")
             comps = schema.setdefault("components", {}).setdefault("schemas", {})
             comps.update(defs["$defs"])
             for m in request_models:

@@ -15,7 +15,15 @@ import uuid
 from dataclasses import dataclass
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, create_model
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    WithJsonSchema,
+    create_model,
+)
 
 from fluidserve.sampling_params import MAX_LOGPROBS, SamplingParams
 
@@ -24,8 +32,29 @@ INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 INT32_MAX = 2**31 - 1
 CONTEXT_LENGTH_EXCEEDED = "context_length_exceeded"
 
-Int64 = Annotated[int, Field(ge=INT64_MIN, le=INT64_MAX)]
+def _integral(value):
+    """JSON Schema's integers include 3.0: take it as 3 (strict mode still refuses 3.5, "3"
+    and true)."""
+    return int(value) if isinstance(value, float) and value.is_integer() else value
+
+
+def Int(**bounds) -> Any:  # noqa: N802 - a type
+    return Annotated[int, Field(**bounds), BeforeValidator(_integral)]
+
+
+Int64 = Int(ge=INT64_MIN, le=INT64_MAX)
 StopString = Annotated[str, Field(min_length=1)]
+# Literal[1] would take true and Literal[False] would take 0 (they compare equal in Python).
+One = Int(ge=1, le=1)
+MinusOne = Int(ge=-1, le=-1)
+OnlyFalse = Annotated[bool, AfterValidator(lambda v: _only(v, False)),
+                      WithJsonSchema({"type": "boolean", "const": False})]
+
+
+def _only(value, allowed):
+    if value != allowed:
+        raise ValueError(f"only {allowed!r} is supported")
+    return value
 
 
 class ApiError(Exception):
@@ -52,15 +81,15 @@ class _Common(BaseModel):
     model_config = ConfigDict(extra="ignore", strict=True)
 
     model: str | None = None
-    max_tokens: Annotated[int, Field(ge=1)] | None = None
+    max_tokens: Int(ge=1) | None = None
     temperature: Annotated[float, Field(ge=0.0, le=2.0)] | None = None
     top_p: Annotated[float, Field(gt=0.0, le=1.0)] | None = None
-    top_k: Literal[-1] | Annotated[int, Field(ge=1, le=INT32_MAX)] | None = None
-    min_tokens: Annotated[int, Field(ge=0, le=INT64_MAX)] = 0
+    top_k: MinusOne | Int(ge=1, le=INT32_MAX) | None = None
+    min_tokens: Int(ge=0, le=INT64_MAX) = 0
     seed: Int64 | None = None
     stop: StopString | Annotated[list[StopString], Field(max_length=MAX_STOP)] | None = None
     stop_token_ids: list[Int64] | None = None
-    n: Literal[1] | None = None
+    n: One | None = None
     stream: bool | None = False
     stream_options: StreamOptions | None = Field(
         None, description="Only with stream=true.")
@@ -110,9 +139,9 @@ class CompletionRequest(_Common):
         description="Text, or token ids; a list of one text or one list of token ids is the"
         " same prompt. It must fit the context window once tokenized (else 400"
         " context_length_exceeded).")
-    logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
-    echo: Literal[False] | None = Field(False, description="Not supported: must be false.")
-    best_of: Literal[1] | None = Field(None, description="Only 1 is supported.")
+    logprobs: Int(ge=0, le=MAX_LOGPROBS) | None = None
+    echo: OnlyFalse | None = Field(False, description="Not supported: must be false.")
+    best_of: One | None = Field(None, description="Only 1 is supported.")
     suffix: Annotated[str, Field(max_length=0)] | None = Field(
         None, description="Not supported: must be empty.")
 
@@ -144,9 +173,9 @@ class ChatMessage(BaseModel):
 class ChatCompletionRequest(_Common):
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
     logprobs: bool | None = False
-    top_logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = Field(
+    top_logprobs: Int(ge=0, le=MAX_LOGPROBS) | None = Field(
         None, description="Only with logprobs=true.")
-    max_completion_tokens: Annotated[int, Field(ge=1)] | None = None
+    max_completion_tokens: Int(ge=1) | None = None
 
     @property
     def num_logprobs(self) -> int | None:
@@ -171,14 +200,14 @@ def request_models(limits: Limits) -> tuple[type[CompletionRequest], type[ChatCo
     """The request models with this model's bounds (the schema and the validation)."""
     room = limits.max_model_len - 1  # a prompt has at least one token
     vocab = limits.vocab_size
-    token = Annotated[int, Field(ge=0, le=vocab - 1)] if vocab else Annotated[int, Field(ge=0)]
+    token = Int(ge=0, le=vocab - 1) if vocab else Int(ge=0)
     ids = Annotated[list[token], Field(min_length=1, max_length=room)]
     text = Annotated[str, Field(min_length=1, max_length=limits.max_prompt_chars)]
     content = Annotated[str, Field(max_length=limits.max_prompt_chars)]
     part = create_model("TextPart", __base__=TextPart, text=(content, ...))
     message = create_model("ChatMessage", __base__=ChatMessage,
                            content=(content | list[part] | None, None))
-    new_tokens = Annotated[int, Field(ge=1, le=room)] | None
+    new_tokens = Int(ge=1, le=room) | None
     prompt_field = CompletionRequest.model_fields["prompt"]
     completion = create_model(
         "CompletionRequest", __base__=CompletionRequest,

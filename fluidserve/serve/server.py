@@ -81,13 +81,15 @@ def build_app(engine: AsyncEngine, config: ServerConfig, model_name: str) -> Fas
         return JSONResponse(R.model_list(model_name, state.max_model_len))
 
     @app.post("/v1/completions", openapi_extra=api.request_body("CompletionRequest"),
-              responses=api.generate_responses(api.CompletionResponse, protected))
+              responses=api.generate_responses(api.CompletionResponse,
+                                                  api.CompletionChunk, protected))
     async def completions(request: Request) -> Response:
         body = parse_body(await request.body(), completion_model)
         return await generate(state, body, request, chat=False)
 
     @app.post("/v1/chat/completions", openapi_extra=api.request_body("ChatCompletionRequest"),
-              responses=api.generate_responses(api.ChatCompletionResponse, protected))
+              responses=api.generate_responses(api.ChatCompletionResponse,
+                                                  api.ChatCompletionChunk, protected))
     async def chat(request: Request) -> Response:
         body = parse_body(await request.body(), chat_model)
         return await generate(state, body, request, chat=True)

@@ -224,12 +224,24 @@ class ServerConfig:
     served_model_name: str | None = knob(
         None, "Model name clients must use (default: the model directory's name)."
     )
-    api_key: str | None = knob(None, "Require 'Authorization: Bearer <key>' on /v1 routes.")
+    api_key: str | None = knob(
+        None, "Require 'Authorization: Bearer <key>' on every /v1 route, checked before"
+        " anything else (a request without it gets 401 whatever its body)."
+    )
+    protect_metrics: bool = knob(False, "With --api-key, require the key on /metrics too.")
+    max_request_bytes: int = knob(
+        4 * 1024 * 1024, "Request bodies larger than this get HTTP 413 before they are read."
+    )
     max_waiting_requests: int = knob(
         1024, "Requests waiting for admission above which new ones get HTTP 503."
     )
     drain_timeout: float = knob(
         30.0, "Seconds SIGTERM waits for in-flight requests before failing them."
+    )
+    watchdog_timeout: float = knob(
+        60.0, "Seconds the engine core may go without finishing an iteration while requests are"
+        " in flight; after that the server fails them, turns /health to 503 and exits 1. Keep"
+        " it above the longest iteration (a full token-budget prefill)."
     )
     log_requests: bool = knob(False, "Log one line per finished request.")
     telemetry_file: str | None = knob(
@@ -242,6 +254,13 @@ class ServerConfig:
         _positive("max_waiting_requests", self.max_waiting_requests)
         if self.drain_timeout < 0:
             raise ConfigError(f"drain_timeout must be >= 0, got {self.drain_timeout}")
+        if self.api_key is not None and not self.api_key:
+            raise ConfigError("api_key must not be empty")
+        if self.protect_metrics and self.api_key is None:
+            raise ConfigError("protect_metrics needs api_key")
+        _positive("max_request_bytes", self.max_request_bytes)
+        if not (self.watchdog_timeout > 0 and math.isfinite(self.watchdog_timeout)):
+            raise ConfigError(f"watchdog_timeout must be > 0, got {self.watchdog_timeout}")
 
 
 def _positive(name: str, value: int) -> None:

@@ -269,26 +269,83 @@ def test_engine_exception_fails_requests_visibly_and_server_keeps_serving(srv):
     assert srv.kv_idle()
 
 
-def test_api_key(default_model_dir):
-    with InProcessServer(default_model_dir, api_key="sekret") as s:
+def test_output_processing_fault_fails_only_its_request(srv):
+    srv.engine.inject_fault("output")
+    r = httpx.post(srv.url + "/v1/completions", json={"prompt": PROMPT, "max_tokens": 5},
+                   timeout=30)
+    assert r.status_code == 500 and "injected output fault" in r.json()["error"]["message"]
+    ok = httpx.post(srv.url + "/v1/completions", timeout=30,
+                    json={"prompt": PROMPT, "max_tokens": 3, "ignore_eos": True})
+    assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] == 3
+    assert httpx.get(srv.url + "/health").status_code == 200
+    assert srv.kv_idle()
+
+
+def test_metrics_fault_is_counted_and_fails_nobody(srv):
+    def errors() -> float:
+        m = metric_values(httpx.get(srv.url + "/metrics").text)
+        return m.get('fluidserve_internal_errors_total{where="metrics"}', 0.0)
+
+    before = errors()
+    srv.engine.inject_fault("metrics")
+    r = httpx.post(srv.url + "/v1/completions", timeout=30,
+                   json={"prompt": PROMPT, "max_tokens": 4, "ignore_eos": True})
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 4
+    assert errors() == before + 1
+    assert httpx.get(srv.url + "/health").status_code == 200
+
+
+def test_gate_checks_the_key_first_then_the_body_size(default_model_dir):
+    with InProcessServer(default_model_dir, api_key="sekret", protect_metrics=True,
+                         max_request_bytes=64 * 1024) as s:
         body = {"prompt": "x", "max_tokens": 1}
+        key = {"Authorization": "Bearer sekret"}
         assert httpx.post(s.url + "/v1/completions", json=body).status_code == 401
         bad = httpx.post(
             s.url + "/v1/completions", json=body, headers={"Authorization": "Bearer nope"}
         )
         assert bad.status_code == 401 and bad.json()["error"]["type"] == "authentication_error"
-        good = httpx.post(
-            s.url + "/v1/completions",
-            json=body,
-            timeout=30,
-            headers={"Authorization": "Bearer sekret"},
-        )
-        assert good.status_code == 200
+        assert bad.headers["www-authenticate"] == "Bearer"
+        # Without a key, neither the body, nor its size, nor the route matters: 401.
+        for path, content in (("/v1/completions", b'{"prompt": '),
+                              ("/v1/chat/completions", b'{"messages": []}'),
+                              ("/v1/completions", b"x" * (1024 * 1024)),
+                              ("/v1/no-such-route", b"{}")):
+            r = httpx.post(s.url + path, content=content, timeout=30)
+            assert r.status_code == 401, (path, r.status_code, r.text[:200])
+            assert r.json()["error"]["type"] == "authentication_error"
+        assert httpx.get(s.url + "/v1/models").status_code == 401
+        assert httpx.get(s.url + "/metrics").status_code == 401  # --protect-metrics
+        assert httpx.get(s.url + "/metrics", headers=key).status_code == 200
         assert httpx.get(s.url + "/health").status_code == 200  # health needs no key
+        # With the key: the body-size limit, whether the size is announced or not.
+        big = json.dumps({"prompt": "x" * 64 * 1024}).encode()
+
+        def chunks():
+            for i in range(0, len(big), 4096):
+                yield big[i : i + 4096]
+
+        for content in (big, chunks()):
+            r = httpx.post(s.url + "/v1/completions", content=content, headers=key, timeout=30)
+            assert r.status_code == 413 and r.json()["error"]["type"] == "request_too_large"
+        # Then the usual answers.
+        r = httpx.post(s.url + "/v1/completions", content=b'{"prompt": ', headers=key)
+        assert r.status_code == 400
+        good = httpx.post(s.url + "/v1/completions", json=body, timeout=30, headers=key)
+        assert good.status_code == 200
+        schema = httpx.get(s.url + "/openapi.json").json()
+        ops = schema["paths"]["/v1/completions"]["post"]
+        assert ops["security"] and "401" in ops["responses"]
+        assert schema["paths"]["/metrics"]["get"]["security"]
+
+
+def test_metrics_stay_open_without_protect_metrics(srv):
+    assert httpx.get(srv.url + "/metrics").status_code == 200
 
 
 def test_overload_gets_503_and_nothing_is_lost(default_model_dir):
-    with InProcessServer(default_model_dir, {"max_num_seqs": 2}, max_waiting_requests=3) as s:
+    with InProcessServer(default_model_dir, engine_kw={"max_num_seqs": 2},
+                         max_waiting_requests=3) as s:
 
         async def one(c: httpx.AsyncClient, i: int):
             r = await c.post(

@@ -5,9 +5,11 @@ As in vLLM v1, the front end (HTTP, tokenizing, detokenizing, streaming) and the
 other's GIL. They exchange the typed messages of ``fluidserve.engine.messages`` over two
 one-way pipes. The core sends one ``EngineCoreOutputs`` per iteration.
 
-Failure handling: if the core process dies or reports a failure, the client fails every
-in-flight request with an error the client sees and calls ``on_dead`` (the server then turns
-unhealthy and exits non-zero so that a supervisor restarts it). Nothing waits forever.
+Failure handling: if the core process dies or reports a failure (an exception anywhere in its
+loop), if the client's own threads fail, or if the front end's watchdog finds the core wedged
+(``declare_dead``), the client kills the core, fails every in-flight request with an error the
+client sees and calls ``on_dead`` (the server then turns unhealthy and exits non-zero so that a
+supervisor restarts it). Nothing waits forever.
 """
 
 from __future__ import annotations
@@ -78,6 +80,13 @@ def _start_core(config: EngineConfig, max_records: int | None):
 
     t0 = time.monotonic()
     executor, model_dir = build_model_executor(config)
+    if str(config.model.device).startswith("cpu"):
+        # The CPU kernels (the sampler's argmax uses them whatever the attention backend) are
+        # built or loaded on first use; do it before reporting ready, so that the first
+        # iteration takes an iteration's time and the front end's watchdog can rely on that.
+        from fluidserve.kernels import cpu_ops
+
+        cpu_ops()
     vocab = getattr(getattr(executor, "arch", None), "vocab_size", None)
     core = EngineCore(config, executor, telemetry=Telemetry(max_records), vocab_size=vocab)
     core.collect_stats = True
@@ -96,6 +105,7 @@ def _busy_loop(core, inbox: Connection, outbox: Connection) -> None:
         while inbox.poll(timeout):
             msg = inbox.recv()
             timeout = 0.0
+            core.trip("command")
             if isinstance(msg, AddRequest):
                 try:
                     core.add(msg)
@@ -111,11 +121,22 @@ def _busy_loop(core, inbox: Connection, outbox: Connection) -> None:
             elif isinstance(msg, InjectFault):
                 core.faults[msg.point] = msg.times
         core.trip("loop")
+        if core.faults.get("wedge"):
+            _wedge()
         out = core.step() if core.has_unfinished() else core.make_outputs([])
         out.outputs = pending + out.outputs
         out.rejected = rejected
         if out.outputs or rejected or out.iteration_tokens or out.finished:
+            core.trip("send")
             outbox.send(out)
+
+
+def _wedge() -> None:
+    """Testing: stop making progress, as a deadlocked core would, until the parent is gone."""
+    parent = os.getppid()
+    while os.getppid() == parent:
+        time.sleep(0.2)
+    os._exit(1)
 
 
 class EngineCoreClient:
@@ -138,6 +159,8 @@ class EngineCoreClient:
         self.on_outputs, self.on_dead = on_outputs, on_dead
         self.info: CoreReady | None = None
         self.dead: str | None = None
+        self._die_lock = threading.Lock()
+        self._closing = False  # shutdown() was called: the core's end is expected
         self._sendq: queue.SimpleQueue = queue.SimpleQueue()
         self.proc.start()
         in_r.close()
@@ -151,8 +174,14 @@ class EngineCoreClient:
                 raise RuntimeError(f"engine core exited with code {self.proc.exitcode}"
                                    " while starting")
             if time.monotonic() > deadline:
+                self.proc.kill()
                 raise RuntimeError(f"engine core not ready after {timeout:.0f}s")
-        msg = self._out_r.recv()
+        try:
+            msg = self._out_r.recv()
+        except (EOFError, OSError):
+            self.proc.join(5)
+            raise RuntimeError(f"engine core exited with code {self.proc.exitcode}"
+                               " while starting") from None
         if isinstance(msg, CoreFailed):
             raise RuntimeError(f"engine core failed to start: {msg.message}")
         self.info = msg
@@ -177,6 +206,7 @@ class EngineCoreClient:
 
     def shutdown(self, timeout: float = 10.0) -> int | None:
         """Stop the core (it fails what is unfinished); returns its exit code."""
+        self._closing = True
         self._sendq.put(Shutdown())
         self.proc.join(timeout)
         if self.proc.is_alive():
@@ -184,17 +214,27 @@ class EngineCoreClient:
             self.proc.join(5)
         return self.proc.exitcode
 
+    def declare_dead(self, message: str) -> None:
+        """Give up on the core (the watchdog found it wedged): kill it, fail everything."""
+        self._die(message)
+
     def _write(self) -> None:
         while True:
             msg = self._sendq.get()
             try:
                 self._in_w.send(msg)
-            except (OSError, ValueError):
+            except OSError:
                 return  # the core is gone; the reader reports it
+            except Exception as e:  # e.g. a message that cannot be pickled
+                log.exception("sending %s to the engine core failed", type(msg).__name__)
+                self._die(f"could not send to the engine core: {type(e).__name__}: {e}")
+                return
             if isinstance(msg, Shutdown):
                 return
 
     def _read(self) -> None:
+        # Whatever goes wrong here ends in _die: a reader that stopped silently would leave
+        # every stream waiting forever.
         while True:
             try:
                 msg = self._out_r.recv()
@@ -202,20 +242,30 @@ class EngineCoreClient:
                 if self.proc.is_alive():
                     self.proc.join(2)
                 code = self.proc.exitcode
-                if code == 0:
-                    return  # a clean shutdown
+                if code == 0 or (self._closing and code is None):
+                    return  # a clean shutdown (the core may still be exiting)
                 self._die(f"the engine core process died (exit code {code})")
+                return
+            except Exception as e:  # a message that cannot be unpickled
+                log.exception("receiving from the engine core failed")
+                self._die(f"bad message from the engine core: {type(e).__name__}: {e}")
                 return
             if isinstance(msg, CoreFailed):
                 self._die(f"the engine core failed: {msg.message.splitlines()[0]}")
                 return
             try:
                 self.on_outputs(msg)
-            except Exception:  # a front-end bug must not stop delivery to everyone else
+            except Exception as e:  # the message's outputs are lost: nobody can be trusted
                 log.exception("processing engine outputs failed")
+                self._die(f"internal error in the front end: {type(e).__name__}: {e}")
+                return
 
     def _die(self, message: str) -> None:
-        if self.dead is None:
+        with self._die_lock:
+            if self.dead is not None:
+                return
             self.dead = message
-            log.error("%s", message)
-            self.on_dead(message)
+        log.error("%s", message)
+        if self.proc.is_alive():
+            self.proc.kill()  # a core that is still running would compute for nobody
+        self.on_dead(message)

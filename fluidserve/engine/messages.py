@@ -44,8 +44,14 @@ class Shutdown:
 class InjectFault:
     """Testing: make the next ``times`` passes through a fault point raise.
 
-    Points: ``execute`` (inside the executor: the batch's requests fail, the core goes on)
-    and ``loop`` (in the core's own loop, outside any iteration: the core dies)."""
+    Points in the engine core: ``execute`` (inside the executor: the batch's requests fail, the
+    core goes on); ``loop`` (the core's loop between iterations), ``command`` (applying a
+    received message) and ``send`` (sending outputs): the core dies; ``wedge``: the core stops
+    making progress without dying (the front end's watchdog must notice). The front end
+    (``AsyncEngine.inject_fault``) has points of its own: ``output`` (processing one request's
+    output: that request fails), ``metrics`` (updating metrics: logged and counted, nobody
+    fails) and ``deliver`` (handing outputs to streams: every request fails, as if the core
+    had died)."""
 
     point: str
     times: int = 1

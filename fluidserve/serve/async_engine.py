@@ -5,6 +5,11 @@ thread; the client's reader thread receives one ``EngineCoreOutputs`` per iterat
 detokenizes and applies stop strings (``OutputProcessor``), updates the metrics, and hands each
 request its ``RequestOutput`` through the event loop (one callback per iteration, not per
 token). A slow consumer only grows its own queue.
+
+No request waits forever: if the core dies, fails, or makes no progress for
+``watchdog_timeout`` seconds while requests are in flight (a watchdog thread checks), or if the
+front end's own processing of the core's outputs breaks, every stream ends with an error and
+``on_dead`` is called (the server turns unhealthy and exits non-zero).
 """
 
 from __future__ import annotations
@@ -12,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
+import time
 from collections.abc import AsyncIterator, Callable
 
 from fluidserve.config import EngineConfig
@@ -24,19 +30,27 @@ from fluidserve.serve.metrics import ServerMetrics
 
 log = logging.getLogger(__name__)
 
+FRONT_END_FAULTS = ("output", "metrics", "deliver")
+
 
 class Handle:
-    """One request's output stream. Iterate it; leaving early aborts the request."""
+    """One request's output stream. Iterate it; leaving early aborts the request.
+
+    ``token_texts`` maps the token ids of its outputs (and of their top logprobs, when asked
+    for) to their text, decoded off the event loop."""
 
     def __init__(self, engine: AsyncEngine, request_id: str, queue: asyncio.Queue) -> None:
         self.engine, self.request_id, self._queue = engine, request_id, queue
         self.finished = False
+        self.token_texts: dict[int, str] = {}
 
     async def __aiter__(self) -> AsyncIterator[RequestOutput]:
         try:
             while not self.finished:
-                out: RequestOutput = await self._queue.get()
+                out, texts = await self._queue.get()
                 self.finished = out.finished
+                if texts:
+                    self.token_texts.update(texts)
                 yield out
         finally:
             self.abort()
@@ -50,26 +64,33 @@ class Handle:
 class AsyncEngine:
     def __init__(self, config: EngineConfig, tokenizer: Tokenizer | None, metrics: ServerMetrics,
                  telemetry_file: str | None = None,
-                 on_dead: Callable[[str], None] | None = None) -> None:
+                 on_dead: Callable[[str], None] | None = None,
+                 watchdog_timeout: float = 60.0) -> None:
         self.config = config
         self.tokenizer = tokenizer
         self.metrics = metrics
         self._on_dead_cb = on_dead
         self.eos_token_id = tokenizer.eos_token_id if tokenizer is not None else None
         self._outputs = OutputProcessor(tokenizer)
-        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue, bool]] = {}
         self._lock = threading.Lock()  # streams and output states: event loop vs reader thread
         self._waiting_reported = 0
         self._added_since_stats = 0
+        self._faults: dict[str, int] = {}
+        self.watchdog_timeout = watchdog_timeout
+        self._last_progress = time.monotonic()
+        self._stopping = threading.Event()
         self.client = EngineCoreClient(config, self._on_outputs, self._on_dead, telemetry_file)
         self.info: CoreReady | None = None
 
     def start(self, timeout: float = 600.0) -> CoreReady:
-        """Wait for the engine core to load its model."""
+        """Wait for the engine core to load its model, then start watching it."""
         self.info = self.client.wait_ready(timeout)
+        threading.Thread(target=self._watch, name="fluidserve-watchdog", daemon=True).start()
         return self.info
 
     def stop(self, timeout: float = 10.0) -> int | None:
+        self._stopping.set()
         return self.client.shutdown(timeout)
 
     @property
@@ -86,13 +107,28 @@ class AsyncEngine:
         """Requests accepted but not yet running, as of the core's last report."""
         return self._waiting_reported + self._added_since_stats
 
+    def inject_fault(self, point: str, times: int = 1) -> None:
+        """Testing: see ``messages.InjectFault`` (front-end points are handled here)."""
+        if point in FRONT_END_FAULTS:
+            self._faults[point] = times
+        else:
+            self.client.inject_fault(point, times)
+
+    def _trip(self, point: str) -> None:
+        if self._faults.get(point, 0) > 0:
+            self._faults[point] -= 1
+            raise RuntimeError(f"injected {point} fault")
+
     # ------------------------------------------------------------------ event-loop side
     def add(self, request_id: str, prompt_ids: list[int], params: SamplingParams) -> Handle:
         queue: asyncio.Queue = asyncio.Queue()
         with self._lock:
             if self.dead is not None:
                 raise RuntimeError(self.dead)
-            self._streams[request_id] = (asyncio.get_running_loop(), queue)
+            if not self._streams:  # the watchdog measures progress from here
+                self._last_progress = time.monotonic()
+            texts = params.logprobs is not None and self.tokenizer is not None
+            self._streams[request_id] = (asyncio.get_running_loop(), queue, texts)
             self._outputs.add(request_id, params)
             self._added_since_stats += 1
         self.client.add(AddRequest(request_id, prompt_ids, params, self.eos_token_id))
@@ -106,13 +142,20 @@ class AsyncEngine:
             self.client.abort([request_id])
 
     def fail_all(self, message: str) -> None:
-        self.client.fail_all(message)
+        """End every unfinished request with this error now, whatever state the core is in."""
+        with self._lock:
+            ready = [(loop, q, _error_output(rid, message), None)
+                     for rid, (loop, q, _) in self._streams.items()]
+            for rid in self._streams:
+                self._outputs.forget(rid)
+            self._streams.clear()
+        self.client.fail_all(message)  # the core frees what they held
+        self._deliver(ready)
 
     # ------------------------------------------------------------------ reader thread
     def _on_outputs(self, msg: EngineCoreOutputs) -> None:
-        self.metrics.observe(msg)
-        ready: list[tuple[asyncio.AbstractEventLoop, asyncio.Queue, RequestOutput]] = []
-        stopped = []
+        self._observe(msg)
+        ready, stopped, failed = [], [], []
         with self._lock:
             if msg.stats is not None:
                 self._waiting_reported = msg.stats.num_waiting
@@ -120,31 +163,62 @@ class AsyncEngine:
             deltas = msg.outputs + [RequestDelta(rid, [], "error", why)
                                     for rid, why in msg.rejected.items()]
             for delta in deltas:
-                try:
-                    out, stop = self._outputs.process(delta)
-                except Exception as e:  # a bad delta fails its own request, nobody else's
-                    log.exception("output processing failed for %s", delta.request_id)
-                    self._outputs.forget(delta.request_id)
-                    out, stop = RequestOutput(delta.request_id, [], "", True, "error",
-                                              f"internal error: {e}"), True
-                if stop:
-                    stopped.append(delta.request_id)
-                if out is None:
-                    continue
                 target = self._streams.get(delta.request_id)
-                if target is None:
+                out, texts, stop = self._process(delta, target is not None and target[2])
+                if stop:
+                    (failed if out is not None and out.error else stopped).append(
+                        delta.request_id)
+                if target is None or out is None:
                     continue
                 if out.finished:
                     del self._streams[delta.request_id]
-                ready.append((*target, out))
+                ready.append((target[0], target[1], out, texts))
+            self._last_progress = time.monotonic()
         if stopped:
             self.client.abort(stopped, reason="stop")
-        self._deliver(ready)
+        if failed:
+            self.client.abort(failed)
+        try:
+            self._trip("deliver")
+            self._deliver(ready)
+        except Exception as e:  # these streams are no longer listed: end them here, then die
+            message = f"internal error in the front end: {type(e).__name__}: {e}"
+            self._deliver([(loop, q, _error_output(out.request_id, message), None)
+                           for loop, q, out, _ in ready])
+            raise
+
+    def _process(self, delta: RequestDelta, want_texts: bool
+                 ) -> tuple[RequestOutput | None, dict | None, bool]:
+        """(output, token texts, whether the core must stop computing the request)."""
+        try:
+            self._trip("output")
+            out, stop = self._outputs.process(delta)
+            texts = self._texts(out) if want_texts and out is not None else None
+            return out, texts, stop
+        except Exception as e:  # a bad delta fails its own request, nobody else's
+            log.exception("output processing failed for %s", delta.request_id)
+            self._outputs.forget(delta.request_id)
+            out = _error_output(delta.request_id, f"internal error: {e}")
+            return out, None, not delta.finished
+
+    def _observe(self, msg: EngineCoreOutputs) -> None:
+        try:
+            self._trip("metrics")
+            self.metrics.observe(msg)
+        except Exception:  # metrics are not worth a request: log, count, go on
+            log.exception("updating metrics failed")
+            self.metrics.internal_errors.labels("metrics").inc()
+
+    def _texts(self, out: RequestOutput) -> dict[int, str]:
+        ids = set(out.new_token_ids)
+        for _, top in out.new_logprobs:
+            ids.update(i for i, _ in top)
+        return {i: self.tokenizer.decode([i], skip_special_tokens=False) for i in ids}
 
     def _on_dead(self, message: str) -> None:
         with self._lock:
-            ready = [(loop, q, RequestOutput(rid, [], "", True, "error", message))
-                     for rid, (loop, q) in self._streams.items()]
+            ready = [(loop, q, _error_output(rid, message), None)
+                     for rid, (loop, q, _) in self._streams.items()]
             self._streams.clear()
         self._deliver(ready)
         if self._on_dead_cb is not None:
@@ -153,15 +227,32 @@ class AsyncEngine:
     @staticmethod
     def _deliver(ready: list) -> None:
         by_loop: dict[asyncio.AbstractEventLoop, list] = {}
-        for loop, q, out in ready:
-            by_loop.setdefault(loop, []).append((q, out))
+        for loop, q, out, texts in ready:
+            by_loop.setdefault(loop, []).append((q, (out, texts)))
         for loop, items in by_loop.items():
             try:
                 loop.call_soon_threadsafe(_put_all, items)
             except RuntimeError:  # the event loop is closed: nobody is listening any more
                 pass
 
+    # ------------------------------------------------------------------ watchdog thread
+    def _watch(self) -> None:
+        period = min(1.0, self.watchdog_timeout / 4)
+        while not self._stopping.wait(period):
+            if self.dead is not None:
+                return
+            stalled = time.monotonic() - self._last_progress
+            if self._streams and stalled > self.watchdog_timeout:
+                self.client.declare_dead(
+                    f"the engine core made no progress for {stalled:.0f}s with"
+                    f" {len(self._streams)} requests in flight")
+                return
 
-def _put_all(items: list[tuple[asyncio.Queue, RequestOutput]]) -> None:
-    for q, out in items:
-        q.put_nowait(out)
+
+def _error_output(request_id: str, message: str) -> RequestOutput:
+    return RequestOutput(request_id, [], "", True, "error", message)
+
+
+def _put_all(items: list[tuple[asyncio.Queue, tuple]]) -> None:
+    for q, item in items:
+        q.put_nowait(item)

@@ -48,6 +48,10 @@ class ServerMetrics:
             buckets=LATENCY_BUCKETS,
             registry=r,
         )
+        self.internal_errors = Counter(
+            p + "internal_errors", "Front-end errors caught and survived, by where", ["where"],
+            registry=r,
+        )
         self._preempted = 0
 
     def observe(self, outs: EngineCoreOutputs) -> None:

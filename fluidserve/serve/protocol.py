@@ -1,76 +1,129 @@
-"""OpenAI API request models (pydantic) and response builders."""
+"""OpenAI API request models (pydantic), error bodies and the helpers responses share.
+
+The models are the published schema (``/openapi.json``) and the server's validation at once:
+every constraint the server enforces on a request's shape is a JSON-schema constraint here, so a
+request that matches the schema is accepted unless it fails a check no schema can express (its
+prompt, once tokenized, does not fit the context window: HTTP 400 with code
+``context_length_exceeded``). Bounds that depend on the model (context window, vocabulary) are
+filled in by ``request_models`` when the server starts.
+"""
 
 from __future__ import annotations
 
 import time
 import uuid
-from typing import Annotated, Literal
+from dataclasses import dataclass
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    WithJsonSchema,
+    create_model,
+)
 
 from fluidserve.sampling_params import MAX_LOGPROBS, SamplingParams
 
 MAX_STOP = 16
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+INT32_MAX = 2**31 - 1
+CONTEXT_LENGTH_EXCEEDED = "context_length_exceeded"
+
+def _integral(value):
+    """JSON Schema's integers include 3.0: take it as 3 (strict mode still refuses 3.5, "3"
+    and true)."""
+    return int(value) if isinstance(value, float) and value.is_integer() else value
+
+
+def Int(**bounds) -> Any:  # noqa: N802 - a type
+    return Annotated[int, Field(**bounds), BeforeValidator(_integral)]
+
+
+Int64 = Int(ge=INT64_MIN, le=INT64_MAX)
+StopString = Annotated[str, Field(min_length=1)]
+# Literal[1] would take true and Literal[False] would take 0 (they compare equal in Python).
+One = Int(ge=1, le=1)
+MinusOne = Int(ge=-1, le=-1)
+OnlyFalse = Annotated[bool, AfterValidator(lambda v: _only(v, False)),
+                      WithJsonSchema({"type": "boolean", "const": False})]
+
+
+def _only(value, allowed):
+    if value != allowed:
+        raise ValueError(f"only {allowed!r} is supported")
+    return value
+
+
+class ApiError(Exception):
+    """An error the client sees as an OpenAI-style body with this status."""
+
+    def __init__(self, status: int, message: str, type_: str = "invalid_request_error",
+                 param: str | None = None, code: str | int | None = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.type, self.param = status, message, type_, param
+        self.code = status if code is None else code
+
+    def body(self) -> dict:
+        return error_body(self.message, self.type, self.param, self.code)
 
 
 class StreamOptions(BaseModel):
-    include_usage: bool = False
-    continuous_usage_stats: bool = False  # vLLM extension: usage in every chunk
+    model_config = ConfigDict(extra="ignore", strict=True)
+
+    include_usage: bool | None = False
+    continuous_usage_stats: bool | None = False  # vLLM extension: usage in every chunk
 
 
 class _Common(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", strict=True)
 
     model: str | None = None
-    max_tokens: Annotated[int, Field(ge=1)] | None = None
-    temperature: Annotated[float, Field(ge=0.0, le=2.0)] = 1.0
-    top_p: Annotated[float, Field(gt=0.0, le=1.0)] = 1.0
-    top_k: Annotated[int, Field(ge=-1)] = -1
-    min_tokens: Annotated[int, Field(ge=0)] = 0
-    seed: int | None = None
-    stop: str | Annotated[list[str], Field(max_length=MAX_STOP)] | None = None
-    stop_token_ids: list[int] | None = None
-    n: int = 1
-    stream: bool = False
-    stream_options: StreamOptions | None = None
+    max_tokens: Int(ge=1) | None = None
+    temperature: Annotated[float, Field(ge=0.0, le=2.0)] | None = None
+    top_p: Annotated[float, Field(gt=0.0, le=1.0)] | None = None
+    top_k: MinusOne | Int(ge=1, le=INT32_MAX) | None = None
+    min_tokens: Int(ge=0, le=INT64_MAX) = 0
+    seed: Int64 | None = None
+    stop: StopString | Annotated[list[StopString], Field(max_length=MAX_STOP)] | None = None
+    stop_token_ids: list[Int64] | None = None
+    n: One | None = None
+    stream: bool | None = False
+    stream_options: StreamOptions | None = Field(
+        None, description="Only with stream=true.")
     ignore_eos: bool = False
     user: str | None = None
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    logit_bias: dict[str, float] | None = None
+    presence_penalty: Annotated[float, Field(ge=0.0, le=0.0)] | None = Field(
+        None, description="Only 0 is supported.")
+    frequency_penalty: Annotated[float, Field(ge=0.0, le=0.0)] | None = Field(
+        None, description="Only 0 is supported.")
+    logit_bias: Annotated[dict[str, float], Field(max_length=0)] | None = Field(
+        None, description="Not supported: must be empty.")
     return_metrics: bool = False  # fluidserve extension: server-side timings in the response
 
-    @model_validator(mode="after")
-    def _supported(self):
-        if self.n != 1:
-            raise ValueError("only n=1 is supported")
-        if self.top_k == 0:
-            raise ValueError("top_k must be -1 (disabled) or >= 1")
-        if self.presence_penalty or self.frequency_penalty:
-            raise ValueError("presence_penalty and frequency_penalty are not supported")
-        if self.logit_bias:
-            raise ValueError("logit_bias is not supported")
-        stops = [self.stop] if isinstance(self.stop, str) else (self.stop or [])
-        if any(not s for s in stops):
-            raise ValueError("stop strings must be non-empty")
-        if self.stream_options is not None and not self.stream:
-            raise ValueError("stream_options is only allowed when stream is true")
-        return self
-
     def sampling_params(self, max_tokens: int, logprobs: int | None) -> SamplingParams:
-        stops = [self.stop] if isinstance(self.stop, str) else (self.stop or [])
         return SamplingParams(
             max_tokens=max_tokens,
-            temperature=self.temperature,
-            top_p=self.top_p,
-            top_k=self.top_k,
+            temperature=1.0 if self.temperature is None else self.temperature,
+            top_p=1.0 if self.top_p is None else self.top_p,
+            top_k=-1 if self.top_k is None else self.top_k,
             seed=self.seed,
-            stop=tuple(stops),
+            stop=tuple(self.stop_strings),
             stop_token_ids=tuple(self.stop_token_ids or ()),
             ignore_eos=self.ignore_eos,
             logprobs=logprobs,
             min_tokens=min(self.min_tokens, max_tokens),
         )
+
+    @property
+    def stop_strings(self) -> list[str]:
+        return [self.stop] if isinstance(self.stop, str) else (self.stop or [])
+
+    @property
+    def streaming(self) -> bool:
+        return bool(self.stream)
 
     @property
     def include_usage(self) -> bool:
@@ -82,62 +135,100 @@ class _Common(BaseModel):
 
 
 class CompletionRequest(_Common):
-    prompt: str | list[int] | list[str] | list[list[int]]
-    logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
-    echo: bool = False
-    best_of: int | None = None
-    suffix: str | None = None
+    prompt: str | list[int] | list[str] | list[list[int]] = Field(
+        description="Text, or token ids; a list of one text or one list of token ids is the"
+        " same prompt. It must fit the context window once tokenized (else 400"
+        " context_length_exceeded).")
+    logprobs: Int(ge=0, le=MAX_LOGPROBS) | None = None
+    echo: OnlyFalse | None = Field(False, description="Not supported: must be false.")
+    best_of: One | None = Field(None, description="Only 1 is supported.")
+    suffix: Annotated[str, Field(max_length=0)] | None = Field(
+        None, description="Not supported: must be empty.")
 
-    @model_validator(mode="after")
-    def _prompt(self):
+    @property
+    def the_prompt(self) -> str | list[int]:
         p = self.prompt
-        if isinstance(p, list) and p and isinstance(p[0], (str, list)):
-            if len(p) != 1:
-                raise ValueError("only one prompt per request is supported")
-            self.prompt = p[0]
-        if not self.prompt:
-            raise ValueError("prompt must not be empty")
-        if self.echo:
-            raise ValueError("echo is not supported")
-        if self.best_of not in (None, 1):
-            raise ValueError("best_of is not supported")
-        if self.suffix:
-            raise ValueError("suffix is not supported")
-        return self
+        return p[0] if isinstance(p, list) and p and isinstance(p[0], (str, list)) else p
+
+
+class TextPart(BaseModel):
+    model_config = ConfigDict(extra="ignore", strict=True)
+
+    type: Literal["text"]
+    text: str
 
 
 class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", strict=True)
 
     role: Literal["system", "user", "assistant", "developer", "tool"]
-    content: str | list[dict] | None = None
+    content: str | list[TextPart] | None = None
 
     def text(self) -> str:
-        if isinstance(self.content, list):  # content parts: keep the text ones
-            parts = [p.get("text", "") for p in self.content if p.get("type") == "text"]
-            if len(parts) != len(self.content):
-                raise ValueError("only text content parts are supported")
-            return "".join(parts)
+        if isinstance(self.content, list):
+            return "".join(p.text for p in self.content)
         return self.content or ""
 
 
 class ChatCompletionRequest(_Common):
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
-    logprobs: bool = False
-    top_logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
-    max_completion_tokens: Annotated[int, Field(ge=1)] | None = None
-
-    @model_validator(mode="after")
-    def _chat(self):
-        if self.top_logprobs is not None and not self.logprobs:
-            raise ValueError("top_logprobs requires logprobs=true")
-        if self.max_completion_tokens is not None:
-            self.max_tokens = self.max_completion_tokens
-        return self
+    logprobs: bool | None = False
+    top_logprobs: Int(ge=0, le=MAX_LOGPROBS) | None = Field(
+        None, description="Only with logprobs=true.")
+    max_completion_tokens: Int(ge=1) | None = None
 
     @property
     def num_logprobs(self) -> int | None:
         return (self.top_logprobs or 0) if self.logprobs else None
+
+    @property
+    def max_new_tokens(self) -> int | None:
+        return self.max_completion_tokens if self.max_completion_tokens is not None \
+            else self.max_tokens
+
+
+@dataclass(frozen=True)
+class Limits:
+    """The model's bounds that the published schema states."""
+
+    max_model_len: int
+    vocab_size: int | None
+    max_prompt_chars: int | None  # no text longer than this can fit (None: no bound known)
+
+
+def request_models(limits: Limits) -> tuple[type[CompletionRequest], type[ChatCompletionRequest]]:
+    """The request models with this model's bounds (the schema and the validation)."""
+    room = limits.max_model_len - 1  # a prompt has at least one token
+    vocab = limits.vocab_size
+    token = Int(ge=0, le=vocab - 1) if vocab else Int(ge=0)
+    ids = Annotated[list[token], Field(min_length=1, max_length=room)]
+    text = Annotated[str, Field(min_length=1, max_length=limits.max_prompt_chars)]
+    content = Annotated[str, Field(max_length=limits.max_prompt_chars)]
+    part = create_model("TextPart", __base__=TextPart, text=(content, ...))
+    message = create_model("ChatMessage", __base__=ChatMessage,
+                           content=(content | list[part] | None, None))
+    new_tokens = Int(ge=1, le=room) | None
+    prompt_field = CompletionRequest.model_fields["prompt"]
+    completion = create_model(
+        "CompletionRequest", __base__=CompletionRequest,
+        prompt=(text | ids | Annotated[list[text], Field(min_length=1, max_length=1)]
+                | Annotated[list[ids], Field(min_length=1, max_length=1)],
+                Field(description=prompt_field.description)),
+        max_tokens=(new_tokens, None))
+    chat = create_model(
+        "ChatCompletionRequest", __base__=ChatCompletionRequest,
+        messages=(Annotated[list[message], Field(min_length=1)], ...),
+        max_tokens=(new_tokens, None), max_completion_tokens=(new_tokens, None))
+    return completion, chat
+
+
+def cross_field_error(body: Any) -> str | None:
+    """Constraints between fields (the schema states them with ``dependentSchemas``)."""
+    if body.stream_options is not None and not body.stream:
+        return "stream_options is only allowed when stream is true"
+    if getattr(body, "top_logprobs", None) is not None and not body.logprobs:
+        return "top_logprobs requires logprobs=true"
+    return None
 
 
 def error_body(

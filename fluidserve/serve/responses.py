@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
-from fluidserve.engine.engine import RequestOutput
+from fluidserve.engine.output import RequestOutput
 from fluidserve.serve.protocol import new_id, now, usage
 
 __all__ = ["Context", "chat_chunk", "full_response", "model_list", "new_id", "now",
@@ -20,7 +21,8 @@ class Context:
     created: int
     prompt_tokens: int
     chat: bool
-    tokenizer: object | None
+    texts: dict[int, str] | None  # token id -> text, decoded off the event loop (None: no
+    # tokenizer, a token is shown as its id)
     text: str = ""
     token_ids: list[int] = field(default_factory=list)
     finish_reason: str | None = None
@@ -40,11 +42,12 @@ class Context:
             self.scheduling_delay = out.scheduling_delay
 
     def token_text(self, token_id: int) -> str:
-        return (
-            self.tokenizer.decode([token_id], skip_special_tokens=False)
-            if self.tokenizer
-            else str(token_id)
-        )
+        return str(token_id) if self.texts is None else self.texts.get(token_id, "")
+
+
+def _lp(value: float) -> float:
+    """A logprob JSON can carry: -inf (and anything below) as -9999.0, as OpenAI does."""
+    return value if math.isfinite(value) and value > -9999.0 else -9999.0
 
 
 def _completion_logprobs(ctx: Context, entries: list, offset: int) -> dict | None:
@@ -57,8 +60,8 @@ def _completion_logprobs(ctx: Context, entries: list, offset: int) -> dict | Non
         pos += len(tok)
     return {
         "tokens": tokens,
-        "token_logprobs": [lp for _, lp, _ in entries],
-        "top_logprobs": [{ctx.token_text(i): v for i, v in top} for _, _, top in entries],
+        "token_logprobs": [_lp(lp) for _, lp, _ in entries],
+        "top_logprobs": [{ctx.token_text(i): _lp(v) for i, v in top} for _, _, top in entries],
         "text_offset": offsets,
     }
 
@@ -69,7 +72,7 @@ def _chat_logprobs(ctx: Context, entries: list) -> dict | None:
 
     def item(tid: int, lp: float) -> dict:
         text = ctx.token_text(tid)
-        return {"token": text, "logprob": lp, "bytes": list(text.encode())}
+        return {"token": text, "logprob": _lp(lp), "bytes": list(text.encode())}
 
     return {
         "content": [

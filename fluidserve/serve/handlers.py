@@ -1,0 +1,206 @@
+"""Serving one request: refuse early what cannot run, then stream or collect its outputs.
+
+Cheap checks come first (model name, shutdown, overload, prompt length in characters), so a
+request that will be refused is never tokenized.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+import jinja2
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from fluidserve.config import ServerConfig
+from fluidserve.core.admission import admissible_blocks, admission_error
+from fluidserve.serve import responses as R
+from fluidserve.serve.async_engine import AsyncEngine
+from fluidserve.serve.inputs import PromptTokenizer, too_long
+from fluidserve.serve.metrics import ServerMetrics
+from fluidserve.serve.protocol import (
+    CONTEXT_LENGTH_EXCEEDED,
+    ApiError,
+    ChatCompletionRequest,
+    CompletionRequest,
+    cross_field_error,
+    error_body,
+)
+
+log = logging.getLogger("fluidserve.server")
+
+
+@dataclass
+class ServerState:
+    engine: AsyncEngine
+    metrics: ServerMetrics
+    config: ServerConfig
+    model_name: str
+    prompts: PromptTokenizer
+    draining: bool = False  # refuse new requests (a drain has begun)
+    closed: bool = False  # refuse even those already past the first checks (shutting down)
+    admitting: int = 0  # requests past the first checks, not yet handed to the engine
+
+    @property
+    def max_model_len(self) -> int:
+        return self.engine.info.max_model_len
+
+
+def precheck(state: ServerState, body: CompletionRequest | ChatCompletionRequest) -> None:
+    """Refusals that need no tokenizing, in the order a client can act on them."""
+    if body.model is not None and body.model != state.model_name:
+        raise ApiError(404, f"model {body.model!r} does not exist; this server serves"
+                       f" {state.model_name!r}", "not_found_error", "model")
+    why = cross_field_error(body)
+    if why is not None:
+        raise ApiError(400, why)
+    if state.draining:
+        raise ApiError(503, "the server is shutting down", "service_unavailable")
+    if state.engine.dead is not None:
+        raise ApiError(503, f"the engine is down: {state.engine.dead}", "service_unavailable")
+    waiting = state.engine.num_waiting + state.admitting  # admitting: being tokenized
+    if waiting >= state.config.max_waiting_requests:
+        state.metrics.rejected.labels("overloaded").inc()
+        raise ApiError(503, f"server overloaded: {waiting} requests waiting (limit"
+                       f" {state.config.max_waiting_requests}); retry later", "overloaded")
+
+
+async def completion_ids(state: ServerState, body: CompletionRequest) -> list[int]:
+    prompt = body.the_prompt
+    if not isinstance(prompt, str):
+        return list(prompt)  # the schema bounds the ids and their number
+    if state.prompts.tokenizer is None:
+        raise ApiError(400, "this model has no tokenizer: send token ids", param="prompt")
+    _check_chars(state, len(prompt), body.max_tokens, "prompt")
+    return await state.prompts.encode(prompt)
+
+
+async def chat_ids(state: ServerState, body: ChatCompletionRequest) -> list[int]:
+    if state.prompts.tokenizer is None:
+        raise ApiError(400, "this model has no tokenizer, so chat is unavailable")
+    messages = [{"role": m.role, "content": m.text()} for m in body.messages]
+    _check_chars(state, sum(len(m["content"]) for m in messages), body.max_new_tokens,
+                 "messages")
+    try:
+        return await state.prompts.chat(messages)
+    except (ValueError, TypeError, jinja2.TemplateError) as e:
+        raise ApiError(400, f"cannot apply the chat template: {e}", param="messages") from None
+
+
+def _check_chars(state: ServerState, num_chars: int, max_tokens: int | None, param: str) -> None:
+    max_len = state.max_model_len
+    room = max_len - (max_tokens or 1)
+    limit = state.prompts.max_chars(room)
+    if limit is not None and num_chars > limit:
+        state.metrics.rejected.labels("invalid").inc()
+        raise too_long(num_chars, room, max_len, param)
+
+
+async def generate(state: ServerState, body, request: Request, chat: bool) -> Response:
+    precheck(state, body)
+    state.admitting += 1  # a drain waits for these too
+    try:
+        ids = await (chat_ids(state, body) if chat else completion_ids(state, body))
+        handle, ctx = admit(state, body, ids, chat)
+    finally:
+        state.admitting -= 1
+    if body.streaming:
+        return StreamingResponse(_sse(handle, ctx, body), media_type="text/event-stream")
+    return await _complete(handle, ctx, request, body)
+
+
+def admit(state: ServerState, body, ids: list[int], chat: bool):
+    """Hand the request to the engine: (its output stream, its response context)."""
+    max_len = state.max_model_len
+    if not ids:
+        raise ApiError(400, "the prompt is empty", param="prompt")
+    room = max_len - len(ids)
+    if room < 1:
+        state.metrics.rejected.labels("invalid").inc()
+        raise ApiError(400, f"the prompt has {len(ids)} tokens; the context window is {max_len}"
+                       " tokens, prompt and completion together", param="messages" if chat
+                       else "prompt", code=CONTEXT_LENGTH_EXCEEDED)
+    requested = body.max_new_tokens if chat else body.max_tokens
+    max_tokens = requested if requested is not None else (room if chat else min(16, room))
+    if len(ids) + max_tokens > max_len:
+        state.metrics.rejected.labels("invalid").inc()
+        raise ApiError(400, f"this model's context window is {max_len} tokens; the prompt has"
+                       f" {len(ids)} and max_tokens is {max_tokens}", param="max_tokens",
+                       code=CONTEXT_LENGTH_EXCEEDED)
+    info = state.engine.info
+    why = admission_error(len(ids), max_tokens, max_len, info.block_size,
+                          admissible_blocks(info.num_kv_blocks,
+                                            state.engine.config.cache.watermark))
+    if why is not None:
+        state.metrics.rejected.labels("invalid").inc()
+        raise ApiError(400, why, code=CONTEXT_LENGTH_EXCEEDED)
+    params = body.sampling_params(max_tokens, body.num_logprobs if chat else body.logprobs)
+    rid = R.new_id("chatcmpl" if chat else "cmpl")
+    if state.closed:
+        raise ApiError(503, "the server is shutting down", "service_unavailable")
+    try:
+        handle = state.engine.add(rid, ids, params)
+    except RuntimeError as e:  # the engine core died meanwhile
+        raise ApiError(503, f"the engine is down: {e}", "service_unavailable") from None
+    texts = handle.token_texts if state.prompts.tokenizer is not None else None
+    return handle, R.Context(rid, state.model_name, R.now(), len(ids), chat, texts)
+
+
+async def _sse(handle, ctx: R.Context, body) -> AsyncIterator[str]:
+    def emit(chunk: dict, out=None) -> str:
+        if body.continuous_usage:
+            chunk["usage"] = R.usage(ctx.prompt_tokens, len(ctx.token_ids))
+        if out is not None and out.finished and body.return_metrics:
+            chunk["metrics"] = {"scheduling_delay": out.scheduling_delay}
+        return _data(chunk)
+
+    if ctx.chat:
+        yield emit(R.chat_chunk(ctx, {"role": "assistant", "content": ""}, None))
+    try:
+        async for out in handle:
+            if out.error is not None:
+                yield _data(error_body(out.error, "internal_error", code=500))
+                break
+            ctx.add(out)
+            # One chunk per token, even when its text is held back (a partial character or
+            # a possible stop string), so clients can time every token.
+            yield emit(R.stream_chunk(ctx, out), out)
+    except Exception as e:  # never leave a client with a silently truncated stream
+        log.exception("stream %s failed", ctx.id)
+        handle.abort()
+        yield _data(error_body(f"internal error: {e}", "internal_error", code=500))
+    if body.include_usage and handle.finished and ctx.finish_reason is not None:
+        yield _data(R.usage_chunk(ctx))
+    yield "data: [DONE]\n\n"
+
+
+async def _complete(handle, ctx: R.Context, request: Request, body) -> Response:
+    async def consume():
+        async for out in handle:
+            if out.error is not None:
+                return out
+            ctx.add(out)
+        return None
+
+    task = asyncio.ensure_future(consume())
+    while not task.done():  # watch for the client going away while we generate
+        await asyncio.wait({task}, timeout=0.5)
+        if not task.done() and await request.is_disconnected():
+            task.cancel()
+            handle.abort()
+            return Response(status_code=499)
+    failed = task.result()
+    if failed is not None:
+        return JSONResponse(error_body(failed.error, "internal_error", code=500), status_code=500)
+    resp = R.full_response(ctx)
+    if body.return_metrics:
+        resp["metrics"] = {"scheduling_delay": ctx.scheduling_delay}
+    return JSONResponse(resp)
+
+
+def _data(obj: dict) -> str:
+    return f"data: {json.dumps(obj, separators=(',', ':'))}\n\n"

@@ -1,0 +1,150 @@
+"""Request bodies and prompts, turned into token ids without stalling anyone else.
+
+- Bodies are parsed by a strict JSON parser (no lone UTF-16 surrogates, no NaN), then validated
+  against the request models: every failure is an HTTP 400 with an OpenAI-style body.
+- A prompt that cannot fit the context window is refused before it is tokenized. One token
+  stands for at most ``chars_per_token`` characters of text (the longest token in the vocabulary,
+  times what the normalizer may shrink text by), so a prompt of more than
+  ``room * chars_per_token`` characters cannot fit in ``room`` tokens.
+- Tokenizing runs on a small pool of worker threads, never on the event loop (the tokenizer
+  releases the GIL while it works).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+from concurrent.futures import ThreadPoolExecutor
+
+import pydantic_core
+from pydantic import BaseModel, ValidationError
+
+from fluidserve.model.tokenizer import Tokenizer
+from fluidserve.serve.protocol import CONTEXT_LENGTH_EXCEEDED, ApiError
+
+TOKENIZE_THREADS = 2
+
+
+def parse_body(raw: bytes, model: type[BaseModel]) -> BaseModel:
+    """The validated request, or ApiError(400) saying what is wrong with it."""
+    try:
+        data = pydantic_core.from_json(raw, allow_inf_nan=False)
+    except ValueError as e:
+        raise ApiError(400, f"the body is not valid JSON (UTF-8, no lone surrogates): {e}"
+                       ) from None
+    try:
+        return model.model_validate(data)
+    except ValidationError as e:
+        raise validation_error(e.errors()) from None
+
+
+def validation_error(errors: list) -> ApiError:
+    # Of a union's alternatives, the one that got furthest says best what is wrong.
+    first = max(errors, key=lambda e: len(e.get("loc", ())), default={})
+    loc = [str(x) for x in first.get("loc", ()) if not _union_tag(x)]
+    msg = str(first.get("msg", "invalid request")).removeprefix("Value error, ")
+    where = ".".join(loc)
+    return ApiError(400, f"{where}: {msg}" if where else msg, param=where or None)
+
+
+def _union_tag(part) -> bool:
+    """Whether a location part names a union alternative (a type), not a field or index."""
+    return isinstance(part, str) and (any(c in part for c in "[-") or part[:1].isupper()
+                                      or part in ("str", "int", "float", "bool", "none"))
+
+
+def too_long(num_chars: int, room: int, max_model_len: int, param: str) -> ApiError:
+    return ApiError(400, f"the prompt ({num_chars} characters) cannot fit in the {room} tokens"
+                    f" the context window of {max_model_len} tokens leaves for it",
+                    param=param, code=CONTEXT_LENGTH_EXCEEDED)
+
+
+class PromptTokenizer:
+    def __init__(self, tokenizer: Tokenizer | None) -> None:
+        self.tokenizer = tokenizer
+        self.chars_per_token = chars_per_token(tokenizer) if tokenizer is not None else None
+        self._pool = ThreadPoolExecutor(TOKENIZE_THREADS, thread_name_prefix="fluidserve-tok")
+
+    def max_chars(self, room: int) -> int | None:
+        """No text longer than this tokenizes to ``room`` tokens or fewer (None: unknown)."""
+        return None if self.chars_per_token is None else room * self.chars_per_token
+
+    async def encode(self, text: str) -> list[int]:
+        return await self._run(self.tokenizer.encode, text)
+
+    async def chat(self, messages: list[dict]) -> list[int]:
+        return await self._run(self.tokenizer.chat, messages)
+
+    def token_texts(self, ids: set[int]) -> dict[int, str]:
+        return {i: self.tokenizer.decode([i], skip_special_tokens=False) for i in ids}
+
+    async def _run(self, fn, arg):
+        return await asyncio.get_running_loop().run_in_executor(self._pool, fn, arg)
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+def chars_per_token(tokenizer: Tokenizer) -> int | None:
+    """The most characters of input text one token can stand for, or None if there is no bound
+    (a normalizer or pre-tokenizer that deletes text, unknown-token fusing, a slow tokenizer)."""
+    backend = getattr(tokenizer.hf, "backend_tokenizer", None)
+    if backend is None:
+        return None
+    spec = json.loads(backend.to_str())
+    shrink = _normalizer_shrink(spec.get("normalizer"))
+    model = spec.get("model") or {}
+    if shrink is None or not _keeps_text(spec.get("pre_tokenizer")) or not _model_bounded(model):
+        return None
+    if any(t.get("lstrip") or t.get("rstrip") for t in spec.get("added_tokens", [])):
+        return None  # such tokens swallow any run of whitespace beside them
+    longest = max((len(t) for t in tokenizer.hf.get_vocab()), default=1)
+    longest = max(longest, model.get("max_input_chars_per_word") or 0)  # WordPiece's [UNK]
+    return max(1, longest) * shrink
+
+
+def _normalizer_shrink(spec: dict | None) -> int | None:
+    """By how much a normalizer may shorten text (None: it may delete text, no bound)."""
+    if spec is None:
+        return 1
+    kind = spec.get("type")
+    if kind == "Sequence":
+        total = 1
+        for sub in spec.get("normalizers", []):
+            factor = _normalizer_shrink(sub)
+            if factor is None:
+                return None
+            total *= factor
+        return total
+    if kind in ("NFD", "NFKD", "Lowercase", "Prepend"):
+        return 1
+    if kind in ("NFC", "NFKC"):
+        return 3  # composition: at most three code points into one (Hangul L+V+T)
+    if kind == "Replace":
+        pattern, content = spec.get("pattern", {}).get("String"), spec.get("content", "")
+        if pattern is None or not content:
+            return None
+        return max(1, math.ceil(len(pattern) / len(content)))
+    return None
+
+
+def _keeps_text(spec: dict | None) -> bool:
+    """Whether a pre-tokenizer keeps every character (whitespace splitters drop them)."""
+    if spec is None:
+        return True
+    kind = spec.get("type")
+    if kind == "Sequence":
+        return all(_keeps_text(s) for s in spec.get("pretokenizers", []))
+    if kind in ("Split", "Punctuation"):
+        return spec.get("behavior", "Isolated") != "Removed"
+    return kind in ("ByteLevel", "Metaspace", "Digits", "UnicodeScripts")
+
+
+def _model_bounded(model: dict) -> bool:
+    kind = model.get("type")
+    if kind == "BPE":
+        return not model.get("fuse_unk") or bool(model.get("byte_fallback"))
+    if kind == "Unigram":
+        return bool(model.get("byte_fallback"))
+    return kind == "WordPiece"

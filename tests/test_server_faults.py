@@ -1,0 +1,183 @@
+"""No silent death, no request waiting forever: faults injected in each place the engine core
+and the front end can fail, the watchdog, and what shutdown does to unfinished requests."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from .server_utils import free_port, start_servers, stop_servers, wait_healthy
+
+LONG = {"prompt": "The river rose slowly", "max_tokens": 480, "ignore_eos": True}
+
+
+def data_events(lines) -> list[str]:
+    return [x for x in lines if x.startswith("data: ")]
+
+
+def assert_failed_stream(events: list[str]) -> str:
+    """The stream ended with an error event, then [DONE]; returns the error message."""
+    assert events[-1] == "data: [DONE]", events[-3:]
+    err = json.loads(events[-2][6:])["error"]
+    assert err["type"] and err["message"]
+    return err["message"]
+
+
+# The core dies at: its loop, applying a command, sending outputs; it wedges (the watchdog
+# must notice); or the front end cannot hand outputs to streams. Each must end every request.
+DEATHS = ["loop", "command", "send", "wedge", "deliver"]
+SMALL = {"num_kv_blocks": 1024}
+
+
+@pytest.fixture(scope="module")
+def fleet(default_model_dir, tmp_path_factory):
+    """Every server this module needs, started at once (each test ends its own): one per
+    fault, two for shutdown, and a `fluidserve serve` process."""
+    port = free_port()
+    log = open(tmp_path_factory.mktemp("cli") / "server.log", "w")
+    cli = subprocess.Popen(
+        [sys.executable, "-m", "fluidserve.cli", "serve", "--port", str(port), "--model",
+         str(default_model_dir), "--num-threads", "1", "--watchdog-timeout", "2",
+         "--num-kv-blocks", "1024"],
+        stdout=log, stderr=subprocess.STDOUT, env=os.environ | {"PYTHONUNBUFFERED": "1"})
+    specs = {point: dict(engine_kw=SMALL, watchdog_timeout=1.0) for point in DEATHS}
+    specs["drain"] = dict(engine_kw=SMALL | {"max_num_seqs": 1}, drain_timeout=60)
+    specs["stop"] = dict(engine_kw=SMALL | {"max_model_len": 2048}, drain_timeout=60)
+    try:
+        servers = start_servers(default_model_dir, specs)
+    except BaseException:
+        cli.kill()
+        raise
+    yield servers | {"cli": (cli, f"http://127.0.0.1:{port}")}
+    stop_servers(servers)
+    if cli.poll() is None:
+        cli.kill()
+        cli.wait(10)
+    log.close()
+
+
+@pytest.mark.parametrize("point", DEATHS)
+def test_a_fault_anywhere_fails_every_request_and_turns_unhealthy(fleet, point):
+    s = fleet[point]
+    with httpx.stream("POST", s.url + "/v1/completions", json=LONG | {"stream": True},
+                      timeout=30) as r:
+        lines = r.iter_lines()
+        first = next(x for x in lines if x.startswith("data: "))
+        s.engine.inject_fault(point)
+        # A later request (also the command that trips the "command" fault).
+        later = httpx.post(s.url + "/v1/completions", json={"prompt": "hi"}, timeout=30)
+        events = [first, *data_events(lines)]
+    message = assert_failed_stream(events)
+    assert ("injected" in message or "no progress" in message), message
+    assert later.status_code in (500, 503) and later.json()["error"]["message"]
+    assert s.dead.wait(10), "on_dead was not called (the server would not exit)"
+    health = httpx.get(s.url + "/health")
+    assert health.status_code == 503 and health.json()["status"] == "dead"
+    refused = httpx.post(s.url + "/v1/completions", json={"prompt": "hi"}, timeout=30)
+    assert refused.status_code == 503
+    s.engine.client.proc.join(10)
+    assert not s.engine.client.proc.is_alive(), "the dead core was left running"
+
+
+def test_drain_waits_for_queued_and_admitting_requests(fleet, monkeypatch):
+    """SIGTERM's drain waits for every accepted request: running, queued in the core, and
+    still being tokenized; requests arriving during the drain get 503."""
+    s = fleet["drain"]
+    prompts = s.app.state.fluidserve.prompts
+    release, entered = threading.Event(), threading.Event()
+    real = prompts.encode
+
+    async def slow_encode(text: str) -> list[int]:
+        if text == "admitting":
+            entered.set()
+            await asyncio.to_thread(release.wait, 30)
+        return await real(text)
+
+    monkeypatch.setattr(prompts, "encode", slow_encode)
+
+    async def main():
+        async with httpx.AsyncClient(base_url=s.url, timeout=60) as c:
+            async def one(prompt: str) -> list[str]:
+                body = {"prompt": prompt, "max_tokens": 30, "ignore_eos": True,
+                        "stream": True, "stream_options": {"include_usage": True}}
+                async with c.stream("POST", "/v1/completions", json=body) as r:
+                    return [x async for x in r.aiter_lines() if x.startswith("data: ")]
+
+            running = [asyncio.create_task(one(f"request {i}")) for i in range(3)]
+            admitting = asyncio.create_task(one("admitting"))
+            await asyncio.to_thread(entered.wait, 30)
+            while s.engine.num_unfinished < 3:
+                await asyncio.sleep(0.01)
+            s.signal()
+            refused = await c.post("/v1/completions", json={"prompt": "late"})
+            done = await asyncio.gather(*running)
+            await asyncio.sleep(0.5)
+            still_up = s.thread.is_alive()
+            release.set()
+            return refused, done + [await admitting], still_up
+
+    refused, results, still_up = asyncio.run(main())
+    assert refused.status_code == 503
+    assert still_up, "the drain ended while a request was still being tokenized"
+    for events in results:
+        assert events[-1] == "data: [DONE]"
+        assert json.loads(events[-2][6:])["usage"]["completion_tokens"] == 30
+    s.thread.join(15)
+    assert not s.thread.is_alive()
+
+
+def test_a_second_signal_ends_unfinished_streams_with_an_error(fleet):
+    s = fleet["stop"]
+    body = {"prompt": "hi", "max_tokens": 2000, "ignore_eos": True, "stream": True}
+    with httpx.stream("POST", s.url + "/v1/completions", json=body, timeout=30) as r:
+        lines = r.iter_lines()
+        first = next(x for x in lines if x.startswith("data: "))
+        s.signal()  # drain: the request may run on...
+        s.signal()  # ...until a second signal stops the server now
+        events = [first, *data_events(lines)]
+    assert "shutting down" in assert_failed_stream(events)
+    assert len(events) < 1000, "the request ran to its end"
+    s.thread.join(15)
+    assert not s.thread.is_alive()
+
+
+def _core_pid(server_pid: int, timeout: float = 30.0) -> int:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        kids = Path(f"/proc/{server_pid}/task/{server_pid}/children").read_text().split()
+        for kid in kids:
+            cmd = Path(f"/proc/{kid}/cmdline").read_bytes()
+            if b"spawn_main" in cmd and b"resource_tracker" not in cmd:
+                return int(kid)
+        time.sleep(0.1)
+    raise TimeoutError("no engine-core process")
+
+
+def test_cli_serve_exits_nonzero_when_its_engine_core_wedges(fleet):
+    """A core that stops (SIGSTOP: no crash, no exit) is found by the watchdog: the stream gets
+    an error, and `fluidserve serve` exits 1 so that a supervisor restarts it."""
+    proc, url = fleet["cli"]
+    wait_healthy(url, proc=proc)
+    core = _core_pid(proc.pid)
+    try:
+        with httpx.stream("POST", url + "/v1/completions", json=LONG | {"stream": True},
+                          timeout=30) as r:
+            lines = r.iter_lines()
+            first = next(x for x in lines if x.startswith("data: "))
+            os.kill(core, signal.SIGSTOP)
+            events = [first, *data_events(lines)]
+        assert "no progress" in assert_failed_stream(events)
+        assert proc.wait(30) == 1
+    finally:
+        if Path(f"/proc/{core}").exists():
+            os.kill(core, signal.SIGKILL)

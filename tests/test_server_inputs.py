@@ -1,0 +1,246 @@
+"""What the server does with what clients send: hostile bodies, sizes, long prompts, the
+published schema, and where text work runs."""
+
+from __future__ import annotations
+
+import json
+import threading
+
+import httpx
+import pytest
+
+from fluidserve.serve.inputs import chars_per_token
+
+from .server_utils import InProcessServer, metric_values
+
+PROMPT = "The river rose slowly in the spring, and the people of the valley"
+LIMIT = 256 * 1024
+
+
+@pytest.fixture(scope="module")
+def srv(default_model_dir):
+    with InProcessServer(default_model_dir, max_request_bytes=LIMIT) as s:
+        yield s
+
+
+@pytest.fixture(scope="module")
+def schema(srv) -> dict:
+    return httpx.get(srv.url + "/openapi.json").json()
+
+
+def post(srv, path: str, body, **kw) -> httpx.Response:
+    if isinstance(body, (str, bytes)):
+        kw["content"] = body
+    else:
+        kw["json"] = body
+    return httpx.post(srv.url + path, timeout=60, **kw)
+
+
+def assert_error(r: httpx.Response, status: int, schema: dict | None = None) -> dict:
+    """An OpenAI-style JSON error with this status (and documented, given the schema)."""
+    assert r.status_code == status, r.text
+    assert r.headers["content-type"].startswith("application/json")
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"} and err["message"] and err["type"]
+    if schema is not None:
+        path = r.request.url.path
+        documented = schema["paths"][path][r.request.method.lower()]["responses"]
+        assert str(status) in documented, f"{status} is not documented for {path}"
+    return err
+
+
+HOSTILE = [
+    ("lone surrogate in prompt", "/v1/completions", '{"prompt":"hi\\ud800x","max_tokens":2}'),
+    ("lone surrogate in chat", "/v1/chat/completions",
+     '{"messages":[{"role":"user","content":"a\\udc00"}]}'),
+    ("lone surrogate in stop", "/v1/completions", '{"prompt":"hi","stop":"\\ud800"}'),
+    ("content part text is a number", "/v1/chat/completions",
+     {"messages": [{"role": "user", "content": [{"type": "text", "text": 5}]}]}),
+    ("content part text is null", "/v1/chat/completions",
+     {"messages": [{"role": "user", "content": [{"type": "text", "text": None}]}]}),
+    ("content part without text", "/v1/chat/completions",
+     {"messages": [{"role": "user", "content": [{"type": "text"}]}]}),
+    ("image content part", "/v1/chat/completions",
+     {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]}),
+    ("content part not an object", "/v1/chat/completions",
+     {"messages": [{"role": "user", "content": ["hi"]}]}),
+    ("NaN temperature", "/v1/completions", '{"prompt":"hi","temperature":NaN}'),
+    ("invalid UTF-8", "/v1/completions", b'{"prompt":"\xff\xfe"}'),
+    ("string for a number", "/v1/completions", {"prompt": "hi", "max_tokens": "5"}),
+    ("huge seed", "/v1/completions", {"prompt": "hi", "seed": 2**70}),
+    ("huge top_k", "/v1/completions", {"prompt": "hi", "top_k": 2**40}),
+    ("empty prompt", "/v1/completions", {"prompt": ""}),
+    ("two prompts", "/v1/completions", {"prompt": ["a", "b"]}),
+    ("stream_options without stream", "/v1/completions",
+     {"prompt": "hi", "stream_options": {"include_usage": True}}),
+]
+
+
+@pytest.mark.parametrize("name,path,body", HOSTILE, ids=[h[0] for h in HOSTILE])
+def test_hostile_input_gets_a_documented_400(srv, schema, name, path, body):
+    assert_error(post(srv, path, body), 400, schema)
+    assert httpx.get(srv.url + "/health").status_code == 200
+
+
+def test_published_schema_states_what_is_rejected(schema):
+    """A body the schema accepts is served; one the server refuses, the schema refuses too."""
+    req = schema["components"]["schemas"]["CompletionRequest"]
+    texts = [a for a in req["properties"]["prompt"]["anyOf"] if a.get("type") == "string"]
+    assert texts[0]["minLength"] == 1  # so {"prompt": ""} is not schema-valid
+    assert texts[0]["maxLength"] > 0  # longer text can never fit the context window
+    ids = [a for a in req["properties"]["prompt"]["anyOf"]
+           if a.get("type") == "array" and a["items"].get("type") == "integer"][0]
+    assert ids["items"]["maximum"] == 1333 and ids["minItems"] == 1  # the tiny model's vocab
+    chat = schema["components"]["schemas"]["ChatCompletionRequest"]
+    assert chat["properties"]["messages"]["minItems"] == 1
+    for path in ("/v1/completions", "/v1/chat/completions"):
+        responses = schema["paths"][path]["post"]["responses"]
+        for status in ("200", "400", "404", "413", "500", "503"):
+            assert status in responses, (path, status)
+        assert "text/event-stream" in responses["200"]["content"]
+        err = responses["400"]["content"]["application/json"]["schema"]["$ref"]
+        assert err.endswith("/ErrorResponse")
+
+
+def test_unexpected_exception_is_a_json_500(srv, schema, monkeypatch):
+    def broken(text):
+        raise KeyError("bug")
+
+    monkeypatch.setattr(srv.app.state.fluidserve.prompts, "encode", broken)
+    err = assert_error(post(srv, "/v1/completions", {"prompt": "hi"}), 500, schema)
+    assert err["type"] == "internal_error"
+
+
+def test_wrong_method_gets_405_with_allow(srv):
+    r = httpx.get(srv.url + "/v1/completions")
+    assert_error(r, 405)
+    assert r.headers["allow"] == "POST"
+    r = httpx.delete(srv.url + "/v1/models")
+    assert r.status_code == 405 and "GET" in r.headers["allow"]
+
+
+@pytest.fixture
+def text_work(srv, monkeypatch):
+    """Which threads the tokenizer ran on (encode, chat, decode), by function."""
+    tok = srv.engine.tokenizer
+    seen: dict[str, list[str]] = {"encode": [], "chat": [], "decode": []}
+    for name in seen:
+        real = getattr(tok, name)
+
+        def spy(*a, _real=real, _name=name, **kw):
+            seen[_name].append(threading.current_thread().name)
+            return _real(*a, **kw)
+
+        monkeypatch.setattr(tok, name, spy)
+    return seen
+
+
+def test_a_prompt_that_cannot_fit_is_refused_without_tokenizing(srv, schema, text_work):
+    n = srv.app.state.fluidserve.prompts.chars_per_token
+    assert n == 14  # the tiny model's longest token
+    too_long = "word " * (512 * n // 5 + 1)  # > max_model_len * N characters
+    for path, body in (("/v1/completions", {"prompt": too_long}),
+                       ("/v1/chat/completions", {"messages": [
+                           {"role": "user", "content": too_long[: len(too_long) // 2]},
+                           {"role": "user", "content": too_long[: len(too_long) // 2]}]}),
+                       ("/v1/completions", {"prompt": "x" * (500 * n), "max_tokens": 100})):
+        err = assert_error(post(srv, path, body), 400, schema)
+        assert "context window" in err["message"] or "at most" in err["message"]
+    assert text_work["encode"] == [] and text_work["chat"] == []
+    # Short enough in characters but not in tokens: tokenized, then refused the same way.
+    err = assert_error(post(srv, "/v1/completions", {"prompt": "word " * 600}), 400, schema)
+    assert err["code"] == "context_length_exceeded" and len(text_work["encode"]) == 1
+
+
+def test_text_work_never_runs_on_the_event_loop(srv, text_work):
+    body = {"prompt": PROMPT, "max_tokens": 4, "logprobs": 2, "ignore_eos": True}
+    r = post(srv, "/v1/completions", body)
+    assert len(r.json()["choices"][0]["logprobs"]["tokens"]) == 4
+    with httpx.stream("POST", srv.url + "/v1/completions", json=body | {"stream": True}) as s:
+        events = [x for x in s.iter_lines() if x.startswith("data: {")]
+    assert len(events) == 4
+    chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "logprobs": True,
+            "top_logprobs": 2}
+    assert post(srv, "/v1/chat/completions", chat).status_code == 200
+    assert text_work["encode"] and text_work["chat"] and text_work["decode"]
+    loop_thread = srv.thread.name
+    for name, threads in text_work.items():
+        assert loop_thread not in threads, f"{name} ran on the event loop"
+
+
+def test_a_huge_prompt_does_not_disturb_a_running_stream(srv, text_work):
+    """A smaller, untimed version of scripts/stall_bench.py: while a body at the size limit is
+    sent and refused, another stream goes on to the end; the big prompt is never tokenized."""
+    got: list[str] = []
+
+    def stream():
+        body = {"prompt": PROMPT, "max_tokens": 200, "ignore_eos": True, "stream": True}
+        with httpx.stream("POST", srv.url + "/v1/completions", json=body, timeout=60) as s:
+            got.extend(x for x in s.iter_lines() if x.startswith("data: {"))
+
+    t = threading.Thread(target=stream)
+    t.start()
+    big = json.dumps({"prompt": "x" * (LIMIT - 100)})
+    for _ in range(3):
+        assert post(srv, "/v1/completions", big).status_code == 400
+    t.join(60)
+    assert len(got) == 200
+    assert len(text_work["encode"]) == 1  # only the stream's own prompt
+
+
+def test_stop_string_completed_by_the_last_token_applies(srv):
+    base = {"prompt": "The river rose slowly", "max_tokens": 8, "temperature": 1.0, "seed": 0,
+            "ignore_eos": True}
+    r = post(srv, "/v1/completions", base | {"logprobs": 0}).json()["choices"][0]
+    text, last = r["text"], r["logprobs"]["tokens"][-1]
+    stop = last.strip()
+    assert stop and text.find(stop) == len(text) - len(stop), "the stop must first appear last"
+    r = post(srv, "/v1/completions", base | {"stop": [stop]}).json()
+    assert r["choices"][0]["finish_reason"] == "stop"
+    assert r["choices"][0]["text"] == text[: -len(stop)]
+    assert r["usage"]["completion_tokens"] == 8
+    with httpx.stream("POST", srv.url + "/v1/completions",
+                      json=base | {"stop": [stop], "stream": True}) as s:
+        chunks = [json.loads(x[6:]) for x in s.iter_lines()
+                  if x.startswith("data: {")]
+    assert "".join(c["choices"][0]["text"] for c in chunks) == text[: -len(stop)]
+    assert chunks[-1]["choices"][0]["finish_reason"] == "stop"
+
+
+def test_metrics_forget_a_non_streaming_request_whose_client_left(srv):
+    def aborted() -> float:
+        m = metric_values(httpx.get(srv.url + "/metrics").text)
+        return m.get('fluidserve_requests_total{outcome="abort"}', 0.0)
+
+    before = aborted()
+    with pytest.raises(httpx.ReadTimeout):  # ~490 tokens take well over 0.5 s
+        httpx.post(srv.url + "/v1/completions", timeout=0.5,
+                   json={"prompt": "hi", "max_tokens": 490, "ignore_eos": True})
+    # No later request runs: the abort alone must bring the gauges back to idle.
+    assert srv.kv_idle(), "the aborted request is still reported running or holding KV blocks"
+    assert aborted() == before + 1
+
+
+def test_chars_per_token_bounds_only_where_text_cannot_vanish(srv):
+    tok = srv.engine.tokenizer
+    n = chars_per_token(tok)
+    for text in (PROMPT, "ééé 漢字 🙂" * 20, "x" * 500, " " * 300):
+        assert len(text) <= n * len(tok.encode(text, add_special_tokens=False))
+
+    class Stub:  # a BERT-style tokenizer drops whitespace: no bound can be claimed
+        def __init__(self, spec):
+            self.hf = type("HF", (), {"backend_tokenizer": type(
+                "B", (), {"to_str": lambda self: json.dumps(spec)})(),
+                "get_vocab": lambda self: {"abc": 0}})()
+
+    bpe = {"type": "BPE", "fuse_unk": False}
+    assert chars_per_token(Stub({"normalizer": None, "pre_tokenizer": {"type": "ByteLevel"},
+                                 "model": bpe})) == 3
+    assert chars_per_token(Stub({"normalizer": {"type": "NFC"}, "pre_tokenizer": None,
+                                 "model": bpe})) == 9
+    assert chars_per_token(Stub({"normalizer": None, "pre_tokenizer": {
+        "type": "Whitespace"}, "model": bpe})) is None
+    assert chars_per_token(Stub({"normalizer": {"type": "Strip"}, "pre_tokenizer": None,
+                                 "model": bpe})) is None
+    assert chars_per_token(Stub({"normalizer": None, "pre_tokenizer": None,
+                                 "model": {"type": "BPE", "fuse_unk": True}})) is None

@@ -42,6 +42,9 @@ def _build_key(sources: list[Path]) -> str:
 
     h = hashlib.sha256()
     for src in sources:
+        # The path too: the build records it, and two checkouts sharing a build directory
+        # would rebuild each other's binary on every first use.
+        h.update(str(src.resolve()).encode())
         h.update(src.read_bytes())
     h.update(" ".join((torch.__version__, *_CFLAGS, _cpu_flags())).encode())
     return h.hexdigest()[:16]

@@ -1,14 +1,29 @@
 from __future__ import annotations
 
+import os
 import shutil
 from pathlib import Path
 
 import pytest
 import torch
+from hypothesis import HealthCheck, settings
 
 from fluidserve.model.builder import build_tokenizer, cached_model_dir
 
 ARCHS = ("llama", "mistral", "qwen2")
+
+# Property tests are deterministic by default (the same examples on every run, no deadline,
+# no example database), so a test run never flakes; HYPOTHESIS_PROFILE=explore searches wider.
+settings.register_profile(
+    "ci",
+    derandomize=True,
+    deadline=None,
+    database=None,
+    max_examples=100,
+    suppress_health_check=[HealthCheck.too_slow],
+)
+settings.register_profile("explore", deadline=None, max_examples=2000)
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
 
 def make_hf_model(kind: str, out: Path, vocab: int, *, tied: bool = False, seed: int = 0) -> Path:

@@ -211,21 +211,16 @@ class Scheduler(ABC):
     def _reserve(self, req: Request, n: int, batch: Batch) -> bool:
         """Make room for ``n`` more tokens of running ``req``, preempting from the tail.
 
-        Victims are the most recently admitted running requests not already in this batch.
-        If only ``req`` itself is left to preempt, it is preempted and False is returned.
+        Victims are the most recently admitted running requests not already in this batch,
+        down to ``req`` itself: when ``req`` is the latest of them, it is preempted and False
+        is returned. A request never evicts one admitted before it, or two requests that do
+        not fit together could evict each other's recompute forever.
         """
         total = req.num_computed_tokens + n
         while not self.bm.allocate(req.request_id, total):
-            victim = next(
-                (
-                    r
-                    for r in reversed(self.running)
-                    if r is not req and r.request_id not in batch.ids
-                ),
-                None,
-            )
-            self._preempt(victim or req)
-            if victim is None:
+            victim = next(r for r in reversed(self.running) if r.request_id not in batch.ids)
+            self._preempt(victim)
+            if victim is req:
                 return False
         return True
 

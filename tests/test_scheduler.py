@@ -287,20 +287,112 @@ def test_abort_frees_blocks_mid_flight():
     assert s.bm.num_free_blocks == s.bm.num_blocks and not s.has_unfinished()
 
 
+EOS, STOP = 2, 9
+
+
+def run_stream(sched, reqs: list[Request], tokens: dict[str, list[int]]) -> list:
+    """Drive ``sched`` with an executor that samples ``tokens[rid][i]`` as output token i."""
+    for r in reqs:
+        sched.add_request(r)
+    plans, now = [], 0.0
+    while sched.has_unfinished() and len(plans) < 1000:
+        plan = sched.schedule(now)
+        sampled = {c.request_id: tokens[c.request_id][c.output_index]
+                   for c in plan.chunks if c.samples}
+        now += 1.0
+        sched.update(plan, RunnerOutput(sampled, 1.0), now)
+        plans.append(plan)
+    assert not sched.has_unfinished()
+    return plans
+
+
+def stream_req(rid, max_tokens=10, **params):
+    return Request(rid, [1, 2, 3], SamplingParams(max_tokens=max_tokens, **params), 0.0,
+                   eos_token_id=EOS)
+
+
 def test_stop_conditions():
     s = make("sarathi")
-    r = Request(
-        "a", [1, 2, 3], SamplingParams(max_tokens=10, stop_token_ids=(9,)), 0.0, eos_token_id=5
-    )
-    s.add_request(r)
-    for tok in (4, 9):
-        plan = s.schedule(0.0)
-        s.update(plan, RunnerOutput({"a": tok}, 1.0), 1.0)
-    assert r.status is RequestStatus.FINISHED_STOPPED and r.output_token_ids == [4, 9]
-    r2 = Request("b", [1], SamplingParams(max_tokens=3, ignore_eos=True), 0.0, eos_token_id=5)
-    s.add_request(r2)
-    run(s)
-    assert r2.status is RequestStatus.FINISHED_LENGTH
+    a = stream_req("a", stop_token_ids=(STOP,))
+    b = stream_req("b")  # EOS ends it
+    c = stream_req("c", max_tokens=3)  # EOS as the last allowed token: a length finish
+    run_stream(s, [a, b, c], {"a": [4, STOP, 4], "b": [4, 4, EOS, 4], "c": [4, 4, EOS]})
+    assert a.status is RequestStatus.FINISHED_STOPPED and a.output_token_ids == [4, STOP]
+    assert b.status is RequestStatus.FINISHED_STOPPED and b.output_token_ids == [4, 4, EOS]
+    assert c.status is RequestStatus.FINISHED_LENGTH and c.output_token_ids == [4, 4, EOS]
+    assert s.bm.num_free_blocks == s.bm.num_blocks
+
+
+def test_ignore_eos_generates_through_eos_but_not_through_stop_tokens():
+    s = make("sarathi")
+    a = stream_req("a", max_tokens=5, ignore_eos=True)
+    b = stream_req("b", max_tokens=5, ignore_eos=True, stop_token_ids=(EOS,))
+    run_stream(s, [a, b], {"a": [EOS, 4, EOS, 4, 4], "b": [4, EOS, 4, 4, 4]})
+    assert a.status is RequestStatus.FINISHED_LENGTH and a.output_token_ids == [EOS, 4, EOS, 4, 4]
+    # An explicit stop token stays a stop token.
+    assert b.status is RequestStatus.FINISHED_STOPPED and b.output_token_ids == [4, EOS]
+
+
+@pytest.mark.parametrize(
+    "min_tokens,length,status",
+    [(0, 1, "stop"), (1, 1, "stop"), (2, 3, "stop"), (3, 3, "stop"), (4, 5, "stop"),
+     (5, 5, "stop"), (6, 8, "length"), (8, 8, "length")],
+)
+def test_min_tokens_defers_eos_and_stop_tokens(min_tokens, length, status):
+    tokens = [EOS, 4, STOP, 4, EOS, 4, 4, 4]
+    s = make("sarathi")
+    r = stream_req("r", max_tokens=8, min_tokens=min_tokens, stop_token_ids=(STOP,))
+    run_stream(s, [r], {"r": tokens})
+    assert r.output_token_ids == tokens[:length] and r.finish_reason == status
+
+
+def test_watermark_holds_admission_but_running_requests_grow_into_it():
+    # 10 blocks of 4 tokens; a watermark of 0.3 keeps 3 blocks free at admission.
+    s = make("sarathi", budget=64, blocks=10, block_size=4, watermark=0.3)
+    s.add_request(req("a", 16, max_tokens=8))  # 4 blocks when admitted, 6 at the end
+    s.add_request(req("b", 4, max_tokens=8))  # 1 block when admitted, 3 at the end
+    s.add_request(req("c", 12, max_tokens=1))  # 3 more blocks would leave only 2 free
+    used = []
+    plans = run(s, on_step=lambda p: used.append(s.bm.num_blocks - s.bm.num_free_blocks))
+    has_c = [i for i, p in enumerate(plans) if "c" in dict(p.composition())]
+    assert plans[0].composition() == (("a", 16), ("b", 4))
+    assert has_c == [8], "c is admitted only once a and b (8 iterations) have finished"
+    assert max(used) == 9 and s.num_preemptions == 0  # a and b grew into the reserve
+
+
+def test_watermark_never_blocks_a_request_on_an_empty_cache():
+    s = make("vllm", budget=64, blocks=10, block_size=4, watermark=0.3)
+    s.add_request(req("a", 26, max_tokens=2))  # 7 blocks: all the cache minus the watermark
+    assert s.schedule(0.0).composition() == (("a", 26),)
+    with pytest.raises(RequestRejected, match="7 admissible blocks"):
+        s.add_request(req("b", 28, max_tokens=2))
+
+
+def test_abort_a_waiting_request():
+    s = make("sarathi", budget=8, max_seqs=1)
+    s.add_request(req("a", 4, max_tokens=3))
+    s.add_request(req("b", 4, max_tokens=3))
+    s.update(s.schedule(0.0), RunnerOutput({"a": 7}, 1.0), 1.0)
+    assert s.num_waiting == 1
+    b = s.abort("b", 1.5)
+    assert b.status is RequestStatus.FINISHED_ABORTED and b.finish_time == 1.5
+    assert s.num_waiting == 0 and s.abort("b") is None
+    plans = run(s)
+    assert all("b" not in dict(p.composition()) for p in plans)
+    assert b.output_token_ids == [] and s.bm.table("b") == ()
+    assert s.bm.num_free_blocks == s.bm.num_blocks
+
+
+def test_a_request_preempted_in_this_iteration_is_not_in_its_plan():
+    # Two decodes outgrow a 6-block cache; the one preempted is first in the waiting queue,
+    # and the budget would let it back in at once.
+    s = make("sarathi", budget=5, blocks=6, block_size=4)
+    s.add_request(req("a", 8, max_tokens=12))
+    s.add_request(req("b", 8, max_tokens=12))
+    plans = run(s)
+    assert any(p.preempted for p in plans)
+    for p in plans:
+        assert not set(p.preempted) & {c.request_id for c in p.chunks}
 
 
 @pytest.mark.parametrize("policy,first", [("sjf", "short"), ("ljf", "long"), ("fcfs", "long")])

@@ -26,7 +26,15 @@ settings.register_profile("explore", deadline=None, max_examples=2000)
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
 
-def make_hf_model(kind: str, out: Path, vocab: int, *, tied: bool = False, seed: int = 0) -> Path:
+def make_hf_model(
+    kind: str,
+    out: Path,
+    vocab: int,
+    *,
+    tied: bool = False,
+    seed: int = 0,
+    rope_scaling: dict | None = None,
+) -> Path:
     """A small random-weight model written by transformers itself (the reference)."""
     import transformers as tf
 
@@ -44,7 +52,8 @@ def make_hf_model(kind: str, out: Path, vocab: int, *, tied: bool = False, seed:
         eos_token_id=2,
     )
     if kind == "llama":
-        cfg, cls = tf.LlamaConfig(rope_theta=10000.0, **common), tf.LlamaForCausalLM
+        cfg = tf.LlamaConfig(rope_theta=10000.0, rope_scaling=rope_scaling, **common)
+        cls = tf.LlamaForCausalLM
     elif kind == "mistral":
         cfg, cls = (
             tf.MistralConfig(rope_theta=1e6, sliding_window=None, **common),

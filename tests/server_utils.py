@@ -36,7 +36,7 @@ class InProcessServer:
     """The real app on a real localhost port, with the engine reachable for inspection."""
 
     def __init__(
-        self, model_dir, name: str = "tiny", engine_kw: dict | None = None, **server_kw
+        self, model_dir, *, name: str = "tiny", engine_kw: dict | None = None, **server_kw
     ) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
@@ -65,3 +65,32 @@ class InProcessServer:
                 return True
             time.sleep(0.05)
         return False
+
+
+class ForcedEos:
+    """Wraps an executor: the output tokens at indices ``at`` of every request are EOS."""
+
+    def __init__(self, inner, eos: int, at: set[int]) -> None:
+        self.inner, self.eos, self.at = inner, eos, at
+
+    def __getattr__(self, name: str):
+        return getattr(self.inner, name)
+
+    def execute(self, plan):
+        result = self.inner.execute(plan)
+        for c in plan.chunks:
+            if c.samples and c.output_index in self.at:
+                result.sampled[c.request_id] = self.eos
+        return result
+
+
+def metric_values(url: str) -> dict[tuple[str, tuple], float]:
+    """Every sample of /metrics, keyed by (sample name, sorted label items)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = httpx.get(url + "/metrics", timeout=10).text
+    return {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for fam in text_string_to_metric_families(text)
+        for s in fam.samples
+    }

@@ -68,9 +68,10 @@ class InProcessServer:
 
 
 class ForcedEos:
-    """Wraps an executor: the output tokens at indices ``at`` of every request are EOS."""
+    """Wraps an executor: the output tokens at indices ``at`` are EOS, for every request or
+    (a dict) per request id."""
 
-    def __init__(self, inner, eos: int, at: set[int]) -> None:
+    def __init__(self, inner, eos: int, at: set[int] | dict[str, set[int]]) -> None:
         self.inner, self.eos, self.at = inner, eos, at
 
     def __getattr__(self, name: str):
@@ -79,7 +80,8 @@ class ForcedEos:
     def execute(self, plan):
         result = self.inner.execute(plan)
         for c in plan.chunks:
-            if c.samples and c.output_index in self.at:
+            at = self.at.get(c.request_id, ()) if isinstance(self.at, dict) else self.at
+            if c.samples and c.output_index in at:
                 result.sampled[c.request_id] = self.eos
         return result
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from collections import deque
 
 import pytest
 
@@ -262,6 +263,37 @@ def test_a_later_request_never_preempts_an_earlier_one():
     s.add_request(req("b", 13, max_tokens=2))
     plans = run(s, max_iters=500)
     assert {rid for p in plans for rid in p.preempted} == {"b"}
+
+
+def run_pipelined(sched, depth: int = 2, max_iters: int = 1000) -> list:
+    """Like run(), with ``depth`` iterations in flight (pipeline stages), each scheduled
+    without the requests still in flight."""
+    flight, plans, now = deque(), [], 0.0
+    while (sched.has_unfinished() or flight) and len(plans) < max_iters:
+        plan = sched.schedule(now, frozenset(c.request_id for p in flight for c in p.chunks))
+        plans.append(plan)
+        if plan.chunks:
+            flight.append(plan)
+        if flight and (len(flight) == depth or not plan.chunks):
+            done = flight.popleft()
+            now += 1.0
+            sched.update(done, RunnerOutput({c.request_id: 7 for c in done.chunks if c.samples},
+                                            1.0), now)
+    assert not sched.has_unfinished(), "scheduler stopped making progress"
+    return plans
+
+
+def test_a_request_short_of_blocks_waits_for_requests_in_flight():
+    # Two requests that do not fit together, two iterations in flight: each found the other
+    # in flight when it needed blocks, evicted itself, and was re-admitted while the other
+    # ran, which then evicted itself in turn, forever.
+    s = make("chunked_only", budget=7, blocks=9, block_size=4)
+    reqs = [req("a", 25, max_tokens=8), req("b", 25, max_tokens=8)]
+    for r in reqs:
+        s.add_request(r)
+    run_pipelined(s)
+    assert all(r.output_token_ids == [7] * 8 for r in reqs)
+    assert s.num_preemptions <= 4
 
 
 def test_rejects_requests_that_cannot_fit():

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from hypothesis import HealthCheck, settings
+from hypothesis import HealthCheck, Phase, settings
 
 from fluidserve.model.builder import build_tokenizer, cached_model_dir
 
@@ -21,6 +21,11 @@ settings.register_profile(
     database=None,
     max_examples=100,
     suppress_health_check=[HealthCheck.too_slow],
+)
+# The same examples without shrinking a failure: scripts/mutation.sh only needs to know
+# that a test fails, and shrinking each killed mutant's counterexample costs minutes.
+settings.register_profile(
+    "mutation", settings.get_profile("ci"), phases=(Phase.explicit, Phase.generate)
 )
 settings.register_profile("explore", deadline=None, max_examples=2000)
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))

@@ -150,6 +150,12 @@ def test_single_token_requests_do_not_count_towards_the_fluid_rate():
     assert math.isnan(rate) and math.isnan(d)
 
 
+def test_tokens_that_all_arrive_with_the_first_are_infinitely_fluid():
+    # The whole output in one chunk: no gap to meet, so no deadline is too short.
+    assert min_tbt_deadline([0.4, 0.0, 0.0]) == 0.0
+    assert fluid_token_rate([[0.4, 0.0, 0.0]] * 3) == (math.inf, 0.0)
+
+
 def test_fluid_token_rate_subsamples_evenly_above_its_cap():
     # 3000 streams whose cadence rises with their index: an evenly spaced subset of 1000
     # keeps the distribution, so the P99 stays put; the first 1000 alone would not.

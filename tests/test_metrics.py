@@ -10,15 +10,17 @@ from fluidserve.metrics import percentile, request_latency, summarize
 
 
 def test_request_latency_from_token_times():
-    # Arrival at 10 s, scheduled 1/8 s later, four tokens (the last two arrive together).
-    lat = request_latency(10.0, [10.5, 10.75, 11.5, 11.5], first_scheduled=10.125)
+    # Arrival at 10 s, scheduled 1/8 s later, four tokens (two arrive together).
+    lat = request_latency(10.0, [10.5, 10.75, 10.75, 11.5], first_scheduled=10.125)
     assert lat.ttft == 0.5 and lat.e2e == 1.5 and lat.scheduling_delay == 0.125
-    assert lat.tbt == [0.25, 0.75, 0.0]
+    assert lat.tbt == [0.25, 0.0, 0.75]
     assert lat.tpot == pytest.approx(1.0 / 3)  # (last - first) / (tokens - 1)
     assert lat.normalized_latency == 1.5 / 4  # e2e / tokens
-    assert lat.to_dict() == {"ttft": 0.5, "tbt": [0.25, 0.75, 0.0], "e2e": 1.5,
+    assert lat.to_dict() == {"ttft": 0.5, "tbt": [0.25, 0.0, 0.75], "e2e": 1.5,
                              "tpot": lat.tpot, "normalized_latency": 0.375,
                              "scheduling_delay": 0.125}
+    two = request_latency(0.0, [0.5, 1.25])
+    assert two.tpot == 0.75 and two.tbt == [0.75]
 
 
 def test_request_latency_of_one_token_and_of_none():

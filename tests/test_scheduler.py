@@ -9,6 +9,7 @@ from collections import deque
 import pytest
 
 from fluidserve.core.block_manager import BlockManager
+from fluidserve.core.queue_policy import WaitingQueue
 from fluidserve.core.scheduler import (
     SCHEDULER_REGISTRY,
     RequestRejected,
@@ -81,12 +82,36 @@ def test_block_manager_allocate_free_and_invariants():
     bm.check_invariants()
 
 
-def test_block_manager_invariant_check_catches_corruption():
+def corrupt(how):
     bm = BlockManager(4, 4)
-    bm.allocate("a", 8)
-    bm._free.append(bm.table("a")[0])  # a block both free and owned
-    with pytest.raises(AssertionError):
-        bm.check_invariants()
+    bm.allocate("a", 8)  # blocks 0 and 1; 2 and 3 free
+    how(bm)
+    return bm
+
+
+@pytest.mark.parametrize("how,message", [
+    (lambda bm: bm._free.append(bm.table("a")[0]), "a block is both owned and free"),
+    (lambda bm: bm._tables.update(b=(bm._free.popleft(),) * 2), "a block is owned twice"),
+    (lambda bm: bm._free.append(bm._free[0]), "a block is free twice"),
+    (lambda bm: bm._free.pop(), "a block leaked"),
+    (lambda bm: bm._free.__setitem__(0, 4), "block id out of range"),
+    (lambda bm: (bm._tables.update(a=(0,)), bm._free.append(1)), "a: table too small"),
+])
+def test_block_manager_invariant_check_catches_corruption(how, message):
+    bm = corrupt(how)
+    with pytest.raises(AssertionError, match=message):
+        bm.check_invariants({"a": 8})
+
+
+def test_waiting_queue():
+    q = WaitingQueue("fcfs")
+    a, b = req("a", 5, arrival=1.0), req("b", 5, arrival=0.5)
+    q.push(a)
+    q.push(b)
+    assert len(q) == 2 and "a" in q and [r.request_id for r in q.ordered()] == ["b", "a"]
+    assert q.remove("a") is a and q.remove("a") is None and "a" not in q
+    with pytest.raises(ValueError, match="unknown queue policy 'lifo'"):
+        WaitingQueue("lifo")
 
 
 @pytest.mark.parametrize("name", sorted(SCHEDULER_REGISTRY))
@@ -181,6 +206,10 @@ def test_hybrid_only_keeps_whole_prompts_under_the_budget():
         s.add_request(req(rid, n))
     # a fits whole; b (20) does not fit in the 10 left and is not chunked; FCFS stops there.
     assert s.schedule(0.0).composition() == (("a", 30),)
+    exact = make("hybrid_only", budget=50)
+    for rid, n in (("a", 30), ("b", 20)):
+        exact.add_request(req(rid, n))
+    assert exact.schedule(0.0).composition() == (("a", 30), ("b", 20))  # b fits exactly
 
 
 def test_decode_maximal_has_at_most_one_prefill_per_batch():
@@ -294,6 +323,19 @@ def test_a_request_short_of_blocks_waits_for_requests_in_flight():
     run_pipelined(s)
     assert all(r.output_token_ids == [7] * 8 for r in reqs)
     assert s.num_preemptions <= 4
+
+
+def test_a_request_never_preempts_one_already_in_the_batch():
+    # With tile rounding, d (admitted after p) finished its prefill in the budget p left
+    # and decodes first; p's next chunk lacks a block, and d, scheduled already, must stay.
+    s = make("sarathi", budget=10, tile=4, blocks=7, block_size=2)
+    s.add_request(req("p", 12, max_tokens=1))
+    s.add_request(req("d", 2, max_tokens=5))
+    first = s.schedule(0.0)
+    assert first.composition() == (("p", 8), ("d", 2))
+    s.update(first, RunnerOutput({"d": 7}, 1.0), 1.0)
+    second = s.schedule(1.0)
+    assert second.composition() == (("d", 1),) and second.preempted == ["p"]
 
 
 def test_rejects_requests_that_cannot_fit():

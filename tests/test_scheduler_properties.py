@@ -43,6 +43,7 @@ CHUNKED = {"sarathi", "decode_maximal", "chunked_only"}
 WHOLE_FIRST_PREFILL = {"vllm", "hybrid_only"}
 NO_BUDGET = {"orca", "faster_transformer"}
 NEVER_MIXED = {"vllm", "chunked_only"}  # an iteration is prefill-only or decode-only
+DECODES_NEVER_WAIT = {"sarathi", "orca", "hybrid_only", "decode_maximal", "faster_transformer"}
 QUEUE_KEYS = {
     "fcfs": lambda r: r.arrival_time,
     "sjf": lambda r: r.num_prompt_tokens,
@@ -139,6 +140,8 @@ class Harness:
         self.aborted: set[str] = set()
         self.ended: dict[str, tuple] = {}  # request id -> its final state, frozen
         self.flight: deque[SchedulerOutput] = deque()  # scheduled, not yet updated
+        self.first_scheduled: dict[str, float] = {}
+        self.preempted: dict[str, int] = {}  # request id -> times preempted
         self.now = 0.0
 
     # ---------------------------------------------------------------- operations
@@ -171,9 +174,11 @@ class Harness:
         if not pool:
             return
         rid = pool[pick % len(pool)]
+        self.now += 0.25
         assert self.s.abort(rid, self.now) is self.reqs[rid]
         self.aborted.add(rid)
         assert self.reqs[rid].status is RequestStatus.FINISHED_ABORTED
+        assert self.reqs[rid].finish_time == self.now
         assert self.s.abort(rid, self.now) is None, "an ended request was aborted again"
         self.check_state()
 
@@ -197,6 +202,16 @@ class Harness:
         self.now += 1.0
         touched = self.s.update(plan, RunnerOutput(sampled, 1.0), self.now)
         assert {r.request_id for r in touched} <= set(sampled) - self.aborted
+        for c in plan.chunks:  # every chunk of a live request advanced it
+            req = self.reqs[c.request_id]
+            if c.request_id in self.aborted:
+                continue
+            assert req.num_computed_tokens == c.context_len, "a chunk's work was dropped"
+            if c.samples:
+                assert req in touched and len(req.output_token_ids) == c.output_index + 1
+                assert req.token_times[-1] == self.now
+            if req.status.finished:
+                assert req.finish_time == self.now
         self.check_state()
 
     def drain(self) -> None:
@@ -228,6 +243,10 @@ class Harness:
             req = self.reqs[rid]
             assert req.status is RequestStatus.WAITING and req.num_computed_tokens == 0
             assert rid in s.waiting and self.bm.table(rid) == ()
+            self.preempted[rid] = self.preempted.get(rid, 0) + 1
+        for rid, req in self.reqs.items():
+            assert req.num_preemptions == self.preempted.get(rid, 0)
+        assert s.num_preemptions == sum(self.preempted.values())
         tables = [set(c.block_table) for c in plan.chunks]
         assert sum(map(len, tables)) == len(set().union(*tables)), "block tables overlap"
         for c in plan.chunks:
@@ -238,10 +257,19 @@ class Harness:
             assert c.samples == (c.context_len == req.num_tokens)
             assert c.is_decode == (req.is_decode and c.num_tokens == 1)
             assert c.output_index == len(req.output_token_ids)
-            assert len(c.block_table) * self.bm.block_size >= c.context_len
+            assert c.params is req.params and c.seed == req.seed
+            # Exactly the blocks its tokens need: no block is handed out early.
+            assert len(c.block_table) == self.bm.blocks_for(c.context_len)
             assert c.block_table == self.bm.table(c.request_id)
+            first = self.first_scheduled.setdefault(c.request_id, self.now)
+            assert req.first_scheduled_time == first, "first scheduled time lost or moved"
         assert len(s.running) <= cfg["max_num_seqs"] and len(ids) <= cfg["max_num_seqs"]
         self.check_budget(plan)
+        if not busy and (self.name in DECODES_NEVER_WAIT or not plan.num_prefill_tokens):
+            # Stall-free and request-level batching run every running decode each iteration
+            # (prefill-first ones in every iteration without prefills).
+            decodes = {r.request_id for r in s.running if r.is_decode}
+            assert decodes <= {c.request_id for c in plan.chunks if c.is_decode}, "a decode stalled"
         running = RequestStatus.RUNNING
         admitted = [rid for rid, status in before.items()
                     if status is RequestStatus.WAITING and self.reqs[rid].status is running]
@@ -261,6 +289,13 @@ class Harness:
         if self.name in NO_BUDGET:
             return
         room = max(0, budget - decodes)
+        if self.name in CHUNKED:
+            # A chunk that stops short of the request's end was cut by the budget: it took
+            # all the budget left, rounded down to the tile.
+            for c in prefills:
+                if not c.samples:
+                    assert c.num_tokens % self.cfg["tile"] == 0, "a chunk ignored the tile"
+                    assert budget - plan.num_tokens < self.cfg["tile"], "budget left unused"
         if self.name in CHUNKED or plan.num_prefill_tokens <= room:
             assert plan.num_prefill_tokens <= room, "prefill work exceeds the token budget"
             return

@@ -31,11 +31,17 @@ def test_find_token_budget_is_the_largest_tile_multiple_within_the_slo(steps, sl
     assert t == batch_time(budget if budget else tile)
 
 
+def test_find_token_budget_defaults_to_tile_1_and_at_most_16384():
+    assert find_token_budget(lambda b: b / 1000, 1.001) == (1001, 1.001)
+    assert find_token_budget(lambda b: 0.0, 1.0)[0] == 16384
+
+
 def test_find_token_budget_rejects_a_non_positive_slo():
-    with pytest.raises(ValueError, match="tbt_slo"):
+    with pytest.raises(ValueError, match="^tbt_slo must be > 0$"):
         find_token_budget(lambda b: 1.0, 0.0)
 
 
 def test_round_to_tile():
     assert [round_to_tile(n, 8) for n in (0, 7, 8, 15, 16)] == [0, 0, 8, 8, 16]
+    assert [round_to_tile(n, 2) for n in (5, 6)] == [4, 6]
     assert round_to_tile(13, 1) == 13

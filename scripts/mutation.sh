@@ -30,7 +30,7 @@ python - <<'EOF'
 import json
 
 s = json.load(open("mutants/mutmut-cicd-stats.json"))
-tested = s["total"] - s["skipped"] - s["not_checked"]
+tested = s["total"] - s.get("skipped", 0) - s.get("not_checked", 0)
 killed = s["killed"] + s["timeout"]
 print(f"mutants: {s['total']}, killed {s['killed']}, timed out {s['timeout']},"
       f" survived {s['survived']}, no tests {s['no_tests']}, suspicious {s['suspicious']}")

@@ -82,6 +82,26 @@ def test_block_manager_allocate_free_and_invariants():
     bm.check_invariants()
 
 
+def test_block_manager_defaults_and_arguments():
+    bm = BlockManager(10, 4)
+    assert bm.watermark_blocks == 0 and bm.usage == 0.0
+    assert BlockManager(10, 4, watermark=0.25).watermark_blocks == 2  # int(2.5)
+    for blocks, size in ((0, 4), (4, 0)):
+        with pytest.raises(ValueError, match="^num_blocks and block_size must be >= 1$"):
+            BlockManager(blocks, size)
+
+
+def test_block_manager_new_blocks_and_admission_check():
+    bm = BlockManager(6, 4, watermark=0.4)  # 2 blocks reserved at admission
+    bm.allocate("a", 9)  # 3 blocks
+    assert bm.num_new_blocks("a", 12) == 0 and bm.num_new_blocks("a", 13) == 1
+    assert bm.num_new_blocks("b", 5) == 2
+    assert bm.can_allocate("a", 20) and not bm.can_allocate("a", 20, admit=True)
+    assert bm.can_allocate("b", 12) and not bm.can_allocate("b", 13)
+    bm.allocate("b", 12)  # the cache is full now
+    assert bm.can_allocate("a", 12) and not bm.can_allocate("a", 13) and bm.usage == 1.0
+
+
 def corrupt(how):
     bm = BlockManager(4, 4)
     bm.allocate("a", 8)  # blocks 0 and 1; 2 and 3 free
@@ -99,12 +119,12 @@ def corrupt(how):
 ])
 def test_block_manager_invariant_check_catches_corruption(how, message):
     bm = corrupt(how)
-    with pytest.raises(AssertionError, match=message):
+    with pytest.raises(AssertionError, match=f"^{message}$"):
         bm.check_invariants({"a": 8})
 
 
 def test_waiting_queue():
-    q = WaitingQueue("fcfs")
+    q = WaitingQueue()  # fcfs
     a, b = req("a", 5, arrival=1.0), req("b", 5, arrival=0.5)
     q.push(a)
     q.push(b)
@@ -338,13 +358,36 @@ def test_a_request_never_preempts_one_already_in_the_batch():
     assert second.composition() == (("d", 1),) and second.preempted == ["p"]
 
 
+def test_decode_maximal_runs_one_prefill_even_when_two_are_part_done():
+    # With iterations in flight, a and b both got a first chunk (each while the other was
+    # in flight); with neither in flight, only the first continues.
+    s = make("decode_maximal", budget=8)
+    s.add_request(req("a", 12))
+    s.add_request(req("b", 20))
+    first = s.schedule(0.0)
+    second = s.schedule(0.0, busy=frozenset({"a"}))
+    assert first.composition() == (("a", 8),) and second.composition() == (("b", 8),)
+    for plan in (first, second):
+        s.update(plan, RunnerOutput({}, 1.0), 1.0)
+    assert s.schedule(1.0).composition() == (("a", 4),)
+
+
+def test_make_scheduler_by_name():
+    limits = SchedulerLimits(32, 4, 512)
+    for name in SCHEDULER_REGISTRY:
+        assert make_scheduler(name, limits, BlockManager(8, 4)).name == name
+    names = ", ".join(SCHEDULER_REGISTRY)
+    with pytest.raises(ValueError, match=f"^unknown scheduler 'fifo'; choose from {names}$"):
+        make_scheduler("fifo", limits, BlockManager(8, 4))
+
+
 def test_rejects_requests_that_cannot_fit():
     s = make("sarathi", max_len=64, blocks=8, block_size=4)
     with pytest.raises(RequestRejected, match="context window"):
         s.add_request(req("a", 60, max_tokens=10))
     with pytest.raises(RequestRejected, match="KV blocks"):
         s.add_request(req("b", 30, max_tokens=10))
-    with pytest.raises(RequestRejected, match="empty"):
+    with pytest.raises(RequestRejected, match="^the prompt is empty$"):
         s.add_request(req("c", 0))
     s.add_request(req("d", 4))
     with pytest.raises(RequestRejected, match="duplicate"):

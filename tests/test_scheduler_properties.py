@@ -141,6 +141,7 @@ class Harness:
         self.ended: dict[str, tuple] = {}  # request id -> its final state, frozen
         self.flight: deque[SchedulerOutput] = deque()  # scheduled, not yet updated
         self.first_scheduled: dict[str, float] = {}
+        self.iterations = 0
         self.preempted: dict[str, int] = {}  # request id -> times preempted
         self.now = 0.0
 
@@ -186,8 +187,17 @@ class Harness:
         """Schedule an iteration; complete the oldest in flight once the pipeline is full."""
         busy = frozenset(c.request_id for p in self.flight for c in p.chunks)
         before = {rid: r.status for rid, r in self.s.requests.items()}
+        queue = [r.request_id for r in self.s.waiting.ordered()]
+        running = [r for r in self.s.running if r.request_id not in busy]
+        waits = {r.request_id for r in running if not (r.is_decode and self.name in NEVER_MIXED)}
         plan = self.s.schedule(self.now, busy)
+        self.iterations += 1
+        assert plan.iteration == self.iterations
         self.check_plan(plan, before, busy)
+        admitted = [rid for rid in queue if self.reqs[rid].status is RequestStatus.RUNNING]
+        assert admitted == queue[: len(admitted)], "admitted out of queue order"
+        if admitted:  # only when every running request got its share: memory is not short
+            assert waits <= {c.request_id for c in plan.chunks}, "admitted while one waited"
         self.check_state()
         if plan.chunks:
             self.flight.append(plan)

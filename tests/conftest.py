@@ -1,17 +1,45 @@
 from __future__ import annotations
 
+import os
 import shutil
 from pathlib import Path
 
 import pytest
 import torch
+from hypothesis import HealthCheck, Phase, settings
 
 from fluidserve.model.builder import build_tokenizer, cached_model_dir
 
 ARCHS = ("llama", "mistral", "qwen2")
 
+# Property tests are deterministic by default (the same examples on every run, no deadline,
+# no example database), so a test run never flakes; HYPOTHESIS_PROFILE=explore searches wider.
+settings.register_profile(
+    "ci",
+    derandomize=True,
+    deadline=None,
+    database=None,
+    max_examples=100,
+    suppress_health_check=[HealthCheck.too_slow],
+)
+# The same examples without shrinking a failure: scripts/mutation.sh only needs to know
+# that a test fails, and shrinking each killed mutant's counterexample costs minutes.
+settings.register_profile(
+    "mutation", settings.get_profile("ci"), phases=(Phase.explicit, Phase.generate)
+)
+settings.register_profile("explore", deadline=None, max_examples=2000)
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
-def make_hf_model(kind: str, out: Path, vocab: int, *, tied: bool = False, seed: int = 0) -> Path:
+
+def make_hf_model(
+    kind: str,
+    out: Path,
+    vocab: int,
+    *,
+    tied: bool = False,
+    seed: int = 0,
+    rope_scaling: dict | None = None,
+) -> Path:
     """A small random-weight model written by transformers itself (the reference)."""
     import transformers as tf
 
@@ -29,7 +57,8 @@ def make_hf_model(kind: str, out: Path, vocab: int, *, tied: bool = False, seed:
         eos_token_id=2,
     )
     if kind == "llama":
-        cfg, cls = tf.LlamaConfig(rope_theta=10000.0, **common), tf.LlamaForCausalLM
+        cfg = tf.LlamaConfig(rope_theta=10000.0, rope_scaling=rope_scaling, **common)
+        cls = tf.LlamaForCausalLM
     elif kind == "mistral":
         cfg, cls = (
             tf.MistralConfig(rope_theta=1e6, sliding_window=None, **common),

@@ -38,7 +38,7 @@ class InProcessServer:
     by the same ``DrainingServer`` as `fluidserve serve`; ``dead`` is set when the engine is."""
 
     def __init__(
-        self, model_dir, name: str = "tiny", engine_kw: dict | None = None, **server_kw
+        self, model_dir, *, name: str = "tiny", engine_kw: dict | None = None, **server_kw
     ) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
@@ -114,3 +114,15 @@ def start_servers(model_dir, specs: dict[str, dict]) -> dict[str, InProcessServe
 def stop_servers(servers: dict[str, InProcessServer]) -> None:
     for s in servers.values():
         s.__exit__(None, None, None)
+
+
+def metric_samples(url: str) -> dict[tuple[str, tuple], float]:
+    """Every sample of /metrics, keyed by (sample name, sorted label items)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = httpx.get(url + "/metrics", timeout=10).text
+    return {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for fam in text_string_to_metric_families(text)
+        for s in fam.samples
+    }

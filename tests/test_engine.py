@@ -110,18 +110,23 @@ def test_stop_strings_and_stop_tokens(default_model_dir, reference):
     assert by_id.token_ids == reference[1][: reference[1].index(tok) + 1]
 
 
-def test_eos_stops_unless_ignored(default_model_dir):
+def test_model_eos_ends_a_request_unless_ignored(default_model_dir, reference):
     llm = LLM(model=str(default_model_dir))
     eos = llm.tokenizer.eos_token_id
-    p = SamplingParams(max_tokens=10, temperature=0.0, stop_token_ids=())
-    # Force EOS by treating the first greedy token as EOS for this request.
-    first = llm.generate(PROMPTS[2], p)[0].token_ids[0]
-    req_eos = llm.engine.add_request("x", PROMPTS[2], p)
-    req_eos.eos_token_id = first
-    while llm.engine.has_unfinished():
-        llm.engine.step()
-    assert req_eos.finish_reason == "stop" and req_eos.output_token_ids == [first]
-    assert eos is not None
+    llm.engine.core.force_eos_at = frozenset({3, 6})  # the model "says" EOS twice
+    base = dict(max_tokens=10, temperature=0.0)
+    stop, ignored, min4, min5 = llm.generate(
+        [PROMPTS[2]] * 4,
+        [SamplingParams(**base), SamplingParams(**base, ignore_eos=True),
+         SamplingParams(**base, min_tokens=4), SamplingParams(**base, min_tokens=5)],
+    )
+    assert stop.finish_reason == "stop" and stop.token_ids == reference[2][:3] + [eos]
+    assert stop.text == llm.tokenizer.decode(reference[2][:3])  # EOS adds no text
+    assert ignored.finish_reason == "length" and len(ignored.token_ids) == 10
+    assert ignored.token_ids[3] == ignored.token_ids[6] == eos
+    assert min4.finish_reason == "stop" and min4.token_ids == stop.token_ids
+    assert min5.finish_reason == "stop" and len(min5.token_ids) == 7
+    assert llm.engine.block_manager.num_free_blocks == llm.engine.block_manager.num_blocks
 
 
 def test_prompt_too_long_is_rejected(default_model_dir):

@@ -99,3 +99,56 @@ def test_tied_embeddings_load(tmp_path, tokenizer_dir):
         with torch.inference_mode():
             got = ex.logits(SchedulerOutput(0, [chunk("a", ids, 0, len(ids), [0, 1])]))[0]
         torch.testing.assert_close(got, hf_logits(d, ids)[-1], atol=2e-4, rtol=2e-4)
+
+
+# head_dim 16, theta 1e4: RoPE wavelengths 6.3, 19.9, 62.8, 199, ... tokens. With an original
+# context of 64 and low/high frequency factors 1/4, llama3 scaling keeps the first frequency,
+# interpolates the next two and divides the rest by the factor: every branch is exercised.
+ROPE_SCALINGS = {
+    "linear": {"rope_type": "linear", "factor": 4.0},
+    "llama3": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+               "high_freq_factor": 4.0, "original_max_position_embeddings": 64},
+}
+
+
+@pytest.mark.parametrize("kind", sorted(ROPE_SCALINGS))
+def test_rope_scaling_logits_match_transformers(tmp_path, kind):
+    from .conftest import make_hf_model
+
+    d = make_hf_model("llama", tmp_path, 300, rope_scaling=ROPE_SCALINGS[kind])
+    ex = ModelExecutor(d, num_blocks=64, block_size=BS)
+    assert ex.arch.rope_scaling["rope_type"] == kind
+    ids = torch.randint(3, 300, (200,), generator=torch.Generator().manual_seed(2)).tolist()
+    ref = hf_logits(d, ids)
+    table = list(range(50))
+    # Positions well past the original context: a prefill in chunks, decodes, a last chunk.
+    spans = [(0, 70), (70, 1), (71, 1), (72, 100), (172, 1), (173, 27)]
+    with torch.inference_mode():
+        for i, (start, n) in enumerate(spans):
+            got = ex.logits(SchedulerOutput(i, [chunk("a", ids, start, n, table)]))[0]
+            torch.testing.assert_close(got, ref[start + n - 1], atol=2e-4, rtol=2e-4,
+                                       msg=f"{kind} scaling, chunk at {start}")
+
+
+def test_rope_scaling_in_older_config_files_means_the_same():
+    """Configs written before transformers 5 say rope_scaling / "type"; newer ones
+    rope_parameters / "rope_type" with rope_theta inside."""
+    import json
+
+    from fluidserve.model.arch import parse_arch
+    from fluidserve.model.llama import rope_inv_freq
+
+    d = make_llama_config()
+    for kind, scaling in ROPE_SCALINGS.items():
+        old = d | {"rope_theta": 5e5, "rope_scaling": {"type" if k == "rope_type" else k: v
+                                                       for k, v in scaling.items()}}
+        new = d | {"rope_parameters": scaling | {"rope_theta": 5e5}}
+        a, b = parse_arch(json.loads(json.dumps(old))), parse_arch(new)
+        assert a.rope_scaling["rope_type"] == b.rope_scaling["rope_type"] == kind
+        assert torch.equal(rope_inv_freq(a), rope_inv_freq(b))
+        assert not torch.equal(rope_inv_freq(a), rope_inv_freq(parse_arch(d | {"rope_theta": 5e5})))
+
+
+def make_llama_config() -> dict:
+    return {"architectures": ["LlamaForCausalLM"], "vocab_size": 300, "hidden_size": 64,
+            "intermediate_size": 160, "num_hidden_layers": 2, "num_attention_heads": 4}

@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from collections import deque
 
 import pytest
 
 from fluidserve.core.block_manager import BlockManager
+from fluidserve.core.queue_policy import WaitingQueue
 from fluidserve.core.scheduler import (
     SCHEDULER_REGISTRY,
     RequestRejected,
@@ -80,12 +82,56 @@ def test_block_manager_allocate_free_and_invariants():
     bm.check_invariants()
 
 
-def test_block_manager_invariant_check_catches_corruption():
+def test_block_manager_defaults_and_arguments():
+    bm = BlockManager(10, 4)
+    assert bm.watermark_blocks == 0 and bm.usage == 0.0
+    assert BlockManager(10, 4, watermark=0.25).watermark_blocks == 2  # int(2.5)
+    for blocks, size in ((0, 4), (4, 0)):
+        with pytest.raises(ValueError, match="^num_blocks and block_size must be >= 1$"):
+            BlockManager(blocks, size)
+
+
+def test_block_manager_new_blocks_and_admission_check():
+    bm = BlockManager(6, 4, watermark=0.4)  # 2 blocks reserved at admission
+    bm.allocate("a", 9)  # 3 blocks
+    assert bm.num_new_blocks("a", 12) == 0 and bm.num_new_blocks("a", 13) == 1
+    assert bm.num_new_blocks("b", 5) == 2
+    assert bm.can_allocate("a", 20) and not bm.can_allocate("a", 20, admit=True)
+    assert bm.can_allocate("b", 12) and not bm.can_allocate("b", 13)
+    bm.allocate("b", 12)  # the cache is full now
+    assert bm.can_allocate("a", 12) and not bm.can_allocate("a", 13) and bm.usage == 1.0
+
+
+def corrupt(how):
     bm = BlockManager(4, 4)
-    bm.allocate("a", 8)
-    bm._free.append(bm.table("a")[0])  # a block both free and owned
-    with pytest.raises(AssertionError):
-        bm.check_invariants()
+    bm.allocate("a", 8)  # blocks 0 and 1; 2 and 3 free
+    how(bm)
+    return bm
+
+
+@pytest.mark.parametrize("how,message", [
+    (lambda bm: bm._free.append(bm.table("a")[0]), "a block is both owned and free"),
+    (lambda bm: bm._tables.update(b=(bm._free.popleft(),) * 2), "a block is owned twice"),
+    (lambda bm: bm._free.append(bm._free[0]), "a block is free twice"),
+    (lambda bm: bm._free.pop(), "a block leaked"),
+    (lambda bm: bm._free.__setitem__(0, 4), "block id out of range"),
+    (lambda bm: (bm._tables.update(a=(0,)), bm._free.append(1)), "a: table too small"),
+])
+def test_block_manager_invariant_check_catches_corruption(how, message):
+    bm = corrupt(how)
+    with pytest.raises(AssertionError, match=f"^{message}$"):
+        bm.check_invariants({"a": 8})
+
+
+def test_waiting_queue():
+    q = WaitingQueue()  # fcfs
+    a, b = req("a", 5, arrival=1.0), req("b", 5, arrival=0.5)
+    q.push(a)
+    q.push(b)
+    assert len(q) == 2 and "a" in q and [r.request_id for r in q.ordered()] == ["b", "a"]
+    assert q.remove("a") is a and q.remove("a") is None and "a" not in q
+    with pytest.raises(ValueError, match="unknown queue policy 'lifo'"):
+        WaitingQueue("lifo")
 
 
 @pytest.mark.parametrize("name", sorted(SCHEDULER_REGISTRY))
@@ -180,6 +226,10 @@ def test_hybrid_only_keeps_whole_prompts_under_the_budget():
         s.add_request(req(rid, n))
     # a fits whole; b (20) does not fit in the 10 left and is not chunked; FCFS stops there.
     assert s.schedule(0.0).composition() == (("a", 30),)
+    exact = make("hybrid_only", budget=50)
+    for rid, n in (("a", 30), ("b", 20)):
+        exact.add_request(req(rid, n))
+    assert exact.schedule(0.0).composition() == (("a", 30), ("b", 20))  # b fits exactly
 
 
 def test_decode_maximal_has_at_most_one_prefill_per_batch():
@@ -254,13 +304,90 @@ def test_preempted_request_recomputes_prompt_and_outputs():
     assert all(c.token_ids[:8] == tuple(range(1, 9)) for c in seen)
 
 
+def test_a_later_request_never_preempts_an_earlier_one():
+    # Prefill-first with chunks: b's prefill outgrows the cache while a waits to decode.
+    # Evicting a (admitted first) let a's recompute evict b in turn, forever.
+    s = make("chunked_only", budget=1, blocks=16, block_size=1)
+    s.add_request(req("a", 4, max_tokens=2))
+    s.add_request(req("b", 13, max_tokens=2))
+    plans = run(s, max_iters=500)
+    assert {rid for p in plans for rid in p.preempted} == {"b"}
+
+
+def run_pipelined(sched, depth: int = 2, max_iters: int = 1000) -> list:
+    """Like run(), with ``depth`` iterations in flight (pipeline stages), each scheduled
+    without the requests still in flight."""
+    flight, plans, now = deque(), [], 0.0
+    while (sched.has_unfinished() or flight) and len(plans) < max_iters:
+        plan = sched.schedule(now, frozenset(c.request_id for p in flight for c in p.chunks))
+        plans.append(plan)
+        if plan.chunks:
+            flight.append(plan)
+        if flight and (len(flight) == depth or not plan.chunks):
+            done = flight.popleft()
+            now += 1.0
+            sched.update(done, RunnerOutput({c.request_id: 7 for c in done.chunks if c.samples},
+                                            1.0), now)
+    assert not sched.has_unfinished(), "scheduler stopped making progress"
+    return plans
+
+
+def test_a_request_short_of_blocks_waits_for_requests_in_flight():
+    # Two requests that do not fit together, two iterations in flight: each found the other
+    # in flight when it needed blocks, evicted itself, and was re-admitted while the other
+    # ran, which then evicted itself in turn, forever.
+    s = make("chunked_only", budget=7, blocks=9, block_size=4)
+    reqs = [req("a", 25, max_tokens=8), req("b", 25, max_tokens=8)]
+    for r in reqs:
+        s.add_request(r)
+    run_pipelined(s)
+    assert all(r.output_token_ids == [7] * 8 for r in reqs)
+    assert s.num_preemptions <= 4
+
+
+def test_a_request_never_preempts_one_already_in_the_batch():
+    # With tile rounding, d (admitted after p) finished its prefill in the budget p left
+    # and decodes first; p's next chunk lacks a block, and d, scheduled already, must stay.
+    s = make("sarathi", budget=10, tile=4, blocks=7, block_size=2)
+    s.add_request(req("p", 12, max_tokens=1))
+    s.add_request(req("d", 2, max_tokens=5))
+    first = s.schedule(0.0)
+    assert first.composition() == (("p", 8), ("d", 2))
+    s.update(first, RunnerOutput({"d": 7}, 1.0), 1.0)
+    second = s.schedule(1.0)
+    assert second.composition() == (("d", 1),) and second.preempted == ["p"]
+
+
+def test_decode_maximal_runs_one_prefill_even_when_two_are_part_done():
+    # With iterations in flight, a and b both got a first chunk (each while the other was
+    # in flight); with neither in flight, only the first continues.
+    s = make("decode_maximal", budget=8)
+    s.add_request(req("a", 12))
+    s.add_request(req("b", 20))
+    first = s.schedule(0.0)
+    second = s.schedule(0.0, busy=frozenset({"a"}))
+    assert first.composition() == (("a", 8),) and second.composition() == (("b", 8),)
+    for plan in (first, second):
+        s.update(plan, RunnerOutput({}, 1.0), 1.0)
+    assert s.schedule(1.0).composition() == (("a", 4),)
+
+
+def test_make_scheduler_by_name():
+    limits = SchedulerLimits(32, 4, 512)
+    for name in SCHEDULER_REGISTRY:
+        assert make_scheduler(name, limits, BlockManager(8, 4)).name == name
+    names = ", ".join(SCHEDULER_REGISTRY)
+    with pytest.raises(ValueError, match=f"^unknown scheduler 'fifo'; choose from {names}$"):
+        make_scheduler("fifo", limits, BlockManager(8, 4))
+
+
 def test_rejects_requests_that_cannot_fit():
     s = make("sarathi", max_len=64, blocks=8, block_size=4)
     with pytest.raises(RequestRejected, match="context window"):
         s.add_request(req("a", 60, max_tokens=10))
     with pytest.raises(RequestRejected, match="KV blocks"):
         s.add_request(req("b", 30, max_tokens=10))
-    with pytest.raises(RequestRejected, match="empty"):
+    with pytest.raises(RequestRejected, match="^the prompt is empty$"):
         s.add_request(req("c", 0))
     s.add_request(req("d", 4))
     with pytest.raises(RequestRejected, match="duplicate"):
@@ -277,20 +404,112 @@ def test_abort_frees_blocks_mid_flight():
     assert s.bm.num_free_blocks == s.bm.num_blocks and not s.has_unfinished()
 
 
+EOS, STOP = 2, 9
+
+
+def run_stream(sched, reqs: list[Request], tokens: dict[str, list[int]]) -> list:
+    """Drive ``sched`` with an executor that samples ``tokens[rid][i]`` as output token i."""
+    for r in reqs:
+        sched.add_request(r)
+    plans, now = [], 0.0
+    while sched.has_unfinished() and len(plans) < 1000:
+        plan = sched.schedule(now)
+        sampled = {c.request_id: tokens[c.request_id][c.output_index]
+                   for c in plan.chunks if c.samples}
+        now += 1.0
+        sched.update(plan, RunnerOutput(sampled, 1.0), now)
+        plans.append(plan)
+    assert not sched.has_unfinished()
+    return plans
+
+
+def stream_req(rid, max_tokens=10, **params):
+    return Request(rid, [1, 2, 3], SamplingParams(max_tokens=max_tokens, **params), 0.0,
+                   eos_token_id=EOS)
+
+
 def test_stop_conditions():
     s = make("sarathi")
-    r = Request(
-        "a", [1, 2, 3], SamplingParams(max_tokens=10, stop_token_ids=(9,)), 0.0, eos_token_id=5
-    )
-    s.add_request(r)
-    for tok in (4, 9):
-        plan = s.schedule(0.0)
-        s.update(plan, RunnerOutput({"a": tok}, 1.0), 1.0)
-    assert r.status is RequestStatus.FINISHED_STOPPED and r.output_token_ids == [4, 9]
-    r2 = Request("b", [1], SamplingParams(max_tokens=3, ignore_eos=True), 0.0, eos_token_id=5)
-    s.add_request(r2)
-    run(s)
-    assert r2.status is RequestStatus.FINISHED_LENGTH
+    a = stream_req("a", stop_token_ids=(STOP,))
+    b = stream_req("b")  # EOS ends it
+    c = stream_req("c", max_tokens=3)  # EOS as the last allowed token: a length finish
+    run_stream(s, [a, b, c], {"a": [4, STOP, 4], "b": [4, 4, EOS, 4], "c": [4, 4, EOS]})
+    assert a.status is RequestStatus.FINISHED_STOPPED and a.output_token_ids == [4, STOP]
+    assert b.status is RequestStatus.FINISHED_STOPPED and b.output_token_ids == [4, 4, EOS]
+    assert c.status is RequestStatus.FINISHED_LENGTH and c.output_token_ids == [4, 4, EOS]
+    assert s.bm.num_free_blocks == s.bm.num_blocks
+
+
+def test_ignore_eos_generates_through_eos_but_not_through_stop_tokens():
+    s = make("sarathi")
+    a = stream_req("a", max_tokens=5, ignore_eos=True)
+    b = stream_req("b", max_tokens=5, ignore_eos=True, stop_token_ids=(EOS,))
+    run_stream(s, [a, b], {"a": [EOS, 4, EOS, 4, 4], "b": [4, EOS, 4, 4, 4]})
+    assert a.status is RequestStatus.FINISHED_LENGTH and a.output_token_ids == [EOS, 4, EOS, 4, 4]
+    # An explicit stop token stays a stop token.
+    assert b.status is RequestStatus.FINISHED_STOPPED and b.output_token_ids == [4, EOS]
+
+
+@pytest.mark.parametrize(
+    "min_tokens,length,status",
+    [(0, 1, "stop"), (1, 1, "stop"), (2, 3, "stop"), (3, 3, "stop"), (4, 5, "stop"),
+     (5, 5, "stop"), (6, 8, "length"), (8, 8, "length")],
+)
+def test_min_tokens_defers_eos_and_stop_tokens(min_tokens, length, status):
+    tokens = [EOS, 4, STOP, 4, EOS, 4, 4, 4]
+    s = make("sarathi")
+    r = stream_req("r", max_tokens=8, min_tokens=min_tokens, stop_token_ids=(STOP,))
+    run_stream(s, [r], {"r": tokens})
+    assert r.output_token_ids == tokens[:length] and r.finish_reason == status
+
+
+def test_watermark_holds_admission_but_running_requests_grow_into_it():
+    # 10 blocks of 4 tokens; a watermark of 0.3 keeps 3 blocks free at admission.
+    s = make("sarathi", budget=64, blocks=10, block_size=4, watermark=0.3)
+    s.add_request(req("a", 16, max_tokens=8))  # 4 blocks when admitted, 6 at the end
+    s.add_request(req("b", 4, max_tokens=8))  # 1 block when admitted, 3 at the end
+    s.add_request(req("c", 12, max_tokens=1))  # 3 more blocks would leave only 2 free
+    used = []
+    plans = run(s, on_step=lambda p: used.append(s.bm.num_blocks - s.bm.num_free_blocks))
+    has_c = [i for i, p in enumerate(plans) if "c" in dict(p.composition())]
+    assert plans[0].composition() == (("a", 16), ("b", 4))
+    assert has_c == [8], "c is admitted only once a and b (8 iterations) have finished"
+    assert max(used) == 9 and s.num_preemptions == 0  # a and b grew into the reserve
+
+
+def test_watermark_never_blocks_a_request_on_an_empty_cache():
+    s = make("vllm", budget=64, blocks=10, block_size=4, watermark=0.3)
+    s.add_request(req("a", 26, max_tokens=2))  # 7 blocks: all the cache minus the watermark
+    assert s.schedule(0.0).composition() == (("a", 26),)
+    with pytest.raises(RequestRejected, match="7 admissible blocks"):
+        s.add_request(req("b", 28, max_tokens=2))
+
+
+def test_abort_a_waiting_request():
+    s = make("sarathi", budget=8, max_seqs=1)
+    s.add_request(req("a", 4, max_tokens=3))
+    s.add_request(req("b", 4, max_tokens=3))
+    s.update(s.schedule(0.0), RunnerOutput({"a": 7}, 1.0), 1.0)
+    assert s.num_waiting == 1
+    b = s.abort("b", 1.5)
+    assert b.status is RequestStatus.FINISHED_ABORTED and b.finish_time == 1.5
+    assert s.num_waiting == 0 and s.abort("b") is None
+    plans = run(s)
+    assert all("b" not in dict(p.composition()) for p in plans)
+    assert b.output_token_ids == [] and s.bm.table("b") == ()
+    assert s.bm.num_free_blocks == s.bm.num_blocks
+
+
+def test_a_request_preempted_in_this_iteration_is_not_in_its_plan():
+    # Two decodes outgrow a 6-block cache; the one preempted is first in the waiting queue,
+    # and the budget would let it back in at once.
+    s = make("sarathi", budget=5, blocks=6, block_size=4)
+    s.add_request(req("a", 8, max_tokens=12))
+    s.add_request(req("b", 8, max_tokens=12))
+    plans = run(s)
+    assert any(p.preempted for p in plans)
+    for p in plans:
+        assert not set(p.preempted) & {c.request_id for c in p.chunks}
 
 
 @pytest.mark.parametrize("policy,first", [("sjf", "short"), ("ljf", "long"), ("fcfs", "long")])

@@ -6,6 +6,7 @@ import asyncio
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -17,7 +18,7 @@ import pytest
 from fluidserve.engine.llm import LLM
 from fluidserve.sampling_params import SamplingParams
 
-from .server_utils import InProcessServer, free_port, metric_values, wait_healthy
+from .server_utils import InProcessServer, free_port, metric_samples, metric_values, wait_healthy
 
 PROMPT = "The river rose slowly in the spring, and the people of the valley"
 
@@ -421,6 +422,187 @@ def test_cli_serve_drains_on_sigterm(default_model_dir, tmp_path):
         assert rest[-1] == "data: [DONE]"
         usage = json.loads(rest[-2][6:])["usage"]
         assert usage["completion_tokens"] == 1500, "the in-flight request finished in full"
+        assert proc.wait(30) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        log.close()
+
+
+def test_model_eos_over_http_honours_ignore_eos_and_min_tokens(srv):
+    srv.engine.client.force_eos({3, 6})  # the model "says" EOS twice
+
+    def complete(**kw) -> tuple[str, int]:
+        body = {"prompt": PROMPT, "max_tokens": 10, "temperature": 0} | kw
+        r = httpx.post(srv.url + "/v1/completions", json=body, timeout=60)
+        assert r.status_code == 200, r.text
+        return r.json()["choices"][0]["finish_reason"], r.json()["usage"]["completion_tokens"]
+
+    try:
+        assert complete() == ("stop", 4)
+        assert complete(ignore_eos=True) == ("length", 10)
+        assert complete(min_tokens=4) == ("stop", 4)
+        assert complete(min_tokens=5) == ("stop", 7)
+        assert complete(min_tokens=5, ignore_eos=True) == ("length", 10)
+    finally:
+        srv.engine.client.force_eos(set())
+    assert srv.kv_idle()
+
+
+def sse_events(response) -> list[dict | str]:
+    return [line[6:] if line == "data: [DONE]" else json.loads(line[6:])
+            for line in response.iter_lines() if line.startswith("data: ")]
+
+
+def test_stop_strings_in_streams(srv, default_model_dir):
+    """A stop string that spans two tokens: the stream never shows any of it, one chunk
+    arrives per token (text held back while it could still be a stop string), and the
+    stream and the full response agree."""
+    llm = LLM(model=str(default_model_dir), max_model_len=512)
+    sampling = {"max_tokens": 40, "temperature": 1.0, "seed": 1, "ignore_eos": True}
+    ids = llm.generate(PROMPT, SamplingParams(**sampling))[0].token_ids
+    decode = llm.tokenizer.decode
+    full = decode(ids)
+    # The first two adjacent plain-text tokens whose joint text first appears there.
+    for k in range(2, len(ids) - 1):
+        a, b = decode([ids[k]]), decode([ids[k + 1]])
+        stop = a[-2:] + b[:2]
+        if (a + b).isascii() and min(len(a), len(b)) >= 3 and \
+                full.find(stop) == len(decode(ids[: k + 1])) - 2:
+            break
+    else:
+        pytest.fail("no stop string candidate in the sampled text")
+    want_text, want_tokens = full[: full.find(stop)], k + 2
+    body = {"prompt": PROMPT, "stop": ["no such text", stop], **sampling}
+    with httpx.stream("POST", srv.url + "/v1/completions", timeout=60,
+                      json=body | {"stream": True, "stream_options": {"include_usage": True}}
+                      ) as r:
+        events = sse_events(r)
+    chunks = [e for e in events[:-1] if e["choices"]]
+    assert events[-1] == "[DONE]" and events[-2]["usage"]["completion_tokens"] == want_tokens
+    assert "".join(c["choices"][0]["text"] for c in chunks) == want_text
+    assert len(chunks) == want_tokens
+    assert [c["choices"][0]["finish_reason"] for c in chunks][-2:] == [None, "stop"]
+    whole = httpx.post(srv.url + "/v1/completions", json=body, timeout=60).json()
+    assert whole["choices"][0]["text"] == want_text
+    assert whole["choices"][0]["finish_reason"] == "stop"
+    assert whole["usage"]["completion_tokens"] == want_tokens
+    assert srv.kv_idle()
+
+
+def test_non_streaming_client_disconnect_aborts_and_frees_kv(srv):
+    def aborted() -> float:
+        return metric(metric_samples(srv.url), "fluidserve_requests_total", outcome="abort")
+
+    def generated() -> float:
+        return metric(metric_samples(srv.url), "fluidserve_generation_tokens_total")
+
+    before, tokens_before = aborted(), generated()
+    body = json.dumps({"prompt": PROMPT, "max_tokens": 480, "ignore_eos": True}).encode()
+    head = (f"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json"
+            f"\r\nContent-Length: {len(body)}\r\n\r\n").encode()
+    with socket.create_connection(("127.0.0.1", srv.port)) as sock:
+        sock.sendall(head + body)
+        deadline = time.monotonic() + 30
+        while generated() == tokens_before:
+            assert time.monotonic() < deadline, "the request never started generating"
+            time.sleep(0.01)
+    assert srv.kv_idle(), "the KV blocks of the abandoned request came back"
+    assert aborted() == before + 1 and 0 < generated() - tokens_before < 480
+
+
+def metric(values: dict, name: str, **labels) -> float:
+    return values.get((name, tuple(sorted(labels.items()))), 0.0)
+
+
+def test_metrics_values_after_known_traffic(default_model_dir):
+    # 12 blocks of 8 tokens: four 40-token prompts generating 20 tokens each must preempt.
+    kw = {"num_kv_blocks": 12, "token_budget": 16, "max_num_seqs": 4}
+    with InProcessServer(default_model_dir, engine_kw=kw) as s:
+        def complete(n_prompt: int, n_out: int) -> httpx.Response:
+            body = {"prompt": list(range(5, 5 + n_prompt)), "max_tokens": n_out,
+                    "ignore_eos": True, "temperature": 0}
+            return httpx.post(s.url + "/v1/completions", json=body, timeout=120)
+
+        # A stream the client abandons after its first token.
+        with httpx.stream("POST", s.url + "/v1/completions", timeout=60,
+                          json={"prompt": [5] * 10, "max_tokens": 60, "ignore_eos": True,
+                                "stream": True}) as r:
+            next(x for x in r.iter_lines() if x.startswith("data: "))
+        assert s.kv_idle()
+        m0 = metric_samples(s.url)
+        aborted_tokens = metric(m0, "fluidserve_generation_tokens_total")
+        assert metric(m0, "fluidserve_requests_total", outcome="abort") == 1
+        assert 0 < aborted_tokens < 60
+
+        def delta(m: dict, name: str, **labels) -> float:
+            return metric(m, name, **labels) - metric(m0, name, **labels)
+
+        # Two requests, one after the other: 20+5 and 30+7 tokens, in budget-16 iterations.
+        assert complete(20, 5).status_code == complete(30, 7).status_code == 200
+        m = metric_samples(s.url)
+        assert delta(m, "fluidserve_requests_total", outcome="length") == 2
+        assert delta(m, "fluidserve_generation_tokens_total") == 12
+        assert delta(m, "fluidserve_time_to_first_token_seconds_count") == 2
+        assert delta(m, "fluidserve_e2e_request_latency_seconds_count") == 2
+        assert delta(m, "fluidserve_time_between_tokens_seconds_count") == 4 + 6
+        # Iterations: 16+4 prompt tokens then 4 decodes; 16+14 then 6 decodes.
+        new = "fluidserve_iteration_tokens_count", "fluidserve_iteration_tokens_sum"
+        assert delta(m, new[0]) == 14
+        assert delta(m, new[1]) == 20 + 4 + 30 + 6
+        assert delta(m, "fluidserve_iteration_tokens_bucket", le="1.0") == 10
+        assert metric(m, "fluidserve_iteration_tokens_bucket", le="16.0") == metric(m, new[0])
+        ttft = delta(m, "fluidserve_time_to_first_token_seconds_sum")
+        e2e = delta(m, "fluidserve_e2e_request_latency_seconds_sum")
+        assert 0 < ttft < e2e
+        assert metric(m, "fluidserve_preemptions_total") == 0
+        assert metric(m, "fluidserve_token_budget") == 16
+
+        async def burst():
+            async with httpx.AsyncClient(base_url=s.url, timeout=120) as c:
+                body = {"max_tokens": 20, "ignore_eos": True, "temperature": 0}
+                return await asyncio.gather(*(
+                    c.post("/v1/completions", json=body | {"prompt": [7 + i] * 40})
+                    for i in range(4)))
+
+        assert {r.status_code for r in asyncio.run(burst())} == {200}
+        too_long = complete(100, 1)  # more KV blocks than the cache has: never admissible
+        assert too_long.status_code == 400 and "KV blocks" in too_long.json()["error"]["message"]
+        m = metric_samples(s.url)
+        assert metric(m, "fluidserve_preemptions_total") > 0
+        assert metric(m, "fluidserve_requests_total", outcome="length") == 6
+        assert metric(m, "fluidserve_generation_tokens_total") == 12 + 80 + aborted_tokens
+        assert metric(m, "fluidserve_requests_rejected_total", reason="invalid") == 1
+        assert metric(m, "fluidserve_num_requests_running") == 0
+        assert metric(m, "fluidserve_num_requests_waiting") == 0
+        assert metric(m, "fluidserve_kv_cache_usage") == 0
+
+
+def test_drain_timeout_fails_what_is_still_running(default_model_dir, tmp_path):
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    log = open(tmp_path / "server.log", "w")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "fluidserve.cli", "serve", "--port", str(port), "--model",
+         str(default_model_dir), "--drain-timeout", "1"],
+        stdout=log, stderr=subprocess.STDOUT, env=os.environ | {"PYTHONUNBUFFERED": "1"},
+    )
+    try:
+        wait_healthy(url, proc=proc)
+        body = {"prompt": PROMPT, "max_tokens": 1500, "ignore_eos": True, "stream": True}
+        with httpx.stream("POST", url + "/v1/completions", timeout=60, json=body) as r:
+            lines = (x for x in r.iter_lines() if x.startswith("data: "))
+            next(lines)
+            t0 = time.monotonic()
+            proc.send_signal(signal.SIGTERM)
+            events = [(time.monotonic() - t0, x[6:]) for x in lines]
+        assert events[-1][1] == "[DONE]"
+        failed_at, last = events[-2]
+        assert "shutting down" in json.loads(last)["error"]["message"]
+        tokens = [t for t, e in events[:-2]]
+        assert len(tokens) < 1500, "the request was failed before it could finish"
+        assert failed_at >= 0.9, "it was failed only after the drain timeout"
+        assert any(0.3 < t < 0.9 for t in tokens), "it kept generating while draining"
         assert proc.wait(30) == 0
     finally:
         if proc.poll() is None:

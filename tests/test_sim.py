@@ -2,17 +2,21 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import math
 from concurrent.futures import Future
 
 import numpy as np
 import pytest
 
-from fluidserve.bench.workload import WorkloadSpec, build_workload
+from fluidserve.bench.workload import WorkloadRequest, WorkloadSpec, build_workload
 from fluidserve.cli import main
 from fluidserve.config import EngineConfig
 from fluidserve.core.scheduler.output import RunnerOutput
 from fluidserve.core.token_budget import find_token_budget
+from fluidserve.engine.engine import LLMEngine, VirtualClock
+from fluidserve.sampling_params import SamplingParams
 from fluidserve.sim.cost_model import CPUCostModel, GPUCostModel, PlanShape, load_cpu_profile
 from fluidserve.sim.run import reference_batch
 from fluidserve.sim.simulate import CostModelExecutor, simulate
@@ -28,6 +32,7 @@ class Recording:
         self.inner, self.cost = inner, cost
         self.num_blocks, self.block_size = inner.num_blocks, inner.block_size
         self.max_model_len = inner.max_model_len
+        self.arch = getattr(inner, "arch", None)
         self.batches: list[tuple] = []
 
     def __setattr__(self, name, value):  # simulate() hands its clock to the executor
@@ -39,25 +44,66 @@ class Recording:
         self.batches.append(plan.composition())
         result = self.inner.submit(plan).result()
         fut = Future()
-        fut.set_result(RunnerOutput(result.sampled, self.cost.iteration_time(plan)))
+        fut.set_result(RunnerOutput(result.sampled, self.cost.iteration_time(plan),
+                                    result.logprobs))
         return fut
 
 
-@pytest.mark.parametrize("scheduler", ["sarathi", "vllm"])
-def test_simulated_batches_equal_real_engine_batches(default_model_dir, scheduler):
-    from fluidserve.model.runner import ModelExecutor
+def run_engine(eng, work: list[WorkloadRequest]) -> dict:
+    """Serve ``work`` on a real engine as the server does: requests join between
+    iterations once they have arrived; when idle, time jumps to the next arrival."""
+    pending, reqs = sorted(work, key=lambda w: w.arrival), {}
+    while pending or eng.has_unfinished():
+        while pending and pending[0].arrival <= eng.clock.now():
+            w = pending.pop(0)
+            params = SamplingParams(max_tokens=w.output_len, temperature=0.0)
+            reqs[w.index] = eng.add_request(str(w.index), [5 + w.index] * w.prompt_len, params,
+                                            w.arrival)
+        if not eng.has_unfinished():
+            eng.clock.t = pending[0].arrival
+            continue
+        eng.step()
+    return reqs
 
+
+@pytest.mark.parametrize("arrivals", ["poisson", "at_once"])
+@pytest.mark.parametrize("scheduler", ["sarathi", "vllm"])
+def test_simulated_batches_equal_real_engine_batches(default_model_dir, scheduler, arrivals):
+    """The real model under a tight KV cache (preemption), with requests ended by the
+    model's EOS at varied lengths, against the simulator given those lengths and the same
+    iteration times: the same batches, the same token times."""
+    from fluidserve.model.runner import ModelExecutor
+    from fluidserve.model.tokenizer import Tokenizer
+
+    tokenizer = Tokenizer(default_model_dir)
     cost = CPUCostModel(load_cpu_profile(None))
+    rate = 40.0 if arrivals == "poisson" else math.inf
     work, _ = build_workload(WorkloadSpec(dataset="uniform", num_prompts=14, input_len=60,
-                                          output_len=10, request_rate=40.0, seed=1))
-    cfg = EngineConfig.create(scheduler=scheduler, token_budget=32, block_size=8, max_num_seqs=6)
-    real = Recording(ModelExecutor(default_model_dir, block_size=8, num_blocks=64), cost)
-    fake = Recording(CostModelExecutor(cost, 64, 8, real.max_model_len), cost)
-    r_real, r_fake = simulate(work, cfg, real), simulate(work, cfg, fake)
-    assert real.batches == fake.batches and len(real.batches) > 20
-    assert [r.gaps for r in r_real.records] == [r.gaps for r in r_fake.records]
-    assert all(r.num_output_tokens == w.output_len for r, w in zip(r_fake.records, work,
-                                                                     strict=True))
+                                          output_len=24, request_rate=rate, seed=1))
+    rng = np.random.default_rng(3)
+    eos_at = {str(w.index): {int(rng.integers(0, w.output_len + 4))} for w in work}
+    cfg = EngineConfig.create(scheduler=scheduler, token_budget=32, block_size=8,
+                              max_num_seqs=6, watermark=0.0)
+    model = ModelExecutor(default_model_dir, block_size=8, num_blocks=24)
+    real = Recording(model, cost)
+    eng = LLMEngine(cfg, executor=real, tokenizer=tokenizer, clock=VirtualClock())
+    eng.core.force_eos_at = eos_at  # the model "says" EOS at a varied index per request
+    reqs = run_engine(eng, work)
+    lengths = [len(reqs[w.index].output_token_ids) for w in work]
+    reasons = {reqs[w.index].finish_reason for w in work}
+    assert reasons == {"stop", "length"} and len(set(lengths)) > 5  # EOS ended most early
+    assert eng.scheduler.num_preemptions > 0
+    # The simulator knows no model: it is given the lengths the model produced.
+    sim_work = [dataclasses.replace(w, output_len=n) for w, n in zip(work, lengths, strict=True)]
+    fake = Recording(CostModelExecutor(cost, 24, 8, model.max_model_len), cost)
+    res = simulate(sim_work, cfg, fake)
+    assert fake.batches == real.batches and len(real.batches) > 30
+    assert res.preemptions == eng.scheduler.num_preemptions
+    for w, rec in zip(work, res.records, strict=True):
+        r = reqs[w.index]
+        assert rec.num_output_tokens == len(r.output_token_ids)
+        assert rec.gaps == [r.token_times[0] - w.arrival] + list(np.diff(r.token_times))
+        assert rec.scheduling_delay == r.first_scheduled_time - w.arrival
 
 
 def test_gpu_cost_model_is_physically_plausible():

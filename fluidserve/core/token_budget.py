@@ -38,7 +38,7 @@ def find_token_budget(
     if tbt_slo <= 0:
         raise ValueError("tbt_slo must be > 0")
     lo, hi = 0, max_budget // tile  # in tiles; lo meets the SLO (0 trivially), hi unknown
-    if batch_time(hi * tile) <= tbt_slo:
+    if hi and batch_time(hi * tile) <= tbt_slo:
         return hi * tile, batch_time(hi * tile)
     while hi - lo > 1:
         mid = (lo + hi) // 2

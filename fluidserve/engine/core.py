@@ -126,6 +126,8 @@ class EngineCore:
         self._iteration_tokens: list[int] = []
         self.collect_stats = False
         self.faults: dict[str, int] = {}  # fault point -> passes left that raise (testing)
+        # Testing (messages.ForceEos): output indices made EOS, for all requests or by id.
+        self.force_eos_at: frozenset[int] | dict[str, set[int]] = frozenset()
 
     def trip(self, point: str) -> None:
         """Raise if a fault was injected at ``point`` (see messages.InjectFault)."""
@@ -221,6 +223,8 @@ class EngineCore:
     def complete(self, plan: SchedulerOutput, result: RunnerOutput, start: float, end: float
                  ) -> EngineCoreOutputs:
         """Apply a finished iteration (``step`` does this; a pipelined loop calls it directly)."""
+        if self.force_eos_at:
+            self._force_eos(plan, result)
         touched = self.scheduler.update(plan, result, end)
         self.telemetry.record_iteration(plan, start, end - start)
         if self._budget_model is not None:
@@ -245,6 +249,15 @@ class EngineCore:
                 self._record_finished(req)
             deltas.append(d)
         return self.make_outputs(deltas)
+
+    def _force_eos(self, plan: SchedulerOutput, result: RunnerOutput) -> None:
+        at = self.force_eos_at
+        for c in plan.chunks:
+            req = self.scheduler.requests.get(c.request_id)
+            where = at.get(c.request_id, ()) if isinstance(at, dict) else at
+            if c.samples and c.output_index in where and req is not None \
+                    and req.eos_token_id is not None:
+                result.sampled[c.request_id] = req.eos_token_id
 
     def stats(self) -> SchedulerStats:
         s = self.scheduler

@@ -32,6 +32,7 @@ from fluidserve.engine.messages import (
     CoreReady,
     EngineCoreOutputs,
     FailAll,
+    ForceEos,
     InjectFault,
     RequestDelta,
     Shutdown,
@@ -118,6 +119,8 @@ def _busy_loop(core, inbox: Connection, outbox: Connection) -> None:
             elif isinstance(msg, Shutdown):
                 outbox.send(core.make_outputs(core.fail_all("the server is shutting down")))
                 return
+            elif isinstance(msg, ForceEos):
+                core.force_eos_at = msg.at
             elif isinstance(msg, InjectFault):
                 core.faults[msg.point] = msg.times
         core.trip("loop")
@@ -199,6 +202,10 @@ class EngineCoreClient:
 
     def fail_all(self, message: str) -> None:
         self._sendq.put(FailAll(message))
+
+    def force_eos(self, at: set[int]) -> None:
+        """Testing: see ``messages.ForceEos``."""
+        self._sendq.put(ForceEos(frozenset(at)))
 
     def inject_fault(self, point: str, times: int = 1) -> None:
         """Testing: see ``messages.InjectFault``."""

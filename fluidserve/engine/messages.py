@@ -41,6 +41,14 @@ class Shutdown:
 
 
 @dataclass(frozen=True, slots=True)
+class ForceEos:
+    """Testing: from now on, the output tokens at these indices are the request's EOS token
+    (a model that "says" EOS where a test wants it); an empty set turns it off."""
+
+    at: frozenset[int]
+
+
+@dataclass(frozen=True, slots=True)
 class InjectFault:
     """Testing: make the next ``times`` passes through a fault point raise.
 

@@ -129,6 +129,7 @@ class Scheduler(ABC):
     def schedule(self, now: float, busy: frozenset[str] = frozenset()) -> SchedulerOutput:
         """Build the next batch. ``busy``: requests in micro-batches still in the pipeline."""
         self._preempted: list[str] = []
+        self._short = False  # a request went without the blocks it needs, none preempted
         self._busy = busy
         batch = self._build(now)
         self.iteration += 1
@@ -206,21 +207,22 @@ class Scheduler(ABC):
     def _reserve(self, req: Request, n: int, batch: Batch) -> bool:
         """Make room for ``n`` more tokens of running ``req``, preempting from the tail.
 
-        Victims are the most recently admitted running requests not already in this batch.
-        If only ``req`` itself is left to preempt, it is preempted and False is returned.
+        Victims are the most recently admitted running requests not already in this batch,
+        down to ``req`` itself: when ``req`` is the latest of them, it is preempted and False
+        is returned. A request never evicts one admitted before it, or two requests that do
+        not fit together could evict each other's recompute forever. While requests are in
+        flight (``busy``), ``req`` is not preempted but waits, keeping its blocks: it may
+        only lack blocks that in-flight requests hold, and evicting itself each time could
+        let two requests take turns throwing their progress away forever.
         """
         total = req.num_computed_tokens + n
         while not self.bm.allocate(req.request_id, total):
-            victim = next(
-                (
-                    r
-                    for r in reversed(self.running)
-                    if r is not req and r.request_id not in batch.ids
-                ),
-                None,
-            )
-            self._preempt(victim or req)
-            if victim is None:
+            victim = next(r for r in reversed(self.running) if r.request_id not in batch.ids)
+            if victim is req and self._busy:
+                self._short = True
+                return False
+            self._preempt(victim)
+            if victim is req:
                 return False
         return True
 
@@ -267,7 +269,7 @@ class Scheduler(ABC):
                 return
             if self._reserve(req, n, batch):
                 batch.add(req, n)
-        if self._preempted:
+        if self._preempted or self._short:
             return  # memory is short: admitting now would only preempt again
         for req in self.waiting.ordered():
             if batch.num_prefills >= max_prefills or batch.left <= 0:

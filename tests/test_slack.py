@@ -20,9 +20,10 @@ def predictor(base: float, per_decode: float, per_token: float, per_ctx: float):
     return predict
 
 
-def setup(policy: str, contexts: list[int], prompt: int, slo: float, predict):
+def setup(policy: str, contexts: list[int], prompt: int, slo: float, predict,
+          max_seqs: int = 256):
     """A scheduler with one running decode per context and one waiting prompt."""
-    sched = make_scheduler(policy, SchedulerLimits(8192, 256, 1 << 16, 1, "fcfs"),
+    sched = make_scheduler(policy, SchedulerLimits(8192, max_seqs, 1 << 16, 1, "fcfs"),
                            BlockManager(4096, 16))
     for i, ctx in enumerate(contexts):
         req = Request(f"d{i}", [3] * ctx, SamplingParams(max_tokens=50), 0.0)
@@ -84,3 +85,14 @@ def test_slack_lends_decode_turns_to_the_prefill():
     s_plan, p_plan = sched.schedule(1.0), plain.schedule(1.0)
     assert not any(c.is_decode for c in s_plan.chunks) and sched.num_skipped == 10
     assert s_plan.num_prefill_tokens > p_plan.num_prefill_tokens
+
+
+def test_no_turn_is_lent_when_the_prefill_cannot_start():
+    # max_num_seqs is reached: the waiting prompt cannot be admitted, so skipping the decodes
+    # would leave an empty iteration (and stall an engine with nothing in flight).
+    predict = predictor(0.005, 0.001, 1e-4, 0.0)
+    sched = setup("sarathi_slack", [50] * 4, 3000, 0.1, predict, max_seqs=4)
+    sched.deadline = {f"d{i}": 1.5 for i in range(4)}
+    plan = sched.schedule(1.0)
+    assert sorted(c.request_id for c in plan.chunks) == [f"d{i}" for i in range(4)]
+    assert sched.num_skipped == 0

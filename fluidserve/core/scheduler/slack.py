@@ -60,7 +60,7 @@ class SlackScheduler(StallFreeScheduler):
         prefix = self._next_prefix(batch)
         budget = pol(ctxs, prefix)
         plain_time = pol.predict(ctxs, budget - len(ctxs), prefix)
-        keep = decodes
+        keep, skipped = decodes, []
         if pol.reachable and self._has_prefill(batch):
             far = now + 2 * pol.target
             keep = [r for r in decodes if self.deadline.get(r.request_id, now) < far]
@@ -74,7 +74,7 @@ class SlackScheduler(StallFreeScheduler):
             kept_ctxs = [r.num_computed_tokens + 1 for r in keep]
             chunk, _ = pol.chunk(kept_ctxs, prefix, limit)
             if chunk > budget - len(ctxs):
-                self.num_skipped += len(decodes) - len(keep)
+                skipped = [r for r in decodes if r not in keep]
                 batch = self._new_batch(math.inf)
                 for r in keep:  # the skipped keep their blocks for their next turn
                     batch.add(r, 1, is_decode=True)
@@ -83,6 +83,13 @@ class SlackScheduler(StallFreeScheduler):
         batch.left = budget - len(batch.entries)
         pol.last = budget
         self._schedule_prefills(batch, now, chunked=True, max_prefills=self.max_prefills)
+        if skipped and batch.num_prefills == 0:
+            # No prefill could start after all (no KV room, or max_num_seqs): lending the
+            # turn would only delay the decodes, and an empty batch would stall the engine.
+            for r in skipped:
+                batch.add(r, 1, is_decode=True)
+        else:
+            self.num_skipped += len(skipped)
         return batch
 
     def _has_prefill(self, batch: Batch) -> bool:

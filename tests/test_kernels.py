@@ -110,3 +110,41 @@ def test_kernels_can_be_disabled_and_the_engine_falls_back():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          env=os.environ | {"FLUIDSERVE_NO_KERNELS": "1"}, check=True)
     assert out.stdout.split() == ["True", "disabled", "by", "FLUIDSERVE_NO_KERNELS", "False"]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fused_elementwise_kernels_match_the_eager_layers(dtype):
+    from fluidserve.model.arch import parse_arch
+    from fluidserve.model.llama import RMSNorm, Rotary, apply_rope
+
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(7, 96, generator=g).to(dtype)
+    res = torch.randn(7, 96, generator=g).to(dtype)
+    norm = RMSNorm(96, 1e-5)
+    norm.weight.data = (torch.rand(96, generator=g) + 0.5).to(dtype)
+    tol = dict(atol=0, rtol=0) if dtype == torch.bfloat16 else dict(atol=1e-6, rtol=1e-6)
+    with torch.no_grad():
+        torch.testing.assert_close(norm.native(x), norm(x), **tol)
+        h, r = norm.add_native(x.clone(), res.clone())
+        torch.testing.assert_close(r, res + x, atol=0, rtol=0)
+        torch.testing.assert_close(h, norm(res + x), **tol)
+        # RoPE in place on views of a fused QKV row (H=3, Hkv=2, D=32), positions out of order.
+        cfg = parse_arch({"architectures": ["LlamaForCausalLM"], "vocab_size": 10,
+                          "hidden_size": 96, "intermediate_size": 10, "num_hidden_layers": 1,
+                          "num_attention_heads": 3, "num_key_value_heads": 2})
+        rot = Rotary(cfg, 64)
+        qkv = torch.randn(5, (3 + 2 + 2) * 32, generator=g).to(dtype)
+        pos = torch.tensor([3, 0, 63, 17, 5])
+        q, k = qkv[:, :96].view(5, 3, 32), qkv[:, 96:160].view(5, 2, 32)
+        cos, sin = rot(pos)
+        want_q, want_k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        ops.rope(q, k, pos, rot.cos, rot.sin)
+        close = dict(atol=1e-2, rtol=1e-2) if dtype == torch.bfloat16 else dict(atol=1e-5,
+                                                                                rtol=1e-5)
+        torch.testing.assert_close(q, want_q, **close)
+        torch.testing.assert_close(k, want_k, **close)
+        gu = torch.randn(6, 2 * 40, generator=g).to(dtype) * 3
+        out = gu.new_empty(6, 40)
+        ops.silu_and_mul(out, gu)
+        gate, up = gu.chunk(2, dim=-1)
+        torch.testing.assert_close(out, F.silu(gate) * up, **close)

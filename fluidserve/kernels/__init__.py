@@ -87,7 +87,9 @@ def _build_cpu() -> ModuleType | None:
             verbose=False,
         )
     except Exception as e:  # no compiler, missing headers, a failed build: use eager code
-        _errors["cpu"] = f"{type(e).__name__}: {str(e).strip().splitlines()[-1][:300]}"
+        lines = str(e).strip().splitlines() or [""]
+        first = next((ln for ln in lines if "error:" in ln), lines[-1])  # the compiler's own
+        _errors["cpu"] = f"{type(e).__name__}: {first.strip()[:300]}"
         log.warning("compiled CPU kernels unavailable (%s); using eager attention",
                     _errors["cpu"])
         return None

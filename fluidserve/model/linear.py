@@ -14,6 +14,7 @@ per-shape primitives stays bounded.
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 
@@ -33,9 +34,11 @@ def padded_rows(m: int) -> int:
     oneDNN builds (and caches, without a useful bound) one primitive per input shape: with
     the token count of every iteration a new shape, the engine's memory grew by ~0.2 MB per
     distinct count and layer shape (hundreds of MB over a long run). Rounding up to a small
-    set of sizes bounds the cache; the padding is nearly free (at 1-16 tokens the product is
-    bound by reading the weights; measured: 16 rows take no longer than 1).
+    set of sizes bounds the cache; the padding is nearly free (the product is bound by reading
+    the weights until well past 16 rows).
     """
+    if m <= 16:  # sixteen shapes; a single row is the decode of one request
+        return m
     step = 16 if m <= 256 else 64 if m <= 1024 else 256
     return -(-m // step) * step
 
@@ -54,7 +57,7 @@ class PackedLinear(nn.Module):
         m = x.shape[0]
         rows = padded_rows(m)
         if rows != m:
-            x = torch.cat([x, x.new_zeros(rows - m, x.shape[1])])
+            x = F.pad(x, (0, 0, 0, rows - m))
         y = torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
         return y[:m] if rows != m else y
 

@@ -29,6 +29,24 @@ class RMSNorm(nn.Module):
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * x.to(dtype)
 
+    # Compiled variants (fluidserve.kernels), rounding as the eager code does.
+    def native(self, x: torch.Tensor) -> torch.Tensor:
+        out = torch.empty_like(x)
+        _ops().rms_norm(out, x, self.weight, self.eps)
+        return out
+
+    def add_native(self, x: torch.Tensor, residual: torch.Tensor
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(norm(residual + x), residual + x), computed in place in x and residual."""
+        _ops().fused_add_rms_norm(x, residual, self.weight, self.eps)
+        return x, residual
+
+
+def _ops():
+    from fluidserve.kernels import cpu_ops
+
+    return cpu_ops()
+
 
 def rope_inv_freq(cfg: ArchConfig) -> torch.Tensor:
     d = cfg.head_dim
@@ -138,6 +156,16 @@ class Attention(nn.Module):
         o = paged_attention(q, k, v, kv[0], kv[1], meta, self.scale)  # [T, H/tp, D]
         return self.tp.all_reduce(self.o_proj(o.reshape(t, self.h * self.d)))
 
+    def forward_native(self, x, positions, rotary, meta: AttentionMetadata, kv):
+        t, h, hkv, d = x.shape[0], self.h, self.hkv, self.d
+        qkv = self.qkv_proj(x)  # [T, (H + 2 Hkv) D]; RoPE is applied in place
+        q = qkv[:, : h * d].view(t, h, d)
+        k = qkv[:, h * d : (h + hkv) * d].view(t, hkv, d)
+        v = qkv[:, (h + hkv) * d :].view(t, hkv, d)
+        _ops().rope(q, k, positions, rotary.cos, rotary.sin)
+        o = paged_attention(q.contiguous(), k, v, kv[0], kv[1], meta, self.scale)
+        return self.tp.all_reduce(self.o_proj(o.reshape(t, h * d)))
+
 
 class MLP(nn.Module):
     """Column-parallel gate/up projection, row-parallel down projection."""
@@ -152,6 +180,12 @@ class MLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
         return self.tp.all_reduce(self.down_proj(F.silu(gate) * up))
+
+    def forward_native(self, x: torch.Tensor) -> torch.Tensor:
+        gu = self.gate_up_proj(x)
+        act = gu.new_empty(gu.shape[0], gu.shape[1] // 2)
+        _ops().silu_and_mul(act, gu)
+        return self.tp.all_reduce(self.down_proj(act))
 class DecoderLayer(nn.Module):
     def __init__(self, cfg: ArchConfig, tp: TensorParallel) -> None:
         super().__init__()
@@ -163,6 +197,17 @@ class DecoderLayer(nn.Module):
     def forward(self, x, cos, sin, meta, kv):
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, meta, kv)
         return x + self.mlp(self.post_attention_layernorm(x))
+
+    def forward_native(self, h, residual, positions, rotary, meta, kv):
+        """The same layer on the compiled kernels, as a (layer output, residual stream) pair:
+        the residual add is fused into the next norm (x = residual + h)."""
+        if residual is None:
+            h, residual = self.input_layernorm.native(h), h
+        else:
+            h, residual = self.input_layernorm.add_native(h, residual)
+        h = self.self_attn.forward_native(h, positions, rotary, meta, kv)
+        h, residual = self.post_attention_layernorm.add_native(h, residual)
+        return self.mlp.forward_native(h), residual
 
 
 class LlamaForCausalLM(nn.Module):
@@ -198,6 +243,20 @@ class LlamaForCausalLM(nn.Module):
     ) -> torch.Tensor:
         """[S, vocab] logits on the last stage (model dtype), else [T, hidden] states."""
         x = self.embed_tokens(inputs) if self.shard.first else inputs
+        if meta.native and x.is_contiguous():
+            h, residual = x, None
+            for layer, kv in zip(self.layers, kv_caches, strict=True):
+                h, residual = layer.forward_native(h, residual, positions, self.rotary, meta, kv)
+            if residual is not None:
+                if self.shard.last:  # only the sampled rows go on
+                    x = residual[logits_idx] + h[logits_idx]
+                    return self.lm_head(self.norm(x))
+                x = residual + h
+            else:
+                x = h
+            if not self.shard.last:
+                return x
+            return self.lm_head(self.norm(x[logits_idx]))
         cos, sin = self.rotary(positions)
         for layer, kv in zip(self.layers, kv_caches, strict=True):
             x = layer(x, cos, sin, meta, kv)

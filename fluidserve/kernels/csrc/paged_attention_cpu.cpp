@@ -35,6 +35,7 @@ constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
 struct WorkItem {
   int32_t run;
+  int32_t all_heads;  // 1: a decode item over query heads head0.. of several kv heads
   int32_t kv_head;
   int32_t head0;    // first query head of the group, relative to the kv head's group
   int32_t heads;    // query heads in the item
@@ -226,6 +227,122 @@ void attend(const WorkItem& w, const Batch& b, const T* q, T* out, const T* k_ca
   }
 }
 
+// A decode item: one query token, query heads head0 .. head0 + heads - 1 (whole groups of
+// kv heads). Blocks are visited once, all the item's kv heads together (contiguous in the
+// cache), with the blocks two ahead prefetched; the score and value passes are the ones of
+// ``attend``.
+template <typename T, int BS>
+void attend_decode(const WorkItem& w, const Batch& b, const T* q, T* out, const T* k_cache,
+                   const T* v_cache, std::vector<float>& scores) {
+  constexpr int NV = BS / 16;
+  const int G = b.H / b.Hkv, D = b.D;
+  const int R = w.heads, h0 = w.head0, kv0 = h0 / G, nkv = R / G;
+  const int q0 = b.cu_q[w.run];
+  const int ctx = b.ctx_lens[w.run];
+  const int32_t* table = b.tables + w.run * b.table_stride;
+  const int num_blocks = (ctx - 1) / BS + 1;
+  const int width = num_blocks * BS;
+  const int64_t kv_stride = static_cast<int64_t>(b.Hkv) * BS * D;
+  const int64_t off = static_cast<int64_t>(kv0) * BS * D;
+  const int span = nkv * BS * D * static_cast<int>(sizeof(T));  // bytes read per block
+
+  alignas(64) float qf[kMaxRows][kMaxHeadDim];
+  alignas(64) float acc[kMaxRows][kMaxHeadDim];
+  for (int r = 0; r < R; ++r) {
+    const T* qr = q + (static_cast<int64_t>(q0) * b.H + h0 + r) * D;
+    for (int d = 0; d < D; ++d) qf[r][d] = static_cast<float>(qr[d]) * b.scale;
+    std::fill(acc[r], acc[r] + D, 0.0f);
+  }
+  scores.resize(static_cast<size_t>(R) * width);
+  float* sc = scores.data();
+  for (int blk = 0; blk < num_blocks; ++blk) {  // pass 1: scores
+    if (blk + 2 < num_blocks) prefetch(k_cache + table[blk + 2] * kv_stride + off, span);
+    const T* kb = k_cache + table[blk] * kv_stride + off;
+    for (int k = 0; k < nkv; ++k) {
+      const T* kt = kb + k * BS * D;  // [D, BS]
+      for (int r0 = k * G; r0 < (k + 1) * G; r0 += 4) {
+        const int nr = std::min(4, (k + 1) * G - r0);
+        if (nr == 4) {  // the common case, with every accumulator in a register
+          v16f s[4][NV] = {};
+          for (int d = 0; d < D; ++d)
+            for (int c = 0; c < NV; ++c) {
+              const v16f kv = load16(kt + d * BS + 16 * c);
+              for (int rr = 0; rr < 4; ++rr) s[rr][c] += qf[r0 + rr][d] * kv;
+            }
+          for (int rr = 0; rr < 4; ++rr)
+            for (int c = 0; c < NV; ++c)
+              store16(sc + (r0 + rr) * width + blk * BS + 16 * c, s[rr][c]);
+          continue;
+        }
+        for (int rr = 0; rr < nr; ++rr) {
+          v16f s1[NV] = {};
+          for (int d = 0; d < D; ++d)
+            for (int c = 0; c < NV; ++c) s1[c] += qf[r0 + rr][d] * load16(kt + d * BS + 16 * c);
+          for (int c = 0; c < NV; ++c) store16(sc + (r0 + rr) * width + blk * BS + 16 * c, s1[c]);
+        }
+      }
+    }
+  }
+  float inv_sum[kMaxRows];
+  for (int r = 0; r < R; ++r) {  // pass 2: softmax over the ctx visible keys
+    float* row = sc + r * width;
+    std::fill(row + ctx, row + width, kNegInf);
+    v16f vm = splat(kNegInf);
+    for (int i = 0; i < width; i += 16) {
+      const v16f x = load16(row + i);
+      vm = x > vm ? x : vm;
+    }
+    const float mx = hmax(vm);
+    v16f vs = {};
+    for (int i = 0; i < width; i += 16) {
+      const v16f e = vexp(load16(row + i) - mx);
+      store16(row + i, e);
+      vs += e;
+    }
+    inv_sum[r] = 1.0f / hsum(vs);
+  }
+  for (int blk = 0; blk < num_blocks; ++blk) {  // pass 3: probability-weighted values
+    if (blk + 2 < num_blocks) prefetch(v_cache + table[blk + 2] * kv_stride + off, span);
+    const T* vb = v_cache + table[blk] * kv_stride + off;
+    const int nj = std::min(BS, ctx - blk * BS);
+    for (int k = 0; k < nkv; ++k) {
+      const T* vh = vb + k * BS * D;  // [BS, D]
+      for (int r0 = k * G; r0 < (k + 1) * G; r0 += 4) {
+        const int nr = std::min(4, (k + 1) * G - r0);
+        const float* p0 = sc + r0 * width + blk * BS;
+        if (nr == 4 && D % 64 == 0) {  // the common case, accumulators in registers
+          for (int d0 = 0; d0 < D; d0 += 64) {
+            v16f a[4][4];
+            for (int rr = 0; rr < 4; ++rr)
+              for (int c = 0; c < 4; ++c) a[rr][c] = load16(&acc[r0 + rr][d0 + 16 * c]);
+            for (int j = 0; j < nj; ++j) {
+              v16f v[4];
+              for (int c = 0; c < 4; ++c) v[c] = load16(vh + j * D + d0 + 16 * c);
+              for (int rr = 0; rr < 4; ++rr) {
+                const float pr = p0[rr * width + j];
+                for (int c = 0; c < 4; ++c) a[rr][c] += pr * v[c];
+              }
+            }
+            for (int rr = 0; rr < 4; ++rr)
+              for (int c = 0; c < 4; ++c) store16(&acc[r0 + rr][d0 + 16 * c], a[rr][c]);
+          }
+          continue;
+        }
+        for (int rr = 0; rr < nr; ++rr)
+          for (int d0 = 0; d0 < D; d0 += 16) {
+            v16f a = load16(&acc[r0 + rr][d0]);
+            for (int j = 0; j < nj; ++j) a += p0[rr * width + j] * load16(vh + j * D + d0);
+            store16(&acc[r0 + rr][d0], a);
+          }
+      }
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    T* o = out + (static_cast<int64_t>(q0) * b.H + h0 + r) * D;
+    for (int d = 0; d < D; ++d) o[d] = static_cast<T>(acc[r][d] * inv_sum[r]);
+  }
+}
+
 std::vector<WorkItem> make_items(const Batch& b, int64_t num_runs, int block_size,
                                  const std::vector<uint8_t>& skip) {
   const int G = b.H / b.Hkv;
@@ -236,17 +353,36 @@ std::vector<WorkItem> make_items(const Batch& b, int64_t num_runs, int block_siz
     if (skip[s]) continue;
     const int q_len = b.cu_q[s + 1] - b.cu_q[s];
     const int first_pos = b.ctx_lens[s] - q_len;
+    if (q_len == 1 && G <= kMaxRows && kMaxRows % G == 0) {
+      // A decode: whole kv-head groups per item, so each block's keys and values of those
+      // heads are read as one contiguous stretch.
+      const int per_item = std::min(b.H, kMaxRows);
+      const int64_t blocks = (b.ctx_lens[s] - 1) / block_size + 1;
+      for (int h0 = 0; h0 < b.H; h0 += per_item)
+        items.push_back({s, 1, h0 / G, h0, std::min(per_item, b.H - h0), 0, 1,
+                         blocks * per_item});
+      continue;
+    }
     for (int t0 = 0; t0 < q_len; t0 += toks) {
       const int nt = std::min(toks, q_len - t0);
       const int64_t blocks = (first_pos + t0 + nt - 1) / block_size + 1;
       for (int kvh = 0; kvh < b.Hkv; ++kvh)
         for (int h0 = 0; h0 < G; h0 += heads)
-          items.push_back({s, kvh, h0, std::min(heads, G - h0), t0, nt, blocks * nt * heads});
+          items.push_back({s, 0, kvh, h0, std::min(heads, G - h0), t0, nt, blocks * nt * heads});
     }
   }
   std::sort(items.begin(), items.end(),
             [](const WorkItem& a, const WorkItem& c) { return a.cost > c.cost; });
   return items;
+}
+
+template <typename T, int BS>
+inline void attend_item(const WorkItem& w, const Batch& b, const T* q, T* out, const T* kc,
+                        const T* vc, std::vector<float>& scores) {
+  if (w.all_heads)
+    attend_decode<T, BS>(w, b, q, out, kc, vc, scores);
+  else
+    attend<T, BS>(w, b, q, out, kc, vc, scores);
 }
 
 template <typename T, int BS>
@@ -256,14 +392,14 @@ void run_items(const std::vector<WorkItem>& items, const Batch& b, const T* q, T
   const int threads = std::min<int64_t>(at::get_num_threads(), n);
   if (threads <= 1 || at::in_parallel_region()) {
     std::vector<float> scores;
-    for (int64_t i = 0; i < n; ++i) attend<T, BS>(items[i], b, q, out, kc, vc, scores);
+    for (int64_t i = 0; i < n; ++i) attend_item<T, BS>(items[i], b, q, out, kc, vc, scores);
     return;
   }
 #pragma omp parallel num_threads(threads)
   {
     std::vector<float> scores;
 #pragma omp for schedule(dynamic, 1)
-    for (int64_t i = 0; i < n; ++i) attend<T, BS>(items[i], b, q, out, kc, vc, scores);
+    for (int64_t i = 0; i < n; ++i) attend_item<T, BS>(items[i], b, q, out, kc, vc, scores);
   }
 }
 
@@ -305,6 +441,105 @@ void argmax_impl(const at::Tensor& logits, int64_t S, int64_t V, int64_t* out) {
       for (; i < V; ++i)
         if (static_cast<float>(row[i]) > best) best = static_cast<float>(row[i]), idx = i;
       out[s] = idx;  // a row of NaNs or -inf has no maximum: token 0
+    }
+  });
+}
+
+template <typename T>
+inline T round_to(float x) { return static_cast<T>(x); }
+
+template <typename T>
+void norm_row(T* out, const T* x, const T* w, int64_t n, double eps) {
+  float ss = 0.0f;
+  for (int64_t i = 0; i < n; ++i) {
+    const float v = static_cast<float>(x[i]);
+    ss += v * v;
+  }
+  const float inv = 1.0f / std::sqrt(ss / static_cast<float>(n) + static_cast<float>(eps));
+  for (int64_t i = 0; i < n; ++i) {
+    const T normed = round_to<T>(static_cast<float>(x[i]) * inv);  // .to(dtype)
+    out[i] = round_to<T>(static_cast<float>(w[i]) * static_cast<float>(normed));
+  }
+}
+
+template <typename T>
+void add_norm_impl(at::Tensor& x, at::Tensor& residual, const at::Tensor& weight, double eps,
+                   int64_t T_, int64_t Hd) {
+  T* xd = x.data_ptr<T>();
+  T* rd = residual.data_ptr<T>();
+  const T* w = weight.data_ptr<T>();
+  at::parallel_for(0, T_, 16, [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t) {
+      T* xr = xd + t * Hd;
+      T* rr = rd + t * Hd;
+      for (int64_t i = 0; i < Hd; ++i)
+        rr[i] = round_to<T>(static_cast<float>(rr[i]) + static_cast<float>(xr[i]));
+      norm_row<T>(xr, rr, w, Hd, eps);
+    }
+  });
+}
+
+template <typename T>
+void norm_impl(at::Tensor& out, const at::Tensor& x, const at::Tensor& weight, double eps,
+               int64_t T_, int64_t Hd) {
+  T* od = out.data_ptr<T>();
+  const T* xd = x.data_ptr<T>();
+  const T* w = weight.data_ptr<T>();
+  at::parallel_for(0, T_, 16, [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t) norm_row<T>(od + t * Hd, xd + t * Hd, w, Hd, eps);
+  });
+}
+
+template <typename T>
+void rope_rows(T* base, int64_t heads, int64_t D, const float* c, const float* s) {
+  const int64_t h2 = D / 2;
+  for (int64_t h = 0; h < heads; ++h) {
+    T* x = base + h * D;
+    for (int64_t i = 0; i < h2; ++i) {
+      const float a = static_cast<float>(x[i]), b = static_cast<float>(x[i + h2]);
+      const float lo = a * c[i] + (-b) * s[i];
+      const float hi = b * c[i + h2] + a * s[i + h2];
+      x[i] = round_to<T>(lo);
+      x[i + h2] = round_to<T>(hi);
+    }
+  }
+}
+
+template <typename T>
+void rope_impl(at::Tensor& q, at::Tensor& k, const at::Tensor& positions, const at::Tensor& cos,
+               const at::Tensor& sin) {
+  const int64_t T_ = q.size(0), H = q.size(1), Hkv = k.size(1), D = q.size(2);
+  const int64_t* pos = positions.data_ptr<int64_t>();
+  const float* cd = cos.data_ptr<float>();
+  const float* sd = sin.data_ptr<float>();
+  T* qd = q.data_ptr<T>();
+  T* kd = k.data_ptr<T>();
+  const int64_t qs = q.stride(0), ks = k.stride(0), cs = cos.stride(0);
+  at::parallel_for(0, T_, 16, [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t) {
+      const float* c = cd + pos[t] * cs;
+      const float* s = sd + pos[t] * cs;
+      rope_rows<T>(qd + t * qs, H, D, c, s);
+      rope_rows<T>(kd + t * ks, Hkv, D, c, s);
+    }
+  });
+}
+
+template <typename T>
+void silu_mul_impl(at::Tensor& out, const at::Tensor& x) {
+  const int64_t T_ = x.size(0), I = x.size(1) / 2;
+  const T* xd = x.data_ptr<T>();
+  T* od = out.data_ptr<T>();
+  at::parallel_for(0, T_, 4, [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t) {
+      const T* g = xd + t * 2 * I;
+      const T* u = g + I;
+      T* o = od + t * I;
+      for (int64_t i = 0; i < I; ++i) {
+        const float gv = static_cast<float>(g[i]);
+        const T act = round_to<T>(gv / (1.0f + std::exp(-gv)));  // F.silu
+        o[i] = round_to<T>(static_cast<float>(act) * static_cast<float>(u[i]));
+      }
     }
   });
 }
@@ -436,7 +671,63 @@ at::Tensor argmax_rows(const at::Tensor& logits) {
   return out;
 }
 
+// ---------------------------------------------------------------------------------------
+// Fused elementwise layers: one call each instead of a handful of PyTorch operators (whose
+// dispatch, not arithmetic, dominates at small batches). They round where the eager code
+// rounds (to the model dtype after each PyTorch operator), so results match it closely.
+
+// residual += x (in the model dtype); x = rmsnorm(residual) * weight. x, residual: [T, H].
+void fused_add_rms_norm(at::Tensor x, at::Tensor residual, const at::Tensor& weight,
+                        double eps) {
+  TORCH_CHECK(x.is_contiguous() && residual.is_contiguous() && weight.is_contiguous(),
+              "contiguous tensors expected");
+  const int64_t T = x.size(0), Hd = x.size(1);
+  AT_DISPATCH_SWITCH(x.scalar_type(), "fused_add_rms_norm",
+    AT_DISPATCH_CASE(at::kFloat, [&] { add_norm_impl<scalar_t>(x, residual, weight, eps, T, Hd); })
+    AT_DISPATCH_CASE(at::kBFloat16, [&] { add_norm_impl<scalar_t>(x, residual, weight, eps, T, Hd); })
+    AT_DISPATCH_CASE(at::kHalf, [&] { add_norm_impl<scalar_t>(x, residual, weight, eps, T, Hd); }));
+}
+
+// out = rmsnorm(x) * weight, x unchanged.
+void rms_norm(at::Tensor out, const at::Tensor& x, const at::Tensor& weight, double eps) {
+  TORCH_CHECK(x.is_contiguous() && out.is_contiguous(), "contiguous tensors expected");
+  const int64_t T = x.size(0), Hd = x.size(1);
+  AT_DISPATCH_SWITCH(x.scalar_type(), "rms_norm",
+    AT_DISPATCH_CASE(at::kFloat, [&] { norm_impl<scalar_t>(out, x, weight, eps, T, Hd); })
+    AT_DISPATCH_CASE(at::kBFloat16, [&] { norm_impl<scalar_t>(out, x, weight, eps, T, Hd); })
+    AT_DISPATCH_CASE(at::kHalf, [&] { norm_impl<scalar_t>(out, x, weight, eps, T, Hd); }));
+}
+
+// Rotate-half RoPE in place on q [T, H, D] and k [T, Hkv, D] (row strides may exceed H*D,
+// as for views into a fused QKV output); cos, sin: [max_len, D] float32.
+void rope(at::Tensor q, at::Tensor k, const at::Tensor& positions, const at::Tensor& cos,
+          const at::Tensor& sin) {
+  TORCH_CHECK(positions.scalar_type() == at::kLong && cos.scalar_type() == at::kFloat,
+              "positions int64, cos/sin float32");
+  TORCH_CHECK(q.stride(2) == 1 && k.stride(2) == 1 && q.stride(1) == q.size(2) &&
+                  k.stride(1) == k.size(2), "q/k: heads contiguous within a token");
+  AT_DISPATCH_SWITCH(q.scalar_type(), "rope",
+    AT_DISPATCH_CASE(at::kFloat, [&] { rope_impl<scalar_t>(q, k, positions, cos, sin); })
+    AT_DISPATCH_CASE(at::kBFloat16, [&] { rope_impl<scalar_t>(q, k, positions, cos, sin); })
+    AT_DISPATCH_CASE(at::kHalf, [&] { rope_impl<scalar_t>(q, k, positions, cos, sin); }));
+}
+
+// out [T, I] = silu(x[:, :I]) * x[:, I:], rounding after each operator like the eager code.
+void silu_and_mul(at::Tensor out, const at::Tensor& x) {
+  TORCH_CHECK(x.is_contiguous() && out.is_contiguous(), "contiguous tensors expected");
+  AT_DISPATCH_SWITCH(x.scalar_type(), "silu_and_mul",
+    AT_DISPATCH_CASE(at::kFloat, [&] { silu_mul_impl<scalar_t>(out, x); })
+    AT_DISPATCH_CASE(at::kBFloat16, [&] { silu_mul_impl<scalar_t>(out, x); })
+    AT_DISPATCH_CASE(at::kHalf, [&] { silu_mul_impl<scalar_t>(out, x); }));
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("fused_add_rms_norm", &fused_add_rms_norm, "residual += x; x = rmsnorm(residual) * w",
+        py::call_guard<py::gil_scoped_release>());
+  m.def("rms_norm", &rms_norm, "out = rmsnorm(x) * w", py::call_guard<py::gil_scoped_release>());
+  m.def("rope", &rope, "rotate-half RoPE in place", py::call_guard<py::gil_scoped_release>());
+  m.def("silu_and_mul", &silu_and_mul, "silu(gate) * up",
+        py::call_guard<py::gil_scoped_release>());
   m.def("argmax_rows", &argmax_rows, "Per-row argmax (first index among ties)",
         py::call_guard<py::gil_scoped_release>());
   m.def("paged_attention", &paged_attention, "Paged attention over a flattened hybrid batch",

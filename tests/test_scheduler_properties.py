@@ -45,7 +45,8 @@ CHUNKED = {"sarathi", "sarathi_slack", "decode_maximal", "chunked_only"}
 WHOLE_FIRST_PREFILL = {"vllm", "hybrid_only"}
 NO_BUDGET = {"orca", "faster_transformer"}
 NEVER_MIXED = {"vllm", "chunked_only"}  # an iteration is prefill-only or decode-only
-DECODES_NEVER_WAIT = {"sarathi", "sarathi_slack", "orca", "hybrid_only", "decode_maximal", "faster_transformer"}
+DECODES_NEVER_WAIT = {"sarathi", "sarathi_slack", "orca", "hybrid_only", "decode_maximal",
+                      "faster_transformer"}
 QUEUE_KEYS = {
     "fcfs": lambda r: r.arrival_time,
     "sjf": lambda r: r.num_prompt_tokens,

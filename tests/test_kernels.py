@@ -118,10 +118,11 @@ def test_fused_elementwise_kernels_match_the_eager_layers(dtype):
     from fluidserve.model.llama import RMSNorm, Rotary, apply_rope
 
     g = torch.Generator().manual_seed(5)
-    x = torch.randn(7, 96, generator=g).to(dtype)
-    res = torch.randn(7, 96, generator=g).to(dtype)
-    norm = RMSNorm(96, 1e-5)
-    norm.weight.data = (torch.rand(96, generator=g) + 0.5).to(dtype)
+    # 200 = three 64-wide steps, one 16-wide step and a scalar tail; 37 rows span threads.
+    x = torch.randn(37, 200, generator=g).to(dtype)
+    res = torch.randn(37, 200, generator=g).to(dtype)
+    norm = RMSNorm(200, 1e-5)
+    norm.weight.data = (torch.rand(200, generator=g) + 0.5).to(dtype)
     tol = dict(atol=0, rtol=0) if dtype == torch.bfloat16 else dict(atol=1e-6, rtol=1e-6)
     with torch.no_grad():
         torch.testing.assert_close(norm.native(x), norm(x), **tol)
@@ -144,6 +145,7 @@ def test_fused_elementwise_kernels_match_the_eager_layers(dtype):
         torch.testing.assert_close(q, want_q, **close)
         torch.testing.assert_close(k, want_k, **close)
         gu = torch.randn(6, 2 * 40, generator=g).to(dtype) * 3
+        gu[0, :4] = torch.tensor([-120.0, -90.0, 90.0, 120.0])  # exp under- and overflow
         out = gu.new_empty(6, 40)
         ops.silu_and_mul(out, gu)
         gate, up = gu.chunk(2, dim=-1)

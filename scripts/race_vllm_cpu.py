@@ -201,6 +201,8 @@ def main() -> int:
     ap.add_argument("--fluidserve-args", default="--scheduler sarathi --token-budget 512",
                     help="Engine flags of the fluidserve contender.")
     ap.add_argument("--skip-capacity", action="store_true", help="Only the three workloads.")
+    ap.add_argument("--capacity-only", action="store_true",
+                    help="Keep the workload results of --out's race.json; run the capacity part.")
     ap.add_argument("--quick", action="store_true", help="Fewer capacity probes (a smoke run).")
     args = ap.parse_args()
     from fluidserve.model.builder import build_model_dir, cache_root
@@ -219,11 +221,15 @@ def main() -> int:
         tmp.rename(model)
     result = {"machine": machine(), "model": str(model), "fluidserve_args": args.fluidserve_args,
               "started": time.strftime("%Y-%m-%d %H:%M:%S"), "engines": {}}
+    if args.capacity_only:
+        kept = json.loads((out / "race.json").read_text())
+        result = kept | {"capacity_started": result["started"],
+                         "capacity_machine": result["machine"]}
     log(f"machine: {result['machine']}")
     fs_extra = args.fluidserve_args.split()
     contenders = [("vllm", lambda: vllm_server(venv, model, None, out)),
                   ("fluidserve", lambda: fluidserve_server(model, fs_extra, "fluidserve", out))]
-    for tag, make in contenders:
+    for tag, make in [] if args.capacity_only else contenders:
         with make() as srv:
             r = {"startup_s": srv.startup_s}
             for w in WORKLOADS:
@@ -247,12 +253,12 @@ def main() -> int:
             (out / "race.json").write_text(json.dumps(result, indent=1, default=float))
     result["finished"] = time.strftime("%Y-%m-%d %H:%M:%S")
     (out / "race.json").write_text(json.dumps(result, indent=1, default=float))
-    from race_report import plot, report  # noqa: E402 - beside this script
+    from race_report import plot, report, write_doc  # noqa: E402 - beside this script
 
     plot(result, out)
     text = report(result, out, " ".join(["python", "scripts/race_vllm_cpu.py", *sys.argv[1:]]))
     if args.doc:
-        Path(args.doc).write_text(text)
+        write_doc(Path(args.doc), text, out)
         log(f"wrote {args.doc}")
     print(json.dumps({k: v for k, v in result.items() if k != "engines"}, default=float))
     return 0

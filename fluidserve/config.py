@@ -170,8 +170,88 @@ class ParallelConfig:
         return self.tensor_parallel_size * self.pipeline_parallel_size
 
 
+PREFILL_POLICIES = ("fcfs", "sjf", "ljf")
+LENGTH_PREDICTORS = ("oracle", "noisy")
+DISPATCHERS = ("power_of_two", "random", "round_robin", "least_loaded")
+DECODE_ADMISSIONS = ("greedy", "reserve_static", "reserve_dynamic")
+KV_TRANSFER_GRANULARITIES = ("request", "chunk")
+
+
+@dataclass(frozen=True)
+class DisaggConfig:
+    """TetriInfer: disaggregated prefill and decode instances (fluidserve/disagg/)."""
+
+    disaggregate: bool = knob(False, "Run separate prefill and decode instances (TetriInfer)"
+                              " instead of one colocated engine.")
+    num_prefill_instances: int = knob(1, "Prefill instances (with --disaggregate).")
+    num_decode_instances: int = knob(1, "Decode instances (with --disaggregate).")
+    prefill_chunk_size: int = knob(
+        512, "Tokens per prefill iteration on a prefill instance (TetriInfer's ChunkSize: the"
+        " batch size that saturates the device; see `fluidserve profile`'s knee).")
+    prefill_policy: str = knob("fcfs", "Order of a prefill instance's local queue.",
+                               choices=PREFILL_POLICIES)
+    prefill_sched_batch: int = knob(
+        16, "Arrivals per sorting window of the prefill queue (TetriInfer's PrefillSchedBatch):"
+        " sjf/ljf sort within a window, windows run in arrival order, so nothing starves"
+        " (0: one window).")
+    length_predictor: str = knob("noisy", "Generated-length predictor at the prefill instance:"
+                                 " oracle (the true length) or noisy (oracle right with"
+                                 " --predictor-accuracy, else a neighbouring bucket).",
+                                 choices=LENGTH_PREDICTORS)
+    predictor_granularity: int = knob(200, "Width of a predicted-length bucket (tokens).")
+    predictor_accuracy: float = knob(0.749, "Accuracy of the noisy predictor (TetriInfer's"
+                                     " OPT-125M classifier: 74.9% at granularity 200).")
+    dispatcher: str = knob("power_of_two", "How a prefill instance picks a decode instance.",
+                           choices=DISPATCHERS)
+    decode_admission: str = knob("reserve_dynamic", "When a decode instance lets a prefilled"
+                                 " request in: greedy (its current KV fits), reserve_static"
+                                 " (its predicted final KV fits) or reserve_dynamic (that, after"
+                                 " the running requests' predicted growth).",
+                                 choices=DECODE_ADMISSIONS)
+    heavy_decode_threshold: int = knob(200, "A decode is heavy when its predicted length is"
+                                       " above this (tokens).")
+    kv_transfer_granularity: str = knob(
+        "request", "Send a request's KV when its prefill ends (request) or each chunk as it is"
+        " prefilled (chunk: only the last chunk's transfer is on the critical path).",
+        choices=KV_TRANSFER_GRANULARITIES)
+    kv_transfer_bandwidth_gbps: float | None = knob(
+        None, "KV-transfer bandwidth between instances, GB/s (default: the simulated device's"
+        " measured send/recv bandwidth; in-process copies on this machine).")
+    kv_transfer_latency: float = knob(20e-6, "Fixed cost of one KV transfer (seconds).")
+    monitor_interval: float = knob(0.1, "Seconds between the cluster monitor's load broadcasts.")
+    instance_flip: bool = knob(False, "Let an instance drain and change role when the load"
+                               " between prefill and decode stays unbalanced.")
+    flip_window: float = knob(2.0, "Seconds an imbalance must last before an instance flips.")
+    flip_prefill_backlog: float = knob(
+        8.0, "Prefill backlog (queued tokens per prefill instance, in chunks) above which"
+        " prefill is short of instances.")
+
+    def __post_init__(self) -> None:
+        _positive("num_prefill_instances", self.num_prefill_instances)
+        _positive("num_decode_instances", self.num_decode_instances)
+        _positive("prefill_chunk_size", self.prefill_chunk_size)
+        _positive("predictor_granularity", self.predictor_granularity)
+        if self.prefill_sched_batch < 0:
+            raise ConfigError("prefill_sched_batch must be >= 0")
+        for name, value, options in (
+                ("prefill_policy", self.prefill_policy, PREFILL_POLICIES),
+                ("length_predictor", self.length_predictor, LENGTH_PREDICTORS),
+                ("dispatcher", self.dispatcher, DISPATCHERS),
+                ("decode_admission", self.decode_admission, DECODE_ADMISSIONS),
+                ("kv_transfer_granularity", self.kv_transfer_granularity,
+                 KV_TRANSFER_GRANULARITIES)):
+            if value not in options:
+                raise ConfigError(f"{name} must be one of {options}, got {value!r}")
+        if not 0.0 <= self.predictor_accuracy <= 1.0:
+            raise ConfigError("predictor_accuracy must be in [0, 1]")
+        if self.kv_transfer_bandwidth_gbps is not None and self.kv_transfer_bandwidth_gbps <= 0:
+            raise ConfigError("kv_transfer_bandwidth_gbps must be > 0")
+        if self.monitor_interval <= 0 or self.flip_window <= 0:
+            raise ConfigError("monitor_interval and flip_window must be > 0")
+
+
 SECTIONS = {"model": ModelConfig, "cache": CacheConfig, "scheduler": SchedulerConfig,
-            "parallel": ParallelConfig}
+            "parallel": ParallelConfig, "disagg": DisaggConfig}
 
 
 @dataclass(frozen=True)
@@ -183,6 +263,7 @@ class EngineConfig:
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    disagg: DisaggConfig = field(default_factory=DisaggConfig)
 
     @classmethod
     def create(cls, **knobs) -> EngineConfig:

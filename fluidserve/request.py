@@ -15,6 +15,8 @@ from fluidserve.sampling_params import SamplingParams
 class RequestStatus(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
+    # Prefilled on a prefill instance; its KV blocks wait there to move to a decode instance.
+    MIGRATING = "migrating"
     FINISHED_STOPPED = "stop"
     FINISHED_LENGTH = "length"
     FINISHED_ABORTED = "abort"
@@ -22,7 +24,8 @@ class RequestStatus(enum.Enum):
 
     @property
     def finished(self) -> bool:
-        return self not in (RequestStatus.WAITING, RequestStatus.RUNNING)
+        return self not in (RequestStatus.WAITING, RequestStatus.RUNNING,
+                            RequestStatus.MIGRATING)
 
 
 @dataclass(eq=False, slots=True)

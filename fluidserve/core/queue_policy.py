@@ -1,4 +1,8 @@
-"""Order of the waiting queue. Preempted requests always go first, so recompute never starves."""
+"""Order of the waiting queue. Preempted requests always go first, so recompute never starves.
+
+With a ``window`` of N (TetriInfer's PrefillSchedBatch), arrivals are grouped N at a time in
+arrival order; the policy orders requests within a group and groups run in order, so a long
+prompt under SJF waits for at most its own group, never forever."""
 
 from __future__ import annotations
 
@@ -14,10 +18,13 @@ QUEUE_POLICIES: dict[str, Callable[[Request, int], tuple]] = {
 
 
 class WaitingQueue:
-    def __init__(self, policy: str = "fcfs") -> None:
+    def __init__(self, policy: str = "fcfs", window: int = 0) -> None:
         if policy not in QUEUE_POLICIES:
             raise ValueError(f"unknown queue policy {policy!r}; choose from {list(QUEUE_POLICIES)}")
+        if window < 0:
+            raise ValueError("queue window must be >= 0")
         self._key = QUEUE_POLICIES[policy]
+        self._window = window
         self._items: dict[str, tuple[Request, int]] = {}
         self._seq = 0
         self._ordered: list[Request] | None = []
@@ -45,7 +52,11 @@ class WaitingQueue:
             self._ordered = [
                 r
                 for r, _ in sorted(
-                    items, key=lambda x: (x[0].num_preemptions == 0,) + self._key(*x)
+                    items, key=lambda x: (x[0].num_preemptions == 0, self._group(x[1]))
+                    + self._key(*x)
                 )
             ]
         return list(self._ordered)
+
+    def _group(self, seq: int) -> int:
+        return (seq - 1) // self._window if self._window else 0

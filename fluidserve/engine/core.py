@@ -92,9 +92,12 @@ class EngineCore:
         emit_outputs: bool = True,
         vocab_size: int | None = None,
         budget_policy=None,
+        scheduler_factory=None,
     ) -> None:
         """``budget_policy``: for ``--token-budget auto``, the per-iteration budget (default:
-        learned online from this engine's iterations, engine/budget.py)."""
+        learned online from this engine's iterations, engine/budget.py).
+        ``scheduler_factory(limits, block_manager)``: a scheduler other than the configured
+        policy (the prefill and decode roles of a disaggregated deployment)."""
         self.config = config
         self.executor = executor
         self.clock = clock or WallClock()
@@ -109,7 +112,8 @@ class EngineCore:
                                  self.max_model_len, sc.tile_size, sc.queue_policy)
         self.block_manager = BlockManager(executor.num_blocks, executor.block_size,
                                           config.cache.watermark)
-        self.scheduler = make_scheduler(sc.policy, limits, self.block_manager)
+        self.scheduler = (scheduler_factory or (lambda lim, bm: make_scheduler(sc.policy, lim, bm))
+                          )(limits, self.block_manager)
         self.budget, self._budget_model = None, None
         if auto:
             if budget_policy is None:

@@ -27,7 +27,7 @@ from fluidserve.sim.shapes import DEVICES, SHAPES
 from fluidserve.sim.simulate import CostModelExecutor, gpu_kv_blocks, simulate
 
 # The EngineConfig sections the simulator uses (no model is loaded).
-SIM_SECTIONS = ("cache", "scheduler", "parallel")
+SIM_SECTIONS = ("cache", "scheduler", "parallel", "disagg")
 WORKLOAD_FIELDS = {"dataset_name", "dataset_path", "num_prompts", "input_len", "output_len",
                    "range_ratio", "prompt_scale", "output_scale", "max_prompt_len",
                    "max_output_len", "request_rate", "burstiness", "arrivals", "seed",
@@ -82,9 +82,11 @@ def run_once(sim: SimConfig, eng: EngineConfig, bench: BenchConfig, rate: float 
     cost = cost or make_cost_model(sim, eng.parallel)
     spec = workload_spec(bench, **({"request_rate": rate} if rate is not None else {}))
     work, source = build_workload(spec)
+    t0 = time.perf_counter()
+    if eng.disagg.disaggregate:
+        return _run_disaggregated(work, source, spec, sim, eng, bench, t0)
     ex = make_executor(sim, eng, cost)
     cost.reseed(spec.seed)
-    t0 = time.perf_counter()
     res = simulate(work, eng, ex)
     score_fluidity(res.records, constant_deadline(bench.ttft_deadline), bench.tbt_deadline)
     summary = summarize_run(res.records, bench.tbt_deadline)
@@ -103,6 +105,24 @@ def run_once(sim: SimConfig, eng: EngineConfig, bench: BenchConfig, rate: float 
         "simulation_wall_s": time.perf_counter() - t0,
     }
     return res.records, summary
+
+
+def _run_disaggregated(work, source, spec, sim, eng, bench, t0) -> tuple[list, dict]:
+    from fluidserve.disagg.sim import cluster_summary, simulate_disaggregated
+
+    records, res = simulate_disaggregated(work, eng, sim, spec.seed)
+    score_fluidity(records, constant_deadline(bench.ttft_deadline), bench.tbt_deadline)
+    summary = summarize_run(records, bench.tbt_deadline)
+    summary |= {
+        "label": bench.label, "simulated": True, "request_rate": spec.request_rate,
+        "lengths": source, "cost_model": sim.cost_model,
+        "model_shape": sim.model_shape if sim.cost_model == "gpu" else None,
+        "device": sim.device if sim.cost_model == "gpu" else "this cpu",
+        "tp": eng.parallel.tensor_parallel_size, "pp": eng.parallel.pipeline_parallel_size,
+        "scheduler": "tetriinfer", "makespan_s": res.makespan,
+        "simulation_wall_s": time.perf_counter() - t0,
+    } | cluster_summary(res, eng)
+    return records, summary
 
 
 def run_simulate(sim: SimConfig, eng: EngineConfig, bench: BenchConfig, cap: CapacityConfig

@@ -29,6 +29,7 @@ class SchedulerLimits:
     max_model_len: int
     tile_size: int = 1
     queue_policy: str = "fcfs"
+    queue_window: int = 0  # arrivals per sorting window of the queue (0: one window)
 
 
 class Batch:
@@ -78,7 +79,7 @@ class Scheduler(ABC):
     def __init__(self, limits: SchedulerLimits, block_manager: BlockManager) -> None:
         self.limits = limits
         self.bm = block_manager
-        self.waiting = WaitingQueue(limits.queue_policy)
+        self.waiting = WaitingQueue(limits.queue_policy, limits.queue_window)
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
         self.iteration = 0

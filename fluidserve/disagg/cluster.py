@@ -1,0 +1,331 @@
+"""TetriInfer's control plane over prefill and decode instances, on per-instance clocks.
+
+Each instance is an ``EngineCore`` in a role (``prefill`` or ``decode``) with its own
+executor and its own virtual clock, which moves by the execution times its executor reports:
+measured times for a real model, cost-model times in simulation. The cluster is a
+discrete-event loop over those clocks: it always advances the instance (or event) that is
+earliest, so every decision sees exactly the state of the cluster at its own time.
+
+A request's life: it arrives at the front end and goes to the prefill instance with the
+least prefill work queued; that instance prefills it in fixed-size chunks and samples its
+first token; the length predictor buckets its generated length; the dispatcher picks a
+decode instance from the monitor's last broadcast; the decode instance admits it by its
+admission policy, reserving KV blocks; the KV moves (``KVMover``), which takes the transfer
+time; then the prefill instance frees its blocks and the decode instance decodes it to the
+end. The cluster monitor broadcasts decode loads every ``monitor_interval`` and, with
+``instance_flip``, drains an instance of the over-provisioned role and flips it when the
+imbalance lasts ``flip_window``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import heapq
+import itertools
+import math
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from fluidserve.config import EngineConfig
+from fluidserve.core.block_manager import BlockManager
+from fluidserve.core.scheduler.base import Scheduler, SchedulerLimits
+from fluidserve.core.scheduler.disagg import DecodeOnlyScheduler, PrefillOnlyScheduler
+from fluidserve.disagg.dispatch import DecodeLoad, Dispatcher
+from fluidserve.disagg.predictor import make_predictor
+from fluidserve.engine.core import EngineCore, Executor, VirtualClock
+from fluidserve.engine.messages import AddRequest
+from fluidserve.engine.telemetry import Telemetry
+from fluidserve.request import Request
+
+ROLES = ("prefill", "decode")
+
+
+class KVMover(Protocol):
+    """Moves the KV of ``num_tokens`` tokens between two instances' paged caches."""
+
+    def move(self, src: Executor, dst: Executor, src_blocks: tuple[int, ...],
+             dst_blocks: tuple[int, ...], num_tokens: int) -> None: ...
+
+
+class NoMover:
+    """Simulation: there is no data, only the transfer time."""
+
+    def move(self, src, dst, src_blocks, dst_blocks, num_tokens) -> None:
+        return None
+
+
+@dataclass
+class Instance:
+    index: int
+    role: str
+    core: EngineCore
+    clock: VirtualClock
+    draining: bool = False
+    busy: float = 0.0  # seconds spent computing
+    role_time: dict[str, float] = field(default_factory=lambda: {r: 0.0 for r in ROLES})
+
+    @property
+    def sched(self) -> Scheduler:
+        return self.core.scheduler
+
+    def has_work(self) -> bool:
+        return self.sched.has_work()
+
+    def empty(self) -> bool:
+        s = self.sched
+        return not s.requests and not getattr(s, "incoming", None)
+
+
+@dataclass
+class Flip:
+    time: float
+    instance: int
+    to: str
+
+
+@dataclass
+class ClusterResult:
+    requests: dict[str, Request]
+    makespan: float
+    instances: list[Instance]
+    flips: list[Flip]
+    transfers: int
+    transfer_seconds: float
+
+    @property
+    def instance_seconds(self) -> float:
+        """Resource time: instances x wall time (TetriInfer's cost measure)."""
+        return len(self.instances) * self.makespan
+
+
+class Cluster:
+    def __init__(self, config: EngineConfig, make_executor: Callable[[VirtualClock], Executor],
+                 kv_bytes_per_token: float, *, bandwidth_gbps: float,
+                 mover: KVMover | None = None, seed: int = 0) -> None:
+        """``make_executor(clock)`` builds one instance's executor; ``kv_bytes_per_token``
+        and ``bandwidth_gbps`` give the KV-transfer time (per GPU of an instance: TP and PP
+        shards move in parallel over their own links)."""
+        self.config = config
+        d = config.disagg
+        self.d = d
+        self.mover = mover or NoMover()
+        self.kv_bytes_per_token = kv_bytes_per_token
+        self.bandwidth = bandwidth_gbps * 1e9
+        self.predictor = make_predictor(d.length_predictor, d.predictor_granularity,
+                                        d.predictor_accuracy, seed)
+        self.dispatcher = Dispatcher(d.dispatcher, seed)
+        self.instances: list[Instance] = []
+        for role, n in (("prefill", d.num_prefill_instances), ("decode", d.num_decode_instances)):
+            for _ in range(n):
+                clock = VirtualClock()
+                ex = make_executor(clock)
+                core = EngineCore(config, ex, clock, Telemetry(max_records=0),
+                                  emit_outputs=False, scheduler_factory=self._factory(role))
+                self.instances.append(Instance(len(self.instances), role, core, clock))
+        self._events: list = []
+        self._seq = itertools.count()
+        self.true_len: dict[str, int] = {}
+        self.owner: dict[str, Instance] = {}  # prefill instance holding a request's KV
+        self.undispatched: list[tuple[Instance, Request, int]] = []
+        self.requests: dict[str, Request] = {}
+        self.flips: list[Flip] = []
+        self.transfers, self.transfer_seconds = 0, 0.0
+        self._short: dict[str, float | None] = {"prefill": None, "decode": None}
+        self._announced: set[str] = set()
+        self.broadcast()
+
+    # ------------------------------------------------------------------ roles
+    def _factory(self, role: str) -> Callable[[SchedulerLimits, BlockManager], Scheduler]:
+        d, sc = self.d, self.config.scheduler
+
+        def make(limits: SchedulerLimits, bm: BlockManager) -> Scheduler:
+            if role == "prefill":
+                lim = dataclasses.replace(limits, token_budget=d.prefill_chunk_size,
+                                          queue_policy=d.prefill_policy,
+                                          queue_window=d.prefill_sched_batch)
+                return PrefillOnlyScheduler(lim, bm)
+            budget = sc.token_budget if isinstance(sc.token_budget, int) else 512
+            lim = dataclasses.replace(limits, token_budget=max(budget, limits.max_num_seqs))
+            return DecodeOnlyScheduler(lim, bm, d.decode_admission, d.heavy_decode_threshold)
+        return make
+
+    def role_of(self, role: str, *, accepting: bool = False) -> list[Instance]:
+        return [i for i in self.instances if i.role == role and not (accepting and i.draining)]
+
+    # ------------------------------------------------------------------ the event loop
+    def _push(self, t: float, kind: str, *payload) -> None:
+        heapq.heappush(self._events, (t, next(self._seq), kind, payload))
+
+    def run(self, arrivals: list[tuple[float, AddRequest, int]]) -> ClusterResult:
+        """Serve ``(arrival time, request, true output length)`` to the end."""
+        pending = sorted(arrivals, key=lambda a: a[0])
+        pending.reverse()
+        next_tick = self.d.monitor_interval
+        while True:
+            busy = [i for i in self.instances if i.has_work()]
+            inst = min(busy, key=lambda i: (i.clock.t, i.index), default=None)
+            t_inst = inst.clock.t if inst else math.inf
+            t_evt = self._events[0][0] if self._events else math.inf
+            t_arr = pending[-1][0] if pending else math.inf
+            t = min(t_inst, t_evt, t_arr)
+            if t == math.inf:
+                if self.undispatched or any(getattr(i.sched, "incoming", None)
+                                            for i in self.instances):
+                    if next_tick > self._now_max() + 60:
+                        raise RuntimeError("cluster stalled: prefilled requests find no decode"
+                                           " instance that can hold them")
+                    self._tick(next_tick)
+                    next_tick += self.d.monitor_interval
+                    continue
+                break
+            if next_tick <= t:
+                self._tick(next_tick)
+                next_tick += self.d.monitor_interval
+            elif t_evt <= t:
+                _, _, kind, payload = heapq.heappop(self._events)
+                getattr(self, f"_on_{kind}")(t_evt, *payload)
+            elif t_arr <= t:
+                self._arrive(*pending.pop())
+            else:
+                self._step(inst)
+        return ClusterResult(self.requests, self._now_max(), self.instances, self.flips,
+                             self.transfers, self.transfer_seconds)
+
+    def _now_max(self) -> float:
+        return max(i.clock.t for i in self.instances)
+
+    @staticmethod
+    def _wake(inst: Instance, t: float) -> None:
+        """An idle instance's clock catches up with the time new work reaches it."""
+        if not inst.has_work():
+            inst.clock.t = max(inst.clock.t, t)
+
+    def _arrive(self, t: float, msg: AddRequest, true_len: int) -> None:
+        target = min(self.role_of("prefill", accepting=True),
+                     key=lambda i: (i.sched.queued_prefill_tokens, i.index))
+        self._wake(target, t)
+        msg = dataclasses.replace(msg, arrival_time=t)
+        req = target.core.add(msg)
+        self.requests[req.request_id] = req
+        self.true_len[req.request_id] = true_len
+
+    def _step(self, inst: Instance) -> None:
+        t0 = inst.clock.t
+        inst.core.step()
+        dt = inst.clock.t - t0
+        inst.busy += dt
+        inst.role_time[inst.role] += dt
+        if inst.role == "prefill":
+            for rid, req in inst.sched.handoff.items():
+                if rid not in self._announced:
+                    self._announced.add(rid)
+                    self._push(inst.clock.t, "prefilled", inst, req)
+        else:
+            self._admit(inst, inst.clock.t)
+
+    # ------------------------------------------------------------------ hand-off
+    def _on_prefilled(self, t: float, src: Instance, req: Request) -> None:
+        if req.status.finished:
+            return
+        self.owner[req.request_id] = src
+        predicted = self.predictor.predict(req.request_id, req.prompt_token_ids,
+                                           self.true_len[req.request_id])
+        self._dispatch(t, src, req, predicted)
+
+    def _dispatch(self, t: float, src: Instance, req: Request, predicted: int) -> bool:
+        bm = src.core.block_manager
+        need = bm.blocks_for(req.num_prompt_tokens + max(predicted, 1))
+        now_blocks = bm.blocks_for(req.num_computed_tokens)
+        heavy = predicted > self.d.heavy_decode_threshold
+        pick = self.dispatcher.pick(need, now_blocks, heavy)
+        if pick is None:
+            self.undispatched.append((src, req, predicted))
+            return False
+        dst = self.instances[pick]
+        dst.sched.offer(req, predicted)
+        self._admit(dst, t)
+        return True
+
+    def _admit(self, dst: Instance, t: float) -> None:
+        while (req := dst.sched.admit_next()) is not None:
+            rid = req.request_id
+            src = self.owner[rid]
+            self.mover.move(src.core.executor, dst.core.executor,
+                            src.core.block_manager.table(rid), dst.core.block_manager.table(rid),
+                            req.num_computed_tokens)
+            secs = self._transfer_time(req)
+            self.transfers += 1
+            self.transfer_seconds += secs
+            self._push(t + secs, "kv_arrived", src, dst, rid)
+
+    def _transfer_time(self, req: Request) -> float:
+        tokens = req.num_computed_tokens
+        if self.d.kv_transfer_granularity == "chunk":
+            # Earlier chunks streamed while later ones were computed: only the last chunk's
+            # bytes remain when the prefill ends.
+            chunk = self.d.prefill_chunk_size
+            tokens = tokens % chunk or min(tokens, chunk)
+        return self.d.kv_transfer_latency + tokens * self.kv_bytes_per_token / self.bandwidth
+
+    def _on_kv_arrived(self, t: float, src: Instance, dst: Instance, rid: str) -> None:
+        src.sched.release(rid)
+        self.owner.pop(rid, None)
+        req = dst.sched.receiving.get(rid)
+        if req is None:
+            return  # aborted in transit
+        self._wake(dst, t)
+        dst.sched.activate(rid)
+
+    # ------------------------------------------------------------------ monitor and flips
+    def broadcast(self) -> None:
+        loads = []
+        for inst in self.role_of("decode"):
+            heavy, light = inst.sched.heavy_light()
+            loads.append(DecodeLoad(inst.index, inst.sched.free_blocks, heavy, light,
+                                    accepting=not inst.draining))
+        self.dispatcher.broadcast(loads)
+
+    def _tick(self, t: float) -> None:
+        self.broadcast()
+        waiting, self.undispatched = self.undispatched, []
+        for src, req, predicted in waiting:
+            if not req.status.finished:
+                self._dispatch(t, src, req, predicted)
+        if self.d.instance_flip:
+            self._balance(t)
+
+    def _balance(self, t: float) -> None:
+        d = self.d
+        prefill = self.role_of("prefill", accepting=True)
+        decode = self.role_of("decode", accepting=True)
+        backlog = sum(i.sched.queued_prefill_tokens for i in prefill) / max(len(prefill), 1)
+        backlog /= d.prefill_chunk_size
+        decode_short = bool(self.undispatched) or any(i.sched.incoming for i in decode)
+        prefill_short = backlog > d.flip_prefill_backlog and not decode_short
+        self._short["prefill"] = self._since(self._short["prefill"], prefill_short, t)
+        self._short["decode"] = self._since(self._short["decode"],
+                                            decode_short and backlog < 1, t)
+        for short, spare in (("prefill", decode), ("decode", prefill)):
+            since = self._short[short]
+            if since is not None and t - since >= d.flip_window and len(spare) > 1 \
+                    and not any(i.draining for i in self.instances):
+                victim = min(spare, key=lambda i: (len(i.sched.requests), i.index))
+                victim.draining = True
+                self._short[short] = None
+        for inst in self.instances:
+            if inst.draining and inst.empty():
+                self._flip(inst, t)
+
+    @staticmethod
+    def _since(since: float | None, cond: bool, t: float) -> float | None:
+        return (since if since is not None else t) if cond else None
+
+    def _flip(self, inst: Instance, t: float) -> None:
+        to = "decode" if inst.role == "prefill" else "prefill"
+        core = inst.core
+        core.scheduler = self._factory(to)(core.scheduler.limits, core.block_manager)
+        inst.role, inst.draining = to, False
+        inst.clock.t = max(inst.clock.t, t)
+        self.flips.append(Flip(t, inst.index, to))
+        self.broadcast()

@@ -1,0 +1,274 @@
+"""TetriInfer: prefill/decode instance schedulers, predictor, dispatcher, the cluster loop
+(simulated and on a real model), instance flip."""
+
+from __future__ import annotations
+
+import collections
+
+import pytest
+
+from fluidserve.bench.workload import WorkloadRequest
+from fluidserve.config import ConfigError, EngineConfig, SimConfig
+from fluidserve.core.block_manager import BlockManager
+from fluidserve.core.queue_policy import WaitingQueue
+from fluidserve.core.scheduler.base import SchedulerLimits
+from fluidserve.core.scheduler.disagg import DecodeOnlyScheduler, PrefillOnlyScheduler
+from fluidserve.core.scheduler.output import RunnerOutput
+from fluidserve.disagg.dispatch import DecodeLoad, Dispatcher
+from fluidserve.disagg.predictor import NoisyPredictor, make_predictor
+from fluidserve.request import Request, RequestStatus
+from fluidserve.sampling_params import SamplingParams
+
+
+def req(rid: str, prompt: int, max_tokens: int = 8, arrival: float = 0.0) -> Request:
+    return Request(rid, [3] * prompt, SamplingParams(max_tokens=max_tokens, ignore_eos=True),
+                   arrival)
+
+
+def prefilled(rid: str, prompt: int, max_tokens: int = 64) -> Request:
+    """A request as a prefill instance hands it over: prompt computed, first token sampled."""
+    r = req(rid, prompt, max_tokens)
+    r.num_computed_tokens = prompt
+    r.output_token_ids = [7]
+    r.status = RequestStatus.MIGRATING
+    return r
+
+
+# ---------------------------------------------------------------- queue window
+def test_sorting_window_bounds_how_long_a_long_prompt_waits():
+    lengths = [50, 10, 40, 5]
+    for window, want in ((0, [5, 10, 40, 50]), (2, [10, 50, 5, 40])):
+        q = WaitingQueue("sjf", window)
+        for i, n in enumerate(lengths):
+            q.push(req(str(i), n, arrival=float(i)))
+        assert [r.num_prompt_tokens for r in q.ordered()] == want
+    with pytest.raises(ValueError):
+        WaitingQueue("sjf", -1)
+
+
+# ---------------------------------------------------------------- prefill instance
+def test_prefill_instance_runs_fixed_chunks_then_holds_kv_until_released():
+    bm = BlockManager(64, 4)
+    s = PrefillOnlyScheduler(SchedulerLimits(16, 8, 1024), bm)
+    a, b = req("a", 10), req("b", 20)
+    s.add_request(a)
+    s.add_request(b)
+    sizes = []
+    while s.has_work():
+        plan = s.schedule(0.0)
+        sizes.append([(c.request_id, c.num_tokens) for c in plan.chunks])
+        assert plan.num_decode_tokens == 0
+        s.update(plan, RunnerOutput({c.request_id: 9 for c in plan.chunks if c.samples}, 0.1),
+                 1.0)
+    # 30 prompt tokens in 16-token iterations, requests packed into one chunk budget.
+    assert sizes == [[("a", 10), ("b", 6)], [("b", 14)]]
+    assert set(s.handoff) == {"a", "b"}
+    assert a.status is RequestStatus.MIGRATING and a.output_token_ids == [9]
+    assert len(bm.table("b")) == 5  # 20 tokens in blocks of 4, still held
+    s.release("a")
+    s.release("b")
+    assert bm.num_free_blocks == 64 and not s.requests
+
+
+def test_prefill_instance_finishes_one_token_requests_itself():
+    bm = BlockManager(16, 4)
+    s = PrefillOnlyScheduler(SchedulerLimits(64, 8, 1024), bm)
+    s.add_request(req("a", 5, max_tokens=1))
+    plan = s.schedule(0.0)
+    s.update(plan, RunnerOutput({"a": 4}, 0.1), 1.0)
+    assert not s.handoff and not s.requests and bm.num_free_blocks == 16
+
+
+# ---------------------------------------------------------------- decode instance
+@pytest.mark.parametrize("policy, admitted", [
+    # 40 free blocks of 4 tokens; each request: 20 prompt tokens (5 blocks now), predicted to
+    # end at 20 + 100 tokens (30 blocks).
+    ("greedy", 8),           # while its current 5 blocks fit: 8 x 5 = 40
+    ("reserve_static", 3),   # while its predicted 30 blocks fit in what is free: 40, 35, 30
+    ("reserve_dynamic", 1),  # ... after the running ones' predicted growth (25 blocks each)
+])
+def test_decode_admission_policies(policy, admitted):
+    bm = BlockManager(40, 4)
+    s = DecodeOnlyScheduler(SchedulerLimits(64, 64, 4096), bm, policy)
+    for i in range(10):
+        s.offer(prefilled(str(i), 20, max_tokens=200), predicted_len=100)
+    n = 0
+    while s.admit_next() is not None:
+        n += 1
+    assert n == admitted
+    assert len(s.incoming) == 10 - admitted
+
+
+def test_decode_instance_decodes_received_requests_and_recomputes_when_preempted():
+    bm = BlockManager(12, 4)
+    s = DecodeOnlyScheduler(SchedulerLimits(64, 8, 4096), bm, "greedy")
+    for i in range(2):
+        s.offer(prefilled(str(i), 14, max_tokens=16), predicted_len=16)
+    while (r := s.admit_next()) is not None:
+        s.activate(r.request_id)
+    assert len(s.running) == 2
+    steps = 0
+    while s.has_work():
+        plan = s.schedule(float(steps))
+        s.update(plan, RunnerOutput({c.request_id: 5 for c in plan.chunks if c.samples}, 0.1),
+                 float(steps))
+        bm.check_invariants({r.request_id: r.num_computed_tokens for r in s.running})
+        steps += 1
+        assert steps < 200
+    # 2 x (14 + 16) tokens need 16 blocks > 12: one was preempted and recomputed here.
+    assert s.num_preemptions > 0
+    assert bm.num_free_blocks == 12 and not s.requests
+
+
+# ---------------------------------------------------------------- predictor, dispatcher
+def test_noisy_predictor_has_the_set_accuracy_and_misses_by_one_bucket():
+    p = NoisyPredictor(200, 0.749, seed=3)
+    hits = 0
+    for i in range(4000):
+        true = (i * 37) % 1000
+        b = p.bucket(f"r{i}", [], true)
+        assert b == p.bucket(f"r{i}", [], true)  # deterministic per request
+        assert abs(b - true // 200) <= 1
+        hits += b == true // 200
+    assert abs(hits / 4000 - 0.749) < 0.03
+    assert make_predictor("oracle", 100).predict("x", [], 250) == 300  # bucket 2's upper end
+    with pytest.raises(ValueError):
+        make_predictor("psychic")
+
+
+def test_power_of_two_prefers_fewer_heavy_decodes_among_instances_with_room():
+    d = Dispatcher("power_of_two", seed=0)
+    d.broadcast([DecodeLoad(0, 100, heavy=5, light=1), DecodeLoad(1, 100, heavy=1, light=5),
+                 DecodeLoad(2, 3, heavy=0, light=0)])
+    # Instance 2 lacks room for 10 blocks; of 0 and 1 (both sampled), 1 has the lower ratio.
+    assert d.pick(10, 2, heavy=True) == 1
+    assert d.view[1].free_blocks == 90 and d.view[1].heavy == 2
+    assert d.pick(500, 2, heavy=False) == 0  # nobody has 500: the roomiest that holds 2 now
+    assert d.pick(500, 200, heavy=False) is None
+
+
+@pytest.mark.parametrize("policy", ["random", "round_robin", "least_loaded"])
+def test_alternative_dispatchers_spread_work(policy):
+    d = Dispatcher(policy, seed=1)
+    d.broadcast([DecodeLoad(i, 1000, 0, 0) for i in range(3)])
+    picks = collections.Counter(d.pick(10, 1, heavy=False) for _ in range(30))
+    assert set(picks) == {0, 1, 2}
+    if policy != "random":
+        assert set(picks.values()) == {10}
+
+
+def test_disagg_config_rejects_bad_values():
+    with pytest.raises(ConfigError):
+        EngineConfig.create(dispatcher="nearest")
+    with pytest.raises(ConfigError):
+        EngineConfig.create(num_decode_instances=0)
+    with pytest.raises(ConfigError):
+        EngineConfig.create(predictor_accuracy=1.5)
+
+
+# ---------------------------------------------------------------- the cluster, simulated
+def workload(n: int, rate: float, prompt: int, out: int, seed: int = 0):
+    import random
+
+    rng = random.Random(seed)
+    t, work = 0.0, []
+    for i in range(n):
+        t += rng.expovariate(rate)
+        work.append(WorkloadRequest(i, t, rng.randint(prompt // 2, prompt),
+                                    rng.randint(max(1, out // 2), out)))
+    return work
+
+
+def simulate(work, **knobs):
+    from fluidserve.disagg.sim import simulate_disaggregated
+
+    eng = EngineConfig.create(disaggregate=True, **knobs)
+    return simulate_disaggregated(work, eng, SimConfig(model_shape="mistral-7b", device="a100"))
+
+
+@pytest.mark.parametrize("granularity", ["request", "chunk"])
+@pytest.mark.parametrize("admission", ["greedy", "reserve_static", "reserve_dynamic"])
+def test_simulated_cluster_completes_every_request_and_frees_every_block(granularity, admission):
+    work = workload(60, 6.0, 1500, 300)
+    records, res = simulate(work, num_prefill_instances=1, num_decode_instances=2,
+                            decode_admission=admission, kv_transfer_granularity=granularity)
+    assert [r.num_output_tokens for r in records] == [w.output_len for w in work]
+    assert all(r.error is None for r in records)
+    assert res.transfers == sum(w.output_len > 1 for w in work)
+    for inst in res.instances:
+        assert inst.core.block_manager.num_free_blocks == inst.core.block_manager.num_blocks
+        assert not inst.sched.requests
+    # The first token comes from the prefill instance, the rest after the transfer.
+    assert all(r.gaps[0] > 0 for r in records)
+
+
+def test_chunk_level_transfer_takes_less_time_on_the_critical_path():
+    work = workload(30, 2.0, 3000, 50)
+    kw = dict(kv_transfer_bandwidth_gbps=5.0, prefill_chunk_size=512)
+    _, whole = simulate(work, kv_transfer_granularity="request", **kw)
+    _, chunks = simulate(work, kv_transfer_granularity="chunk", **kw)
+    assert chunks.transfer_seconds < 0.5 * whole.transfer_seconds
+
+
+def test_instance_flip_moves_an_idle_decode_instance_to_prefill_and_loses_nothing():
+    # Heavy prefill, light decode: three decode instances idle while one prefill instance
+    # drowns; with flips on, decode instances become prefill instances.
+    work = workload(120, 40.0, 4000, 8)
+    kw = dict(num_prefill_instances=1, num_decode_instances=3, flip_window=0.3)
+    base_records, base = simulate(work, **kw)
+    records, res = simulate(work, instance_flip=True, **kw)
+    assert res.flips and all(f.to == "prefill" for f in res.flips)
+    assert [i.role for i in res.instances].count("prefill") > 1
+    assert [r.num_output_tokens for r in records] == [w.output_len for w in work]
+    ttft = sum(r.gaps[0] for r in records) / len(records)
+    assert ttft < sum(r.gaps[0] for r in base_records) / len(base_records)
+
+
+# ---------------------------------------------------------------- the cluster, real model
+PROMPTS = [
+    "The river rose slowly in the spring, and the people of the valley moved their goats.",
+    "Hi",
+    "A good teacher explains a hard idea twice: once in words and once with a picture.",
+    "Computers follow instructions one after another, very quickly. A program is a list of"
+    " such instructions, written so that people can read it and machines can run it.",
+    "Why is the sky blue?",
+]
+MAX_TOKENS = [12, 20, 7, 16, 1]
+
+
+@pytest.fixture(scope="module")
+def colocated(default_model_dir):
+    from fluidserve.engine.llm import LLM
+
+    llm = LLM(model=str(default_model_dir), token_budget=4096)
+    params = [SamplingParams(max_tokens=m, temperature=0.0, ignore_eos=True) for m in MAX_TOKENS]
+    outs = llm.generate(PROMPTS, params)
+    ids = [llm.tokenizer.encode(p) for p in PROMPTS]
+    return ids, [o.token_ids for o in outs]
+
+
+@pytest.mark.parametrize("chunk, decodes, granularity", [
+    (8, 1, "request"), (37, 2, "chunk"), (512, 2, "request")])
+def test_disaggregated_greedy_outputs_equal_the_colocated_engine(
+        default_model_dir, colocated, chunk, decodes, granularity):
+    from fluidserve.disagg.cluster import Cluster
+    from fluidserve.disagg.transfer import LocalKVMover
+    from fluidserve.engine.messages import AddRequest
+    from fluidserve.model.runner import ModelExecutor
+
+    ids, want = colocated
+    eng = EngineConfig.create(model=str(default_model_dir), disaggregate=True, block_size=8,
+                              num_decode_instances=decodes, prefill_chunk_size=chunk,
+                              kv_transfer_granularity=granularity)
+    cluster = Cluster(eng, lambda clock: ModelExecutor(default_model_dir, block_size=8,
+                                                       num_blocks=64),
+                      kv_bytes_per_token=1024, bandwidth_gbps=10.0, mover=LocalKVMover())
+    arrivals = [(0.001 * i, AddRequest(str(i), p, SamplingParams(
+        max_tokens=m, temperature=0.0, ignore_eos=True)), m)
+        for i, (p, m) in enumerate(zip(ids, MAX_TOKENS, strict=True))]
+    res = cluster.run(arrivals)
+    got = [res.requests[str(i)].output_token_ids for i in range(len(PROMPTS))]
+    assert got == want
+    assert res.transfers == sum(m > 1 for m in MAX_TOKENS)
+    for inst in res.instances:
+        assert inst.core.block_manager.num_free_blocks == 64

@@ -272,3 +272,19 @@ def test_disaggregated_greedy_outputs_equal_the_colocated_engine(
     assert res.transfers == sum(m > 1 for m in MAX_TOKENS)
     for inst in res.instances:
         assert inst.core.block_manager.num_free_blocks == 64
+
+
+def test_tetriinfer_mixed_workload_is_the_same_in_every_process():
+    # Regression: the classes were drawn in set order, which varies with PYTHONHASHSEED.
+    import os
+    import subprocess
+    import sys
+
+    code = ("from fluidserve.bench.workload import build_workload, WorkloadSpec;"
+            "w, _ = build_workload(WorkloadSpec(dataset='mixed', num_prompts=40, seed=3,"
+            " request_rate=2.0));"
+            "print([(r.prompt_len, r.output_len) for r in w])")
+    outs = {subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                           check=True, env=os.environ | {"PYTHONHASHSEED": str(h)}).stdout
+            for h in (1, 2, 3, 4)}
+    assert len(outs) == 1

@@ -178,7 +178,7 @@ def tetri_lengths(spec: WorkloadSpec, n: int, rng: np.random.Generator):
     cls = np.where(pool_p >= TETRI_PROMPT_THRESHOLD, 2, 0) + np.where(
         pool_o >= TETRI_DECODE_THRESHOLD, 1, 0)
     prompt, output = np.empty(n), np.empty(n)
-    for c in set(wanted):
+    for c in sorted(set(wanted)):  # sorted: set order varies between processes
         members = np.flatnonzero(cls == TETRI_CLASSES.index(c))
         if len(members) == 0:
             raise ValueError(f"the {spec.tetri_base} lengths contain no {c} requests")

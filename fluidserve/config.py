@@ -215,8 +215,9 @@ class DisaggConfig:
         " prefilled (chunk: only the last chunk's transfer is on the critical path).",
         choices=KV_TRANSFER_GRANULARITIES)
     kv_transfer_bandwidth_gbps: float | None = knob(
-        None, "KV-transfer bandwidth between instances, GB/s (default: the simulated device's"
-        " measured send/recv bandwidth; in-process copies on this machine).")
+        None, "KV-transfer bandwidth between instances, GB/s (default in simulation: the"
+        " device's measured send/recv between two GPUs of one node, e.g. ~286 GB/s NVLink on"
+        " A100s).")
     kv_transfer_latency: float = knob(20e-6, "Fixed cost of one KV transfer (seconds).")
     monitor_interval: float = knob(0.1, "Seconds between the cluster monitor's load broadcasts.")
     instance_flip: bool = knob(False, "Let an instance drain and change role when the load"

@@ -21,17 +21,19 @@ from fluidserve.sampling_params import SamplingParams
 from fluidserve.sim.shapes import DEVICES, SHAPES
 
 
-def send_recv_bandwidth_gbps(device: str) -> float:
+def send_recv_bandwidth_gbps(device: str, same_node: bool = True) -> float:
     """Point-to-point bandwidth between two GPUs of ``device`` (GB/s), from the profile's
-    largest send/recv; CPU simulation: this machine's memory copy speed is not modelled, so
-    the A100 figure stands in."""
+    largest send/recv between GPUs on one node (NVLink: ~286 GB/s on A100s) or, with
+    ``same_node=False``, on two nodes (~2.5 GB/s in the A100 profile). CPU simulation: this
+    machine's copy speed is not modelled, so the A100 figure stands in."""
     root = data_dir()
     dev = DEVICES.get(device, DEVICES["a100"])
     for folder in (dev.network["pairwise"], DEVICES["a100"].network["pairwise"]):
         path = None if root is None else root / "profiles" / "network" / folder / "send_recv.csv"
         if path is not None and path.is_file():
             with open(path) as f:
-                rows = [r for r in csv.DictReader(f) if int(r["num_workers"]) == 2]
+                rows = [r for r in csv.DictReader(f) if int(r["num_workers"]) == 2
+                        and (int(r["devices_per_node"]) > 1) == same_node]
             big = max(rows, key=lambda r: int(r["size"]))
             return int(big["size"]) / (float(big["time_stats.send_recv.median"]) / 1e3) / 1e9
     raise ValueError("no send/recv profile: pass --kv-transfer-bandwidth-gbps")

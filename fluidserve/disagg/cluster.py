@@ -262,8 +262,9 @@ class Cluster:
     def _transfer_time(self, req: Request) -> float:
         tokens = req.num_computed_tokens
         if self.d.kv_transfer_granularity == "chunk":
-            # Earlier chunks streamed while later ones were computed: only the last chunk's
-            # bytes remain when the prefill ends.
+            # Earlier chunks streamed while later ones were computed (assuming the link keeps
+            # up with the prefill): only the last chunk's bytes remain when the prefill ends.
+            # The mover still copies everything at the hand-off; only the time differs.
             chunk = self.d.prefill_chunk_size
             tokens = tokens % chunk or min(tokens, chunk)
         return self.d.kv_transfer_latency + tokens * self.kv_bytes_per_token / self.bandwidth

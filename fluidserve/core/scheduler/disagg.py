@@ -8,9 +8,10 @@ becomes ``MIGRATING`` and keeps its KV blocks until the control plane has moved 
 decode instance and calls ``release``.
 
 A **decode instance** receives prefilled requests (``offer``), admits them by its admission
-policy, gets their KV blocks filled by a transfer (``reserve`` then ``activate``), and runs
-continuous decode batches. A request it must preempt is recomputed locally (its prompt and
-generated tokens are all here), like any preemption in this engine.
+policy, gets their KV blocks filled by a transfer (``admit_next`` reserves them, ``activate``
+marks them arrived), and runs continuous decode batches. A request it must preempt is
+recomputed locally (its prompt and generated tokens are all here), like any preemption in
+this engine.
 
 Admission policies (TetriInfer section 3.4), with lengths from the length predictor:
 

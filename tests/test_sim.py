@@ -75,29 +75,36 @@ def run_engine(eng, work: list[WorkloadRequest]) -> dict:
     return reqs
 
 
+def engine_under_load(model_dir, scheduler, cost, wrapper, rate, seed):
+    """The real model under a tight KV cache (preemption), its requests ended by the model's
+    EOS at varied lengths, iteration times from ``cost``; returns what the tests compare."""
+    from fluidserve.model.runner import ModelExecutor
+    from fluidserve.model.tokenizer import Tokenizer
+
+    work, _ = build_workload(WorkloadSpec(dataset="uniform", num_prompts=14, input_len=60,
+                                          output_len=24, request_rate=rate, seed=seed))
+    rng = np.random.default_rng(seed + 2)
+    eos_at = {str(w.index): {int(rng.integers(0, w.output_len + 4))} for w in work}
+    cfg = EngineConfig.create(scheduler=scheduler, token_budget=32, block_size=8,
+                              max_num_seqs=6, watermark=0.0)
+    model = ModelExecutor(model_dir, block_size=8, num_blocks=24)
+    real = wrapper(model, cost)
+    eng = LLMEngine(cfg, executor=real, tokenizer=Tokenizer(model_dir), clock=VirtualClock())
+    real.clock = eng.clock
+    eng.core.force_eos_at = eos_at  # the model "says" EOS at a varied index per request
+    return work, cfg, model, real, eng, run_engine(eng, work)
+
+
 @pytest.mark.parametrize("arrivals", ["poisson", "at_once"])
 @pytest.mark.parametrize("scheduler", ["sarathi", "vllm"])
 def test_simulated_batches_equal_real_engine_batches(default_model_dir, scheduler, arrivals):
     """The real model under a tight KV cache (preemption), with requests ended by the
     model's EOS at varied lengths, against the simulator given those lengths and the same
     iteration times: the same batches, the same token times."""
-    from fluidserve.model.runner import ModelExecutor
-    from fluidserve.model.tokenizer import Tokenizer
-
-    tokenizer = Tokenizer(default_model_dir)
     cost = CPUCostModel(load_cpu_profile(None))
     rate = 40.0 if arrivals == "poisson" else math.inf
-    work, _ = build_workload(WorkloadSpec(dataset="uniform", num_prompts=14, input_len=60,
-                                          output_len=24, request_rate=rate, seed=1))
-    rng = np.random.default_rng(3)
-    eos_at = {str(w.index): {int(rng.integers(0, w.output_len + 4))} for w in work}
-    cfg = EngineConfig.create(scheduler=scheduler, token_budget=32, block_size=8,
-                              max_num_seqs=6, watermark=0.0)
-    model = ModelExecutor(default_model_dir, block_size=8, num_blocks=24)
-    real = Recording(model, cost)
-    eng = LLMEngine(cfg, executor=real, tokenizer=tokenizer, clock=VirtualClock())
-    eng.core.force_eos_at = eos_at  # the model "says" EOS at a varied index per request
-    reqs = run_engine(eng, work)
+    work, cfg, model, real, eng, reqs = engine_under_load(default_model_dir, scheduler, cost,
+                                                          Recording, rate, seed=1)
     lengths = [len(reqs[w.index].output_token_ids) for w in work]
     reasons = {reqs[w.index].finish_reason for w in work}
     assert reasons == {"stop", "length"} and len(set(lengths)) > 5  # EOS ended most early
@@ -150,23 +157,9 @@ class PipelinedRecording(Recording):
 def test_simulated_pipeline_batches_equal_real_engine_batches(default_model_dir, scheduler):
     """Two micro-batches in flight (pp = 2 timing), Poisson arrivals, preemption and EOS: the
     engine's loop and the simulator's schedule the same micro-batches at the same times."""
-    from fluidserve.model.runner import ModelExecutor
-    from fluidserve.model.tokenizer import Tokenizer
-
     cost = CPUCostModel(load_cpu_profile(None), pp=2)
-    work, _ = build_workload(WorkloadSpec(dataset="uniform", num_prompts=14, input_len=60,
-                                          output_len=24, request_rate=40.0, seed=2))
-    rng = np.random.default_rng(4)
-    eos_at = {str(w.index): {int(rng.integers(0, w.output_len + 4))} for w in work}
-    cfg = EngineConfig.create(scheduler=scheduler, token_budget=32, block_size=8,
-                              max_num_seqs=6, watermark=0.0)
-    model = ModelExecutor(default_model_dir, block_size=8, num_blocks=24)
-    real = PipelinedRecording(model, cost)
-    eng = LLMEngine(cfg, executor=real, tokenizer=Tokenizer(default_model_dir),
-                    clock=VirtualClock())
-    real.clock = eng.clock
-    eng.core.force_eos_at = eos_at
-    reqs = run_engine(eng, work)
+    work, cfg, model, real, eng, reqs = engine_under_load(default_model_dir, scheduler, cost,
+                                                          PipelinedRecording, 40.0, seed=2)
     lengths = [len(reqs[w.index].output_token_ids) for w in work]
     assert eng.scheduler.num_preemptions > 0
     sim_work = [dataclasses.replace(w, output_len=n) for w, n in zip(work, lengths, strict=True)]

@@ -247,6 +247,8 @@ class DisaggConfig:
             raise ConfigError("predictor_accuracy must be in [0, 1]")
         if self.kv_transfer_bandwidth_gbps is not None and self.kv_transfer_bandwidth_gbps <= 0:
             raise ConfigError("kv_transfer_bandwidth_gbps must be > 0")
+        if self.kv_transfer_latency < 0:
+            raise ConfigError("kv_transfer_latency must be >= 0")
         if self.monitor_interval <= 0 or self.flip_window <= 0:
             raise ConfigError("monitor_interval and flip_window must be > 0")
 

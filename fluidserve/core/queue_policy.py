@@ -36,7 +36,9 @@ class WaitingQueue:
         return request_id in self._items
 
     def push(self, req: Request) -> None:
-        self._seq += 1
+        # A preempted request sorts first anyway: only arrivals take a place in the windows.
+        if req.num_preemptions == 0:
+            self._seq += 1
         self._items[req.request_id] = (req, self._seq)
         self._ordered = None
 

@@ -4,7 +4,8 @@ Each instance is an ``EngineCore`` in a role (``prefill`` or ``decode``) with it
 executor and its own virtual clock, which moves by the execution times its executor reports:
 measured times for a real model, cost-model times in simulation. The cluster is a
 discrete-event loop over those clocks: it always advances the instance (or event) that is
-earliest, so every decision sees exactly the state of the cluster at its own time.
+earliest. A control-plane decision at time t (a dispatch, an admission) reads an instance
+whose clock may be ahead of t by up to one iteration: the state it has scheduled from.
 
 A request's life: it arrives at the front end and goes to the prefill instance with the
 least prefill work queued; that instance prefills it in fixed-size chunks and samples its
@@ -29,14 +30,14 @@ from typing import Protocol
 
 from fluidserve.config import EngineConfig
 from fluidserve.core.block_manager import BlockManager
-from fluidserve.core.scheduler.base import Scheduler, SchedulerLimits
+from fluidserve.core.scheduler.base import RequestRejected, Scheduler, SchedulerLimits
 from fluidserve.core.scheduler.disagg import DecodeOnlyScheduler, PrefillOnlyScheduler
 from fluidserve.disagg.dispatch import DecodeLoad, Dispatcher
 from fluidserve.disagg.predictor import make_predictor
 from fluidserve.engine.core import EngineCore, Executor, VirtualClock
 from fluidserve.engine.messages import AddRequest
 from fluidserve.engine.telemetry import Telemetry
-from fluidserve.request import Request
+from fluidserve.request import Request, RequestStatus
 
 ROLES = ("prefill", "decode")
 
@@ -61,7 +62,9 @@ class Instance:
     role: str
     core: EngineCore
     clock: VirtualClock
+    base_limits: SchedulerLimits | None = None  # the engine's limits, before the role's
     draining: bool = False
+    blocked: bool = False  # has work but could not schedule any: waits for an event
     busy: float = 0.0  # seconds spent computing
     role_time: dict[str, float] = field(default_factory=lambda: {r: 0.0 for r in ROLES})
 
@@ -86,7 +89,7 @@ class Flip:
 
 @dataclass
 class ClusterResult:
-    requests: dict[str, Request]
+    requests: dict[str, Request | str]  # a string: why the request was rejected
     makespan: float
     instances: list[Instance]
     flips: list[Flip]
@@ -118,11 +121,21 @@ class Cluster:
         self.instances: list[Instance] = []
         for role, n in (("prefill", d.num_prefill_instances), ("decode", d.num_decode_instances)):
             for _ in range(n):
+                index = len(self.instances)
                 clock = VirtualClock()
                 ex = make_executor(clock)
-                core = EngineCore(config, ex, clock, Telemetry(max_records=0),
-                                  emit_outputs=False, scheduler_factory=self._factory(role))
-                self.instances.append(Instance(len(self.instances), role, core, clock))
+                seen: list[SchedulerLimits] = []
+
+                def factory(lim, bm, role=role, seen=seen):
+                    seen.append(lim)
+                    return self._factory(role)(lim, bm)
+
+                # Each instance draws its own sampling seeds for requests without one.
+                cfg = dataclasses.replace(config, model=dataclasses.replace(
+                    config.model, seed=config.model.seed + index))
+                core = EngineCore(cfg, ex, clock, Telemetry(max_records=0),
+                                  emit_outputs=False, scheduler_factory=factory)
+                self.instances.append(Instance(index, role, core, clock, seen[0]))
         self._events: list = []
         self._seq = itertools.count()
         self.true_len: dict[str, int] = {}
@@ -163,18 +176,18 @@ class Cluster:
         pending.reverse()
         next_tick = self.d.monitor_interval
         while True:
-            busy = [i for i in self.instances if i.has_work()]
+            busy = [i for i in self.instances if i.has_work() and not i.blocked]
             inst = min(busy, key=lambda i: (i.clock.t, i.index), default=None)
             t_inst = inst.clock.t if inst else math.inf
             t_evt = self._events[0][0] if self._events else math.inf
             t_arr = pending[-1][0] if pending else math.inf
             t = min(t_inst, t_evt, t_arr)
             if t == math.inf:
-                if self.undispatched or any(getattr(i.sched, "incoming", None)
+                if self.undispatched or any(getattr(i.sched, "incoming", None) or i.blocked
                                             for i in self.instances):
                     if next_tick > self._now_max() + 60:
-                        raise RuntimeError("cluster stalled: prefilled requests find no decode"
-                                           " instance that can hold them")
+                        raise RuntimeError("cluster stalled: requests wait for KV blocks that"
+                                           " no instance can free")
                     self._tick(next_tick)
                     next_tick += self.d.monitor_interval
                     continue
@@ -197,22 +210,32 @@ class Cluster:
 
     @staticmethod
     def _wake(inst: Instance, t: float) -> None:
-        """An idle instance's clock catches up with the time new work reaches it."""
-        if not inst.has_work():
+        """An idle or blocked instance's clock catches up with the time something reaches it
+        (new work, freed blocks), and it schedules again."""
+        if inst.blocked or not inst.has_work():
             inst.clock.t = max(inst.clock.t, t)
+        inst.blocked = False
+        inst.core.notify()
 
     def _arrive(self, t: float, msg: AddRequest, true_len: int) -> None:
         target = min(self.role_of("prefill", accepting=True),
                      key=lambda i: (i.sched.queued_prefill_tokens, i.index))
         self._wake(target, t)
         msg = dataclasses.replace(msg, arrival_time=t)
-        req = target.core.add(msg)
+        try:
+            req = target.core.add(msg)
+        except RequestRejected as e:  # recorded as the request's error, as the server would
+            self.requests[msg.request_id] = str(e)
+            return
         self.requests[req.request_id] = req
         self.true_len[req.request_id] = true_len
 
     def _step(self, inst: Instance) -> None:
         t0 = inst.clock.t
         inst.core.step()
+        if not inst.core.in_flight and inst.clock.t == t0:
+            inst.blocked = True  # nothing ran: it waits for blocks an event will free
+            return
         dt = inst.clock.t - t0
         inst.busy += dt
         inst.role_time[inst.role] += dt
@@ -229,8 +252,9 @@ class Cluster:
         if req.status.finished:
             return
         self.owner[req.request_id] = src
-        predicted = self.predictor.predict(req.request_id, req.prompt_token_ids,
-                                           self.true_len[req.request_id])
+        predicted = min(self.predictor.predict(req.request_id, req.prompt_token_ids,
+                                               self.true_len[req.request_id]),
+                        req.params.max_tokens)  # a request never outgrows its max_tokens
         self._dispatch(t, src, req, predicted)
 
     def _dispatch(self, t: float, src: Instance, req: Request, predicted: int) -> bool:
@@ -246,6 +270,22 @@ class Cluster:
         dst.sched.offer(req, predicted)
         self._admit(dst, t)
         return True
+
+    def abort(self, request_id: str, t: float) -> None:
+        """End a request wherever it is (queued, prefilling, waiting for or in a transfer,
+        decoding); its KV blocks are freed on every instance that holds some."""
+        req = self.requests.get(request_id)
+        if not isinstance(req, Request) or req.status.finished:
+            return
+        for inst in self.instances:
+            if request_id in inst.sched.requests:
+                inst.sched.finish(req, RequestStatus.FINISHED_ABORTED, t)
+                self._wake(inst, t)
+            elif inst.role == "decode" and inst.sched.withdraw(request_id) is not None:
+                pass
+        req.status = RequestStatus.FINISHED_ABORTED
+        req.finish_time = t
+        self.undispatched = [u for u in self.undispatched if u[1] is not req]
 
     def _admit(self, dst: Instance, t: float) -> None:
         while (req := dst.sched.admit_next()) is not None:
@@ -271,12 +311,10 @@ class Cluster:
 
     def _on_kv_arrived(self, t: float, src: Instance, dst: Instance, rid: str) -> None:
         src.sched.release(rid)
+        self._wake(src, t)  # its blocks are free again
         self.owner.pop(rid, None)
-        req = dst.sched.receiving.get(rid)
-        if req is None:
-            return  # aborted in transit
         self._wake(dst, t)
-        dst.sched.activate(rid)
+        dst.sched.activate(rid)  # False (and blocks freed) if it was aborted in transit
 
     # ------------------------------------------------------------------ monitor and flips
     def broadcast(self) -> None:
@@ -325,7 +363,7 @@ class Cluster:
     def _flip(self, inst: Instance, t: float) -> None:
         to = "decode" if inst.role == "prefill" else "prefill"
         core = inst.core
-        core.scheduler = self._factory(to)(core.scheduler.limits, core.block_manager)
+        core.scheduler = self._factory(to)(inst.base_limits, core.block_manager)
         inst.role, inst.draining = to, False
         inst.clock.t = max(inst.clock.t, t)
         self.flips.append(Flip(t, inst.index, to))

@@ -60,7 +60,8 @@ def simulate_disaggregated(work: list[WorkloadRequest], eng: EngineConfig, sim: 
         from fluidserve.model.builder import SHAPES as MODEL_SHAPES
 
         m = MODEL_SHAPES["250m"]
-        kv = kv_bytes_per_token(m.num_layers, m.num_kv_heads, m.hidden_size // m.num_heads, 2)
+        kv = kv_bytes_per_token(m.num_layers, m.num_kv_heads, m.hidden_size // m.num_heads, 2,
+                                pp=par.pipeline_parallel_size)
     bw = eng.disagg.kv_transfer_bandwidth_gbps or send_recv_bandwidth_gbps(sim.device)
     cluster = Cluster(eng, executor, kv, bandwidth_gbps=bw, seed=seed)
     arrivals = [(w.arrival, AddRequest(str(w.index), [1] * w.prompt_len,

@@ -125,6 +125,7 @@ class EngineCore:
             self.scheduler.budget_policy = budget_policy
         # Batches submitted and not yet applied: (plan, future of its RunnerOutput, start).
         self.in_flight: deque[tuple[SchedulerOutput, Future, float]] = deque()
+        self._changed = True  # requests added, ended or advanced since the last empty plan
         self._rng = random.Random(config.model.seed)
         # Gathered for the front end's metrics between two outputs messages.
         self._finished_rows: list[dict] = []
@@ -133,6 +134,11 @@ class EngineCore:
         self.faults: dict[str, int] = {}  # fault point -> passes left that raise (testing)
         # Testing (messages.ForceEos): output indices made EOS, for all requests or by id.
         self.force_eos_at: frozenset[int] | dict[str, set[int]] = frozenset()
+
+    def notify(self) -> None:
+        """Something changed the scheduler's state from outside (a disaggregated cluster's
+        hand-off): schedule again even with batches in flight."""
+        self._changed = True
 
     def trip(self, point: str) -> None:
         """Raise if a fault was injected at ``point`` (see messages.InjectFault)."""
@@ -151,9 +157,11 @@ class EngineCore:
         now = self.clock.now() if msg.arrival_time is None else msg.arrival_time
         req = Request(msg.request_id, ids, p, now, eos_token_id=msg.eos_token_id, seed=seed)
         self.scheduler.add_request(req)
+        self._changed = True
         return req
 
     def abort(self, msg: AbortRequests) -> None:
+        self._changed = True
         status = RequestStatus.FINISHED_STOPPED if msg.reason == "stop" \
             else RequestStatus.FINISHED_ABORTED
         for rid in msg.request_ids:
@@ -164,6 +172,7 @@ class EngineCore:
 
     def fail(self, request_ids: list[str], message: str) -> list[RequestDelta]:
         """End these requests with an error the client sees; their KV blocks are freed."""
+        self._changed = True
         deltas = []
         for rid in request_ids:
             req = self.scheduler.requests.get(rid)
@@ -190,6 +199,8 @@ class EngineCore:
         oldest batch is not done within ``wait``, so that the caller can take in new requests
         and start another micro-batch meanwhile, as the simulator does; with the pipeline
         full, or without ``wait``, block until the oldest batch completes."""
+        if wait is not None and self.in_flight and self.in_flight[0][1].done():
+            return self.finish_oldest()  # apply it first: its requests may go on at once
         self.fill()
         if not self.in_flight:
             return self.make_outputs([])
@@ -205,13 +216,17 @@ class EngineCore:
 
     def fill(self) -> None:
         """Schedule and submit batches until ``depth`` are in flight or nothing is left; each
-        is scheduled without the requests still in flight in earlier ones."""
+        is scheduled without the requests still in flight in earlier ones. With batches in
+        flight and nothing changed since the last empty schedule, there is nothing to do."""
+        if not self._changed and self.in_flight:
+            return
         while not self.pipeline_full:
             start = self.clock.now()
             busy = frozenset(c.request_id for p, _, _ in self.in_flight for c in p.chunks) \
                 if self.in_flight else frozenset()
             plan = self.scheduler.schedule(start, busy)
             if plan.is_empty:
+                self._changed = False
                 return
             try:
                 self.trip("execute")
@@ -241,6 +256,7 @@ class EngineCore:
         """Apply a finished iteration (``step`` does this; a pipelined loop calls it directly)."""
         if self.force_eos_at:
             self._force_eos(plan, result)
+        self._changed = True
         touched = self.scheduler.update(plan, result, end)
         self.telemetry.record_iteration(plan, start, end - start)
         if self._budget_model is not None:

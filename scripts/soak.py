@@ -32,7 +32,6 @@ import json
 import os
 import random
 import shlex
-import socket
 import subprocess
 import sys
 import time
@@ -40,6 +39,8 @@ from collections import Counter, defaultdict
 from pathlib import Path
 
 import httpx
+
+from fluidserve.net import free_port, wait_healthy
 
 KINDS = {"stream": 0.45, "complete": 0.2, "chat": 0.15, "abort": 0.1, "invalid": 0.1}
 WORDS = "the river rose slowly in spring and people of valley watched water climb".split()
@@ -50,12 +51,6 @@ INVALID = [
     b'{"messages": [{"role": "user", "content": [{"type": "text", "text": 5}]}]}',
     b'{"prompt": "x", "temperature": "hot"}',
 ]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def rss_mb(pid: int) -> float | None:
@@ -222,18 +217,12 @@ def start_server(args) -> tuple[subprocess.Popen, str]:
     log = open(args.server_log, "w") if args.server_log else subprocess.DEVNULL
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=dict(os.environ))
     url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 600
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"server exited with {proc.returncode}")
-        try:
-            if httpx.get(url + "/health", timeout=1).status_code == 200:
-                return proc, url
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.2)
-    proc.kill()
-    raise TimeoutError("server did not start")
+    try:
+        wait_healthy(url, 600, proc)
+    except TimeoutError:
+        proc.kill()
+        raise
+    return proc, url
 
 
 def main() -> None:

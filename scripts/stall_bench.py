@@ -20,7 +20,6 @@ import argparse
 import json
 import multiprocessing as mp
 import os
-import socket
 import statistics
 import subprocess
 import sys
@@ -29,11 +28,7 @@ from pathlib import Path
 
 import httpx
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from fluidserve.net import free_port, wait_healthy
 
 
 def rss_mb(pid: int) -> float:
@@ -67,18 +62,12 @@ def start_server(args, limit: str) -> tuple[subprocess.Popen, str]:
         env["PYTHONPATH"] = args.pythonpath
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 600
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"server exited with {proc.returncode}")
-        try:
-            if httpx.get(url + "/health", timeout=1).status_code == 200:
-                return proc, url
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.2)
-    proc.kill()
-    raise TimeoutError("server did not start")
+    try:
+        wait_healthy(url, 600, proc)
+    except TimeoutError:
+        proc.kill()
+        raise
+    return proc, url
 
 
 def stream_gaps(url: str, tokens: int, started=None) -> list[float]:

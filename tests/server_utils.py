@@ -1,7 +1,6 @@
 from __future__ import annotations
 
 import signal
-import socket
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -9,28 +8,14 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import uvicorn
 
+from fluidserve import net
 from fluidserve.config import EngineConfig, ServerConfig
+from fluidserve.net import free_port  # noqa: F401 - the tests import it from here
 from fluidserve.serve.server import DrainingServer, build_app, start_engine
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def wait_healthy(url: str, timeout: float = 120.0, proc=None) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc is not None and proc.poll() is not None:
-            raise RuntimeError(f"server exited with {proc.returncode}")
-        try:
-            if httpx.get(url + "/health", timeout=1).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.1)
-    raise TimeoutError(f"{url} did not become healthy")
+    net.wait_healthy(url, timeout, proc, poll=0.1)
 
 
 class InProcessServer:

@@ -11,7 +11,6 @@ import math
 import os
 import subprocess
 import sys
-import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -122,7 +121,7 @@ class LaunchedServer:
         self.timeout = startup_timeout
 
     def __enter__(self) -> LaunchedServer:
-        import httpx
+        from fluidserve.net import wait_healthy
 
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         self._log = open(self.log_path, "w")
@@ -130,19 +129,12 @@ class LaunchedServer:
                "--port", str(self.port), *self.args]
         self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT,
                                      env=os.environ | {"PYTHONUNBUFFERED": "1"})
-        deadline = time.monotonic() + self.timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"server exited with {self.proc.returncode}; see "
-                                   f"{self.log_path}")
-            try:
-                if httpx.get(self.url + "/health", timeout=1).status_code == 200:
-                    return self
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.2)
-        self.__exit__()
-        raise TimeoutError(f"server did not start in {self.timeout}s; see {self.log_path}")
+        try:
+            wait_healthy(self.url, self.timeout, self.proc, f"server (log: {self.log_path})")
+        except TimeoutError:
+            self.__exit__()
+            raise
+        return self
 
     def __exit__(self, *exc) -> None:
         if self.proc.poll() is None:

@@ -21,7 +21,6 @@ import logging
 import multiprocessing as mp
 import os
 import pickle
-import socket
 import threading
 import time
 from collections import deque
@@ -33,16 +32,11 @@ from fluidserve.core.scheduler.output import SchedulerOutput
 from fluidserve.engine.core import ExecutorDead
 from fluidserve.model.inputs import prepare_inputs
 from fluidserve.model.worker import WorkerSpec
+from fluidserve.net import free_port
 
 log = logging.getLogger(__name__)
 
 DIST_TIMEOUT = datetime.timedelta(minutes=10)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def rank_threads(parallel: ParallelConfig, num_threads: int | None) -> int:

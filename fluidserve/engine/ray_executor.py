@@ -21,9 +21,10 @@ from concurrent.futures import Future
 from fluidserve.config import ParallelConfig
 from fluidserve.core.scheduler.output import SchedulerOutput
 from fluidserve.engine.core import ExecutorDead
-from fluidserve.engine.distributed import RankRunner, free_port, rank_threads
+from fluidserve.engine.distributed import RankRunner, rank_threads
 from fluidserve.model.inputs import prepare_inputs
 from fluidserve.model.worker import WorkerSpec
+from fluidserve.net import free_port
 
 log = logging.getLogger(__name__)
 

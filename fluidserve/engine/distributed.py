@@ -118,7 +118,30 @@ def rank_main(rank: int, parallel: ParallelConfig, spec: WorkerSpec, init_method
         os._exit(1)
 
 
-class MultiprocExecutor:
+class FailsInFlightOnDeath:
+    """What an executor of worker ranks does when one dies: the first report wins, every
+    batch in flight fails with ExecutorDead, and the remaining ranks are stopped
+    (``_kill``). Needs ``_lock``, ``dead``, ``_closing`` and ``_pending`` (futures, or
+    tuples whose first item is the future)."""
+
+    def _die(self, message: str) -> None:
+        with self._lock:
+            if self.dead is not None or self._closing:
+                return
+            self.dead = message
+            pending, self._pending = list(self._pending), deque()
+        log.error("%s: failing %d batches in flight", message, len(pending))
+        for item in pending:
+            fut = item[0] if isinstance(item, tuple) else item
+            if not fut.done():
+                fut.set_exception(ExecutorDead(message))
+        self._kill()
+
+    def _kill(self) -> None:
+        raise NotImplementedError
+
+
+class MultiprocExecutor(FailsInFlightOnDeath):
     """The ranks as local processes (``--distributed-executor-backend mp``)."""
 
     def __init__(self, spec: WorkerSpec, parallel: ParallelConfig,
@@ -257,13 +280,3 @@ class MultiprocExecutor:
                     self._die(f"worker rank {r} died (exit code {self.procs[r].exitcode})")
                     return
 
-    def _die(self, message: str) -> None:
-        with self._lock:
-            if self.dead is not None or self._closing:
-                return
-            self.dead = message
-            pending, self._pending = list(self._pending), deque()
-        log.error("%s: failing %d batches in flight", message, len(pending))
-        for fut, _ in pending:
-            fut.set_exception(ExecutorDead(message))
-        self._kill()

@@ -21,7 +21,7 @@ from concurrent.futures import Future
 from fluidserve.config import ParallelConfig
 from fluidserve.core.scheduler.output import SchedulerOutput
 from fluidserve.engine.core import ExecutorDead
-from fluidserve.engine.distributed import RankRunner, rank_threads
+from fluidserve.engine.distributed import FailsInFlightOnDeath, RankRunner, rank_threads
 from fluidserve.model.inputs import prepare_inputs
 from fluidserve.model.worker import WorkerSpec
 from fluidserve.net import free_port
@@ -80,7 +80,7 @@ class _Rank:
             self.runner.close()
 
 
-class RayExecutor:
+class RayExecutor(FailsInFlightOnDeath):
     def __init__(self, spec: WorkerSpec, parallel: ParallelConfig,
                  num_threads: int | None = None, startup_timeout: float = 600.0) -> None:
         from ray.util.placement_group import placement_group
@@ -181,15 +181,6 @@ class RayExecutor:
                 done = set(ready)
                 self._watch = [r for r in self._watch if r not in done]
 
-    def _die(self, message: str) -> None:
-        with self._lock:
-            if self.dead is not None or self._closing:
-                return
-            self.dead = message
-            pending, self._pending = list(self._pending), deque()
-        log.error("%s: failing %d batches in flight", message, len(pending))
-        for fut in pending:
-            if not fut.done():
-                fut.set_exception(ExecutorDead(message))
+    def _kill(self) -> None:
         for a in self.actors:
             self.ray.kill(a)

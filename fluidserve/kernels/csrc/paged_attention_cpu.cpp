@@ -114,6 +114,25 @@ inline float hsum(v16f v) {
   return s;
 }
 
+// Unnormalized softmax of one score row in place: scores from ``visible`` on are masked,
+// the row becomes exp(x - max); returns 1 / (sum of the row). ``width``: a multiple of 16.
+inline float softmax_row(float* row, int visible, int width) {
+  std::fill(row + visible, row + width, kNegInf);
+  v16f vm = splat(kNegInf);
+  for (int i = 0; i < width; i += 16) {
+    const v16f x = load16(row + i);
+    vm = x > vm ? x : vm;
+  }
+  const float mx = hmax(vm);
+  v16f vs = {};
+  for (int i = 0; i < width; i += 16) {
+    const v16f e = vexp(load16(row + i) - mx);
+    store16(row + i, e);
+    vs += e;
+  }
+  return 1.0f / hsum(vs);
+}
+
 inline void prefetch(const void* p, int bytes) {
   const char* c = static_cast<const char*>(p);
   for (int i = 0; i < bytes; i += 64) __builtin_prefetch(c + i);
@@ -176,24 +195,7 @@ void attend(const WorkItem& w, const Batch& b, const T* q, T* out, const T* k_ca
   }
   // Pass 2: softmax of each row over its visible keys; invisible ones get probability 0.
   float inv_sum[kMaxRows];
-  for (int r = 0; r < R; ++r) {
-    float* row = sc + r * width;
-    const int n = last[r] + 1;
-    std::fill(row + n, row + width, kNegInf);
-    v16f vm = splat(kNegInf);
-    for (int i = 0; i < width; i += 16) {
-      const v16f x = load16(row + i);
-      vm = x > vm ? x : vm;
-    }
-    const float mx = hmax(vm);
-    v16f vs = {};
-    for (int i = 0; i < width; i += 16) {
-      const v16f e = vexp(load16(row + i) - mx);
-      store16(row + i, e);
-      vs += e;
-    }
-    inv_sum[r] = 1.0f / hsum(vs);
-  }
+  for (int r = 0; r < R; ++r) inv_sum[r] = softmax_row(sc + r * width, last[r] + 1, width);
   // Pass 3: out_r = sum_j p[r][j] * v_j / sum_r, D / 16 vectors of four rows at a time.
   const int keys = max_pos + 1;
   for (int r0 = 0; r0 < R; r0 += 4) {
@@ -285,23 +287,8 @@ void attend_decode(const WorkItem& w, const Batch& b, const T* q, T* out, const 
     }
   }
   float inv_sum[kMaxRows];
-  for (int r = 0; r < R; ++r) {  // pass 2: softmax over the ctx visible keys
-    float* row = sc + r * width;
-    std::fill(row + ctx, row + width, kNegInf);
-    v16f vm = splat(kNegInf);
-    for (int i = 0; i < width; i += 16) {
-      const v16f x = load16(row + i);
-      vm = x > vm ? x : vm;
-    }
-    const float mx = hmax(vm);
-    v16f vs = {};
-    for (int i = 0; i < width; i += 16) {
-      const v16f e = vexp(load16(row + i) - mx);
-      store16(row + i, e);
-      vs += e;
-    }
-    inv_sum[r] = 1.0f / hsum(vs);
-  }
+  for (int r = 0; r < R; ++r)  // pass 2: softmax over the ctx visible keys
+    inv_sum[r] = softmax_row(sc + r * width, ctx, width);
   for (int blk = 0; blk < num_blocks; ++blk) {  // pass 3: probability-weighted values
     if (blk + 2 < num_blocks) prefetch(v_cache + table[blk + 2] * kv_stride + off, span);
     const T* vb = v_cache + table[blk] * kv_stride + off;

@@ -48,6 +48,10 @@ class WaitingQueue:
             self._ordered = None
         return item[0] if item else None
 
+    def __iter__(self):
+        """The queued requests in no particular order (``ordered`` sorts)."""
+        return (req for req, _ in self._items.values())
+
     def ordered(self) -> list[Request]:
         if self._ordered is None:
             items = self._items.values()

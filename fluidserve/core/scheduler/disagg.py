@@ -76,7 +76,7 @@ class PrefillOnlyScheduler(Scheduler):
     def queued_prefill_tokens(self) -> int:
         """Prefill tokens not yet computed: the instance's load for routing."""
         return sum(r.num_remaining for r in self.running) + sum(
-            r.num_remaining for r in self.waiting.ordered())
+            r.num_remaining for r in self.waiting)  # no need to sort the queue to add it up
 
 
 @dataclass

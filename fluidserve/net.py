@@ -18,7 +18,8 @@ def free_port() -> int:
 def wait_healthy(url: str, timeout: float, proc: subprocess.Popen | None = None,
                  what: str = "server", poll: float = 0.2) -> float:
     """Poll ``url/health`` until it answers 200; returns the seconds it took. Raises
-    RuntimeError if ``proc`` exits first, TimeoutError after ``timeout`` seconds."""
+    RuntimeError if ``proc`` exits first, TimeoutError after ``timeout`` seconds (having
+    killed ``proc``, so no half-started server outlives its launcher)."""
     import httpx
 
     t0 = time.monotonic()
@@ -31,4 +32,6 @@ def wait_healthy(url: str, timeout: float, proc: subprocess.Popen | None = None,
         except httpx.HTTPError:
             pass
         time.sleep(poll)
+    if proc is not None:
+        proc.kill()
     raise TimeoutError(f"{what} did not answer {url}/health within {timeout:g} s")

@@ -217,11 +217,7 @@ def start_server(args) -> tuple[subprocess.Popen, str]:
     log = open(args.server_log, "w") if args.server_log else subprocess.DEVNULL
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=dict(os.environ))
     url = f"http://127.0.0.1:{port}"
-    try:
-        wait_healthy(url, 600, proc)
-    except TimeoutError:
-        proc.kill()
-        raise
+    wait_healthy(url, 600, proc)
     return proc, url
 
 

@@ -62,11 +62,7 @@ def start_server(args, limit: str) -> tuple[subprocess.Popen, str]:
         env["PYTHONPATH"] = args.pythonpath
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     url = f"http://127.0.0.1:{port}"
-    try:
-        wait_healthy(url, 600, proc)
-    except TimeoutError:
-        proc.kill()
-        raise
+    wait_healthy(url, 600, proc)
     return proc, url
 
 

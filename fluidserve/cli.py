@@ -9,6 +9,7 @@ import sys
 import time
 
 from fluidserve.cli_args import (
+    ALL_SECTIONS,
     add_dataclass_args,
     add_engine_args,
     dataclass_from_args,
@@ -103,7 +104,8 @@ def _cmd_build_model(args: argparse.Namespace) -> int:
 def _cmd_serve(args: argparse.Namespace) -> int:
     from fluidserve.serve.server import run_server
 
-    return run_server(engine_config_from_args(args), dataclass_from_args(ServerConfig, args))
+    return run_server(engine_config_from_args(args, (*ALL_SECTIONS, "disagg")),
+                      dataclass_from_args(ServerConfig, args))
 
 
 def _cmd_bench(args: argparse.Namespace) -> int:
@@ -167,7 +169,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     srv = sub.add_parser("serve", help="OpenAI-compatible HTTP server.")
     add_dataclass_args(srv, ServerConfig, "server")
-    add_engine_args(srv)
+    add_engine_args(srv, (*ALL_SECTIONS, "disagg"))
     srv.set_defaults(func=_cmd_serve)
 
     bench = sub.add_parser("bench", help="Evaluate an OpenAI-compatible endpoint (Etalon).")

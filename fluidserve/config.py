@@ -175,6 +175,7 @@ LENGTH_PREDICTORS = ("oracle", "noisy")
 DISPATCHERS = ("power_of_two", "random", "round_robin", "least_loaded")
 DECODE_ADMISSIONS = ("greedy", "reserve_static", "reserve_dynamic")
 KV_TRANSFER_GRANULARITIES = ("request", "chunk")
+KV_TRANSPORTS = ("gloo", "shm")
 
 
 @dataclass(frozen=True)
@@ -219,6 +220,11 @@ class DisaggConfig:
         " device's measured send/recv between two GPUs of one node, e.g. ~286 GB/s NVLink on"
         " A100s).")
     kv_transfer_latency: float = knob(20e-6, "Fixed cost of one KV transfer (seconds).")
+    kv_transport: str = knob("gloo", "How served instances move KV: gloo (torch.distributed"
+                             " point-to-point) or shm (shared memory, same host).",
+                             choices=KV_TRANSPORTS)
+    kv_transfer_timeout: float = knob(60.0, "Seconds a served KV transfer may take before its"
+                                      " request fails with an error.")
     monitor_interval: float = knob(0.1, "Seconds between the cluster monitor's load broadcasts.")
     instance_flip: bool = knob(False, "Let an instance drain and change role when the load"
                                " between prefill and decode stays unbalanced.")
@@ -240,7 +246,8 @@ class DisaggConfig:
                 ("dispatcher", self.dispatcher, DISPATCHERS),
                 ("decode_admission", self.decode_admission, DECODE_ADMISSIONS),
                 ("kv_transfer_granularity", self.kv_transfer_granularity,
-                 KV_TRANSFER_GRANULARITIES)):
+                 KV_TRANSFER_GRANULARITIES),
+                ("kv_transport", self.kv_transport, KV_TRANSPORTS)):
             if value not in options:
                 raise ConfigError(f"{name} must be one of {options}, got {value!r}")
         if not 0.0 <= self.predictor_accuracy <= 1.0:
@@ -251,6 +258,8 @@ class DisaggConfig:
             raise ConfigError("kv_transfer_latency must be >= 0")
         if self.monitor_interval <= 0 or self.flip_window <= 0:
             raise ConfigError("monitor_interval and flip_window must be > 0")
+        if self.kv_transfer_timeout <= 0:
+            raise ConfigError("kv_transfer_timeout must be > 0")
 
 
 SECTIONS = {"model": ModelConfig, "cache": CacheConfig, "scheduler": SchedulerConfig,

@@ -22,6 +22,9 @@ rm -rf "$work"
 mkdir -p "$work"
 git -C "$repo" ls-files -z --cached --others --exclude-standard \
     | (cd "$repo" && xargs -0 -I{} sh -c 'test -e "$1" && cp --parents "$1" "$0"' "$work" {})
+# The mutants run from the copy: point them at the checkout's traces and GPU profiles.
+export FLUIDSERVE_DATA_DIR=${FLUIDSERVE_DATA_DIR:-$(cd "$repo" && python -c \
+    'from fluidserve.data import data_dir; print(data_dir() or "")')}
 cd "$work"
 
 HYPOTHESIS_PROFILE=mutation mutmut run --max-children "$jobs"

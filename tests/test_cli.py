@@ -55,16 +55,13 @@ def test_help_lists_every_engine_knob():
                 for cls in classes for f in dataclasses.fields(cls)]
 
     text = cli("serve", "--help").stdout
-    served = [cls for name, cls in SECTIONS.items() if name != "disagg"]
-    for flag in flags((*served, ServerConfig)):
+    for flag in flags((*SECTIONS.values(), ServerConfig)):
         assert flag in text, flag
     for alias in ("--max-num-batched-tokens", "-tp", "-pp", "--distributed-executor-backend"):
         assert alias in text
-    # Disaggregated instances run in the simulator (and the in-process cluster) so far.
     sim_text = cli("simulate", "--help").stdout
     for flag in flags(SECTIONS[name] for name in SIM_SECTIONS):
         assert flag in sim_text, flag
-    assert "--disaggregate" not in text
 
 
 def test_bad_config_is_a_clear_error(default_model_dir, tmp_path):

@@ -42,6 +42,41 @@ from fluidserve.request import Request, RequestStatus
 ROLES = ("prefill", "decode")
 
 
+def role_scheduler_factory(config: EngineConfig, role: str
+                           ) -> Callable[[SchedulerLimits, BlockManager], Scheduler]:
+    """The scheduler of an engine core in ``role``, from the engine's limits: fixed-size
+    prefill chunks from the local queue, or continuous decode batches under the admission
+    policy (its budget: the engine's, at least ``max_num_seqs``)."""
+    if role not in ROLES:
+        raise ValueError(f"unknown instance role {role!r}; choose from {', '.join(ROLES)}")
+    d, sc = config.disagg, config.scheduler
+
+    def make(limits: SchedulerLimits, bm: BlockManager) -> Scheduler:
+        if role == "prefill":
+            lim = dataclasses.replace(limits, token_budget=d.prefill_chunk_size,
+                                      queue_policy=d.prefill_policy,
+                                      queue_window=d.prefill_sched_batch)
+            return PrefillOnlyScheduler(lim, bm)
+        budget = sc.token_budget if isinstance(sc.token_budget, int) else 512
+        lim = dataclasses.replace(limits, token_budget=max(budget, limits.max_num_seqs))
+        return DecodeOnlyScheduler(lim, bm, d.decode_admission, d.heavy_decode_threshold)
+    return make
+
+
+def predict_length(predictor, req: Request, true_len: int) -> int:
+    """The predicted final output length; a request never outgrows its ``max_tokens``."""
+    return min(predictor.predict(req.request_id, req.prompt_token_ids, true_len),
+               req.params.max_tokens)
+
+
+def pick_decode(dispatcher: Dispatcher, bm: BlockManager, req: Request, predicted: int,
+                heavy_threshold: int) -> int | None:
+    """The decode instance a prefilled request goes to (None: none can take it yet)."""
+    need = bm.blocks_for(req.num_prompt_tokens + max(predicted, 1))
+    return dispatcher.pick(need, bm.blocks_for(req.num_computed_tokens),
+                           predicted > heavy_threshold)
+
+
 class KVMover(Protocol):
     """Moves the KV of ``num_tokens`` tokens between two instances' paged caches."""
 
@@ -150,18 +185,7 @@ class Cluster:
 
     # ------------------------------------------------------------------ roles
     def _factory(self, role: str) -> Callable[[SchedulerLimits, BlockManager], Scheduler]:
-        d, sc = self.d, self.config.scheduler
-
-        def make(limits: SchedulerLimits, bm: BlockManager) -> Scheduler:
-            if role == "prefill":
-                lim = dataclasses.replace(limits, token_budget=d.prefill_chunk_size,
-                                          queue_policy=d.prefill_policy,
-                                          queue_window=d.prefill_sched_batch)
-                return PrefillOnlyScheduler(lim, bm)
-            budget = sc.token_budget if isinstance(sc.token_budget, int) else 512
-            lim = dataclasses.replace(limits, token_budget=max(budget, limits.max_num_seqs))
-            return DecodeOnlyScheduler(lim, bm, d.decode_admission, d.heavy_decode_threshold)
-        return make
+        return role_scheduler_factory(self.config, role)
 
     def role_of(self, role: str, *, accepting: bool = False) -> list[Instance]:
         return [i for i in self.instances if i.role == role and not (accepting and i.draining)]
@@ -252,17 +276,12 @@ class Cluster:
         if req.status.finished:
             return
         self.owner[req.request_id] = src
-        predicted = min(self.predictor.predict(req.request_id, req.prompt_token_ids,
-                                               self.true_len[req.request_id]),
-                        req.params.max_tokens)  # a request never outgrows its max_tokens
+        predicted = predict_length(self.predictor, req, self.true_len[req.request_id])
         self._dispatch(t, src, req, predicted)
 
     def _dispatch(self, t: float, src: Instance, req: Request, predicted: int) -> bool:
-        bm = src.core.block_manager
-        need = bm.blocks_for(req.num_prompt_tokens + max(predicted, 1))
-        now_blocks = bm.blocks_for(req.num_computed_tokens)
-        heavy = predicted > self.d.heavy_decode_threshold
-        pick = self.dispatcher.pick(need, now_blocks, heavy)
+        pick = pick_decode(self.dispatcher, src.core.block_manager, req, predicted,
+                           self.d.heavy_decode_threshold)
         if pick is None:
             self.undispatched.append((src, req, predicted))
             return False

@@ -45,18 +45,28 @@ PIPELINE_POLL_S = 0.002
 
 
 def run_engine_core(config: EngineConfig, inbox: Connection, outbox: Connection,
-                    telemetry_file: str | None, max_records: int | None) -> None:
-    """Entry point of the engine-core process."""
+                    telemetry_file: str | None, max_records: int | None,
+                    instance=None) -> None:
+    """Entry point of the engine-core process. ``instance``: the core is one instance of a
+    disaggregated deployment (``fluidserve.disagg.instance.InstanceSpec``), in its role."""
+    name = f"{instance.role} {instance.index}" if instance is not None else "core"
     logging.basicConfig(level=logging.INFO,
-                        format="%(asctime)s %(levelname)s %(name)s[core]: %(message)s")
-    core = None
+                        format=f"%(asctime)s %(levelname)s %(name)s[{name}]: %(message)s")
+    core = role = None
     try:
-        core = _start_core(config, max_records)
+        if instance is not None:
+            from fluidserve.disagg.instance import start_instance
+
+            core, role = start_instance(config, instance, max_records)
+        else:
+            core = _start_core(config, max_records)
         ex = core.executor
         outbox.send(CoreReady(str(getattr(core, "model_dir", "")), core.max_model_len,
                               core.vocab_size, ex.num_blocks, ex.block_size,
                               core.load_seconds))
-        _busy_loop(core, inbox, outbox)
+        _busy_loop(core, inbox, outbox, role)
+        if role is not None:
+            role.close()
         ex.shutdown()
     except BaseException as e:  # report, then exit non-zero: the front end fails requests
         log.exception("engine core failed")
@@ -75,7 +85,7 @@ def run_engine_core(config: EngineConfig, inbox: Connection, outbox: Connection,
         log.info("wrote telemetry to %s", telemetry_file)
 
 
-def _start_core(config: EngineConfig, max_records: int | None):
+def _start_core(config: EngineConfig, max_records: int | None, scheduler_factory=None):
     from fluidserve.engine.core import EngineCore
     from fluidserve.engine.engine import build_model_executor
     from fluidserve.engine.telemetry import Telemetry
@@ -90,24 +100,31 @@ def _start_core(config: EngineConfig, max_records: int | None):
 
         cpu_ops()
     vocab = getattr(getattr(executor, "arch", None), "vocab_size", None)
-    core = EngineCore(config, executor, telemetry=Telemetry(max_records), vocab_size=vocab)
+    core = EngineCore(config, executor, telemetry=Telemetry(max_records), vocab_size=vocab,
+                      scheduler_factory=scheduler_factory)
     core.collect_stats = True
     core.model_dir = model_dir
     core.load_seconds = time.monotonic() - t0
     return core
 
 
-def _busy_loop(core, inbox: Connection, outbox: Connection) -> None:
+def _busy_loop(core, inbox: Connection, outbox: Connection, role=None) -> None:
+    """Take in commands, run an iteration, send its outputs; again. A disaggregated
+    instance's ``role`` handles the hand-off commands, moves KV between iterations and adds
+    its control-plane events to the outputs."""
     from fluidserve.core.scheduler import RequestRejected
 
     while True:
         pending: list[RequestDelta] = []
         rejected: dict[str, str] = {}
-        timeout = 0.0 if core.has_unfinished() else IDLE_POLL_S
+        timeout = 0.0 if _has_work(core, role) else \
+            role.poll_interval(IDLE_POLL_S) if role is not None else IDLE_POLL_S
         while inbox.poll(timeout):
             msg = inbox.recv()
             timeout = 0.0
             core.trip("command")
+            if role is not None and role.handle(msg):
+                continue
             if isinstance(msg, AddRequest):
                 try:
                     core.add(msg)
@@ -127,14 +144,25 @@ def _busy_loop(core, inbox: Connection, outbox: Connection) -> None:
         core.trip("loop")
         if core.faults.get("wedge"):
             _wedge()
+        if role is not None:
+            pending += role.poll()
+        busy = _has_work(core, role)
         # A pipeline with room left does not block on its oldest micro-batch: a request that
         # arrives meanwhile starts the next one (PIPELINE_POLL_S later at most).
-        out = core.step(PIPELINE_POLL_S) if core.has_unfinished() else core.make_outputs([])
+        out = core.step(PIPELINE_POLL_S) if busy else core.make_outputs([])
         out.outputs = pending + out.outputs
         out.rejected = rejected
-        if out.outputs or rejected or out.iteration_tokens or out.finished:
+        news = role is not None and role.annotate(out)
+        if out.outputs or rejected or out.iteration_tokens or out.finished or news:
             core.trip("send")
             outbox.send(out)
+
+
+def _has_work(core, role) -> bool:
+    if role is None:
+        return core.has_unfinished()
+    # An instance's requests waiting for a hand-off are not work: it polls, it does not spin.
+    return core.scheduler.has_work() or bool(core.in_flight)
 
 
 def _wedge() -> None:
@@ -154,12 +182,15 @@ class EngineCoreClient:
 
     def __init__(self, config: EngineConfig, on_outputs: Callable[[EngineCoreOutputs], None],
                  on_dead: Callable[[str], None], telemetry_file: str | None = None,
-                 max_records: int | None = 100_000) -> None:
+                 max_records: int | None = 100_000, instance=None) -> None:
         ctx = mp.get_context("spawn")
         in_r, self._in_w = ctx.Pipe(duplex=False)
         self._out_r, out_w = ctx.Pipe(duplex=False)
-        self.proc = ctx.Process(target=run_engine_core, name="fluidserve-engine-core",
-                                args=(config, in_r, out_w, telemetry_file, max_records))
+        name = "fluidserve-engine-core" if instance is None \
+            else f"fluidserve-{instance.role}-{instance.index}"
+        self.proc = ctx.Process(target=run_engine_core, name=name,
+                                args=(config, in_r, out_w, telemetry_file, max_records,
+                                      instance))
         # Not a daemon: it starts worker processes of its own for tp/pp. It exits when its
         # inbox closes, so it never outlives this process.
         self.on_outputs, self.on_dead = on_outputs, on_dead
@@ -198,6 +229,10 @@ class EngineCoreClient:
     # Messages are queued and written by a thread of their own: a long prompt's AddRequest
     # may fill the pipe while the core is mid-iteration, and that must not block the caller.
     def add(self, msg: AddRequest) -> None:
+        self._sendq.put(msg)
+
+    def send(self, msg) -> None:
+        """Any command (a disaggregated instance's hand-off commands)."""
         self._sendq.put(msg)
 
     def abort(self, request_ids: list[str], reason: str = "abort") -> None:

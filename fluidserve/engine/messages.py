@@ -59,7 +59,8 @@ class InjectFault:
     (``AsyncEngine.inject_fault``) has points of its own: ``output`` (processing one request's
     output: that request fails), ``metrics`` (updating metrics: logged and counted, nobody
     fails) and ``deliver`` (handing outputs to streams: every request fails, as if the core
-    had died)."""
+    had died). A disaggregated instance adds ``kv_send`` (a prefill instance sending a request's
+    KV) and ``kv_recv`` (a decode instance taking it in): that request fails, nothing else."""
 
     point: str
     times: int = 1
@@ -100,6 +101,10 @@ class EngineCoreOutputs:
     iteration_tokens: list[int] = field(default_factory=list)  # per iteration completed
     finished: list[dict] = field(default_factory=list)  # telemetry rows of ended requests
     rejected: dict[str, str] = field(default_factory=dict)  # request id -> reason
+    # A disaggregated instance's control-plane events (fluidserve.disagg.messages) and, from a
+    # decode instance, its load for the cluster monitor.
+    events: list = field(default_factory=list)
+    load: object = None
 
 
 @dataclass(frozen=True, slots=True)

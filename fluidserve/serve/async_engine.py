@@ -80,7 +80,13 @@ class AsyncEngine:
         self.watchdog_timeout = watchdog_timeout
         self._last_progress = time.monotonic()
         self._stopping = threading.Event()
-        self.client = EngineCoreClient(config, self._on_outputs, self._on_dead, telemetry_file)
+        if config.disagg.disaggregate:  # prefill and decode instances (TetriInfer)
+            from fluidserve.disagg.client import DisaggClient
+
+            self.client = DisaggClient(config, self._on_outputs, self._on_dead, telemetry_file)
+        else:
+            self.client = EngineCoreClient(config, self._on_outputs, self._on_dead,
+                                           telemetry_file)
         self.info: CoreReady | None = None
 
     def start(self, timeout: float = 600.0) -> CoreReady:

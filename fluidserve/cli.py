@@ -1,4 +1,5 @@
-"""`fluidserve` command line: generate | serve | profile | build-model."""
+"""`fluidserve` command line: generate | serve | bench | capacity | simulate | profile |
+train-predictor | build-model."""
 
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ from fluidserve.config import (
     BenchConfig,
     CapacityConfig,
     ConfigError,
+    PredictorTrainConfig,
     ProfileConfig,
     ServerConfig,
     SimConfig,
@@ -152,6 +154,22 @@ def _cmd_profile(args: argparse.Namespace) -> int:
     return run_profile(dataclass_from_args(ProfileConfig, args))
 
 
+def _cmd_train_predictor(args: argparse.Namespace) -> int:
+    import json as _json
+    from pathlib import Path
+
+    from fluidserve.disagg.learned import read_request_log, train
+
+    cfg = dataclass_from_args(PredictorTrainConfig, args)
+    records = read_request_log(p.strip() for p in cfg.request_log.split(",") if p.strip())
+    model, report = train(records, cfg.granularity, cfg.holdout, cfg.seed)
+    Path(cfg.out).write_text(_json.dumps(model))
+    print(report.text())
+    print(f"wrote {cfg.out} (serve with --disaggregate --length-predictor learned"
+          f" --length-predictor-path {cfg.out})", file=sys.stderr)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     from fluidserve.model.builder import SHAPES
 
@@ -202,6 +220,11 @@ def build_parser() -> argparse.ArgumentParser:
     prof = sub.add_parser("profile", help="Characterize iteration time on this machine.")
     add_dataclass_args(prof, ProfileConfig, "profile")
     prof.set_defaults(func=_cmd_profile)
+
+    tp = sub.add_parser("train-predictor", help="Fit the generated-length predictor on a"
+                        " request log (TetriInfer's length predictor).")
+    add_dataclass_args(tp, PredictorTrainConfig, "training")
+    tp.set_defaults(func=_cmd_train_predictor)
 
     bld = sub.add_parser("build-model", help="Write a random-weight Llama model directory.")
     bld.add_argument("--out", required=True, help="Output directory.")

@@ -171,7 +171,7 @@ class ParallelConfig:
 
 
 PREFILL_POLICIES = ("fcfs", "sjf", "ljf")
-LENGTH_PREDICTORS = ("oracle", "noisy")
+LENGTH_PREDICTORS = ("oracle", "noisy", "learned")
 DISPATCHERS = ("power_of_two", "random", "round_robin", "least_loaded")
 DECODE_ADMISSIONS = ("greedy", "reserve_static", "reserve_dynamic")
 KV_TRANSFER_GRANULARITIES = ("request", "chunk")
@@ -196,9 +196,13 @@ class DisaggConfig:
         " sjf/ljf sort within a window, windows run in arrival order, so nothing starves"
         " (0: one window).")
     length_predictor: str = knob("noisy", "Generated-length predictor at the prefill instance:"
-                                 " oracle (the true length) or noisy (oracle right with"
-                                 " --predictor-accuracy, else a neighbouring bucket).",
+                                 " oracle (the true length; served: max_tokens), noisy (oracle"
+                                 " right with --predictor-accuracy, else a neighbouring"
+                                 " bucket) or learned (fitted on a request log).",
                                  choices=LENGTH_PREDICTORS)
+    length_predictor_path: str | None = knob(
+        None, "The learned predictor's file (`fluidserve train-predictor`), for"
+        " --length-predictor learned.")
     predictor_granularity: int = knob(200, "Width of a predicted-length bucket (tokens).")
     predictor_accuracy: float = knob(0.749, "Accuracy of the noisy predictor (TetriInfer's"
                                      " OPT-125M classifier: 74.9% at granularity 200).")
@@ -250,6 +254,9 @@ class DisaggConfig:
                 ("kv_transport", self.kv_transport, KV_TRANSPORTS)):
             if value not in options:
                 raise ConfigError(f"{name} must be one of {options}, got {value!r}")
+        if (self.length_predictor == "learned") != (self.length_predictor_path is not None):
+            raise ConfigError("--length-predictor learned needs --length-predictor-path (and"
+                              " the path is for the learned predictor only)")
         if not 0.0 <= self.predictor_accuracy <= 1.0:
             raise ConfigError("predictor_accuracy must be in [0, 1]")
         if self.kv_transfer_bandwidth_gbps is not None and self.kv_transfer_bandwidth_gbps <= 0:
@@ -337,6 +344,9 @@ class ServerConfig:
         " it above the longest iteration (a full token-budget prefill)."
     )
     log_requests: bool = knob(False, "Log one line per finished request.")
+    request_log: str | None = knob(
+        None, "Append one JSON line per finished request (prompt token ids, generated length)"
+        " to this file: what `fluidserve train-predictor` learns from.")
     telemetry_file: str | None = knob(
         None, "Write per-iteration and per-request telemetry (JSON lines) here at shutdown."
     )
@@ -511,3 +521,22 @@ class ProfileConfig:
 
     def __post_init__(self) -> None:
         _positive("repeats", self.repeats)
+
+
+@dataclass(frozen=True)
+class PredictorTrainConfig:
+    """Knobs of `fluidserve train-predictor` (the learned generated-length predictor)."""
+
+    request_log: str | None = knob(None, "Request log(s) written by `fluidserve serve"
+                                   " --request-log` (comma-separated).")
+    out: str = knob("length-predictor.json", "Where to write the predictor.")
+    granularity: int = knob(200, "Width of a length bucket (tokens).")
+    holdout: float = knob(0.2, "Share of the requests held out to measure accuracy.")
+    seed: int = knob(0, "Seed of the held-out split.")
+
+    def __post_init__(self) -> None:
+        if not self.request_log:
+            raise ConfigError("give the request log to learn from: --request-log FILE")
+        _positive("granularity", self.granularity)
+        if not 0.0 < self.holdout < 1.0:
+            raise ConfigError(f"holdout must be in (0, 1), got {self.holdout}")

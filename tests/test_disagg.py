@@ -431,3 +431,82 @@ def test_step_with_wait_starts_a_micro_batch_while_the_oldest_is_in_flight():
     ex.futures[1][1].set_result(RunnerOutput({"b": 5}, 0.01))
     out = core.step(wait=0.01)  # the oldest is done: applied before anything else
     assert [d.request_id for d in out.outputs] == ["b"]
+
+
+def synthetic_log(path, n: int, seed: int = 0) -> None:
+    """Requests whose generated length depends on their prompt: long prompts (summaries) get
+    short answers, prompts with token 7 get long ones; some aborted (not lengths)."""
+    import json
+    import random
+
+    rng = random.Random(seed)
+    with open(path, "w") as f:
+        for i in range(n):
+            long_prompt = rng.random() < 0.5
+            ids = [rng.randrange(5, 50) for _ in range(rng.randrange(800, 1000)
+                                                        if long_prompt else rng.randrange(10, 60))]
+            talkative = rng.random() < 0.5
+            if talkative:
+                ids[:3] = [7, 7, 7]
+            generated = rng.randrange(10, 190) if long_prompt else \
+                rng.randrange(610, 790) if talkative else rng.randrange(210, 390)
+            reason = "abort" if i % 10 == 9 else rng.choice(("stop", "length"))
+            f.write(json.dumps({"prompt_token_ids": ids[:1024], "num_prompt_tokens": len(ids),
+                                "max_tokens": 1000, "generated": generated,
+                                "finish_reason": reason}) + "\n")
+
+
+def test_learned_predictor_learns_lengths_from_the_request_log(tmp_path):
+    from fluidserve.disagg.learned import read_request_log, train
+
+    synthetic_log(tmp_path / "log.jsonl", 400)
+    records = read_request_log([tmp_path / "log.jsonl"])
+    assert len(records) == 360  # aborted requests say nothing about lengths
+    model, report = train(records, granularity=200, holdout=0.25)
+    assert report.heldout == 90 and report.num_buckets == 4
+    # Half the requests are summaries: their bucket is right about half the time.
+    assert report.majority_accuracy < 0.65
+    assert report.accuracy > 0.95, report.text()
+    path = tmp_path / "pred.json"
+    path.write_text(__import__("json").dumps(model))
+    pred = make_predictor("learned", path=str(path))
+    assert pred.granularity == 200
+    # New prompts of each kind: a summary, a talkative chat, a plain chat.
+    import random
+
+    rng = random.Random(99)
+    words = [rng.randrange(8, 50) for _ in range(900)]
+    assert pred.predict("a", words, 0) == 200
+    assert pred.predict("b", [7, 7, 7] + words[:30], 0) == 800
+    assert pred.predict("c", words[:33], 0) == 400
+
+
+def test_learned_predictor_errors_are_clear(tmp_path):
+    from fluidserve.disagg.learned import read_request_log, train
+
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"prompt_token_ids": [1], "finish_reason": "stop"}\n')
+    with pytest.raises(ValueError, match="bad.jsonl:1: not a request-log line"):
+        read_request_log([bad])
+    with pytest.raises(ValueError, match="need at least 10"):
+        train([], granularity=200)
+    with pytest.raises(ValueError, match="not a fluidserve length predictor"):
+        make_predictor("learned", path=str(bad))
+    with pytest.raises(ConfigError, match="needs --length-predictor-path"):
+        EngineConfig.create(length_predictor="learned")
+
+
+def test_train_predictor_command_writes_a_predictor_the_server_can_load(tmp_path):
+    import subprocess
+    import sys
+
+    synthetic_log(tmp_path / "log.jsonl", 200)
+    out = tmp_path / "p.json"
+    r = subprocess.run([sys.executable, "-m", "fluidserve.cli", "train-predictor",
+                        "--request-log", str(tmp_path / "log.jsonl"), "--out", str(out)],
+                       capture_output=True, text=True, check=True)
+    assert "held-out accuracy" in r.stdout and "74.9%" in r.stdout
+    cfg = EngineConfig.create(disaggregate=True, length_predictor="learned",
+                              length_predictor_path=str(out))
+    assert make_predictor(cfg.disagg.length_predictor,
+                          path=cfg.disagg.length_predictor_path).name == "learned"

@@ -28,14 +28,15 @@ MAX_TOKENS = [12, 20, 8, 24, 16, 10]
 
 
 @pytest.fixture(scope="module")
-def deployments(default_model_dir):
+def deployments(default_model_dir, tmp_path_factory):
     """1 prefill + 2 decode instances over gloo (chunks of 16), and 1 + 1 over shared memory
-    (chunks of 64)."""
+    (chunks of 64) writing a request log."""
+    log = tmp_path_factory.mktemp("log") / "requests.jsonl"
     specs = {
         "gloo": dict(engine_kw=BASE | dict(disaggregate=True, num_decode_instances=2,
                                            prefill_chunk_size=16, kv_transfer_timeout=20)),
         "shm": dict(engine_kw=BASE | dict(disaggregate=True, kv_transport="shm",
-                                          prefill_chunk_size=64)),
+                                          prefill_chunk_size=64), request_log=str(log)),
     }
     servers = start_servers(default_model_dir, specs)
     yield servers
@@ -84,6 +85,11 @@ def test_served_disaggregation_equals_the_colocated_engine(deployments, referenc
     assert s.kv_idle(), "KV blocks or requests left on an instance"
     client = s.engine.client
     assert not client._where and not any(client._outstanding)
+    if s.engine.request_log is not None:  # what `fluidserve train-predictor` learns from
+        lines = [json.loads(x) for x in open(s.engine.request_log._file.name)]
+        assert sorted(x["generated"] for x in lines) == sorted(MAX_TOKENS)
+        assert {x["finish_reason"] for x in lines} == {"length"}
+        assert all(x["num_prompt_tokens"] == len(x["prompt_token_ids"]) > 0 for x in lines)
 
 
 def test_a_client_leaving_mid_stream_frees_its_blocks_everywhere(deployments):

@@ -151,7 +151,7 @@ class Cluster:
         self.kv_bytes_per_token = kv_bytes_per_token
         self.bandwidth = bandwidth_gbps * 1e9
         self.predictor = make_predictor(d.length_predictor, d.predictor_granularity,
-                                        d.predictor_accuracy, seed)
+                                        d.predictor_accuracy, seed, d.length_predictor_path)
         self.dispatcher = Dispatcher(d.dispatcher, seed)
         self.instances: list[Instance] = []
         for role, n in (("prefill", d.num_prefill_instances), ("decode", d.num_decode_instances)):

@@ -110,7 +110,8 @@ class PrefillRole(_Role):
         super().__init__(core, index, transport, config)
         d = self.d
         self.predictor = make_predictor(d.length_predictor, d.predictor_granularity,
-                                        d.predictor_accuracy, config.model.seed)
+                                        d.predictor_accuracy, config.model.seed,
+                                        d.length_predictor_path)
         self.dispatcher = Dispatcher(d.dispatcher, config.model.seed + index)
         self.announced: set[str] = set()
         self.undispatched: dict[str, int] = {}  # request id -> predicted length

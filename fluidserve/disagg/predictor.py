@@ -4,6 +4,7 @@ A predictor classifies a request into a length bucket of ``granularity`` tokens 
 covers [b*g, (b+1)*g)); the decode side plans with the bucket's upper end. Pluggable:
 
 - ``oracle``: the true length (an upper bound on what prediction can buy);
+- ``learned``: a classifier fitted on the server's request log (``fluidserve.disagg.learned``);
 - ``noisy``: the oracle right with probability ``accuracy`` (default: the 74.9% that
   TetriInfer's OPT-125M classifier reaches at granularity 200), otherwise a neighbouring
   bucket -- a classifier's mistakes are mostly near misses. The draw depends only on the
@@ -62,7 +63,15 @@ class NoisyPredictor(LengthPredictor):
 
 
 def make_predictor(name: str, granularity: int = 200, accuracy: float = PAPER_ACCURACY,
-                   seed: int = 0) -> LengthPredictor:
+                   seed: int = 0, path: str | None = None) -> LengthPredictor:
+    """``path``: the learned predictor's file (its granularity is the one it was trained
+    with)."""
+    if name == "learned":
+        from fluidserve.disagg.learned import LearnedPredictor
+
+        if path is None:
+            raise ValueError("the learned length predictor needs its file")
+        return LearnedPredictor(path)
     if name == "oracle":
         return LengthPredictor(granularity)
     if name == "noisy":

@@ -27,6 +27,7 @@ from fluidserve.engine.output import OutputProcessor, RequestOutput
 from fluidserve.model.tokenizer import Tokenizer
 from fluidserve.sampling_params import SamplingParams
 from fluidserve.serve.metrics import ServerMetrics
+from fluidserve.serve.request_log import RequestLog
 
 log = logging.getLogger(__name__)
 
@@ -65,7 +66,7 @@ class AsyncEngine:
     def __init__(self, config: EngineConfig, tokenizer: Tokenizer | None, metrics: ServerMetrics,
                  telemetry_file: str | None = None,
                  on_dead: Callable[[str], None] | None = None,
-                 watchdog_timeout: float = 60.0) -> None:
+                 watchdog_timeout: float = 60.0, request_log: str | None = None) -> None:
         self.config = config
         self.tokenizer = tokenizer
         self.metrics = metrics
@@ -78,6 +79,7 @@ class AsyncEngine:
         self._added_since_stats = 0
         self._faults: dict[str, int] = {}
         self.watchdog_timeout = watchdog_timeout
+        self.request_log = RequestLog(request_log) if request_log else None
         self._last_progress = time.monotonic()
         self._stopping = threading.Event()
         if config.disagg.disaggregate:  # prefill and decode instances (TetriInfer)
@@ -97,7 +99,10 @@ class AsyncEngine:
 
     def stop(self, timeout: float = 10.0) -> int | None:
         self._stopping.set()
-        return self.client.shutdown(timeout)
+        code = self.client.shutdown(timeout)
+        if self.request_log is not None:
+            self.request_log.close()
+        return code
 
     @property
     def dead(self) -> str | None:
@@ -137,6 +142,8 @@ class AsyncEngine:
             self._streams[request_id] = (asyncio.get_running_loop(), queue, texts)
             self._outputs.add(request_id, params)
             self._added_since_stats += 1
+        if self.request_log is not None:
+            self.request_log.add(request_id, prompt_ids, params.max_tokens)
         self.client.add(AddRequest(request_id, prompt_ids, params, self.eos_token_id))
         return Handle(self, request_id, queue)
 
@@ -161,6 +168,8 @@ class AsyncEngine:
     # ------------------------------------------------------------------ reader thread
     def _on_outputs(self, msg: EngineCoreOutputs) -> None:
         self._observe(msg)
+        if self.request_log is not None and (msg.finished or msg.rejected):
+            self.request_log.finished(msg.finished, list(msg.rejected))
         ready, stopped, failed = [], [], []
         with self._lock:
             if msg.stats is not None:
@@ -222,6 +231,8 @@ class AsyncEngine:
         return {i: self.tokenizer.decode([i], skip_special_tokens=False) for i in ids}
 
     def _on_dead(self, message: str) -> None:
+        if self.request_log is not None:
+            self.request_log.forget_all()
         with self._lock:
             ready = [(loop, q, _error_output(rid, message), None)
                      for rid, (loop, q, _) in self._streams.items()]

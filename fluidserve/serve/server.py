@@ -173,7 +173,7 @@ def start_engine(engine_config: EngineConfig, config: ServerConfig,
     engine_config = engine_config.replace(model=model_dir)
     tokenizer = Tokenizer(engine_config.model.tokenizer or model_dir)
     engine = AsyncEngine(engine_config, tokenizer, ServerMetrics(), config.telemetry_file,
-                         on_dead, config.watchdog_timeout)
+                         on_dead, config.watchdog_timeout, config.request_log)
     engine.start()
     return engine, name
 

@@ -348,7 +348,8 @@ class ServerConfig:
         None, "Append one JSON line per finished request (prompt token ids, generated length)"
         " to this file: what `fluidserve train-predictor` learns from.")
     telemetry_file: str | None = knob(
-        None, "Write per-iteration and per-request telemetry (JSON lines) here at shutdown."
+        None, "Write per-iteration and per-request telemetry (JSON lines) here at shutdown"
+        " (the engine keeps the last 100,000 records of each kind in memory until then)."
     )
 
     def __post_init__(self) -> None:

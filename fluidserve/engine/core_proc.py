@@ -53,6 +53,9 @@ def run_engine_core(config: EngineConfig, inbox: Connection, outbox: Connection,
     logging.basicConfig(level=logging.INFO,
                         format=f"%(asctime)s %(levelname)s %(name)s[{name}]: %(message)s")
     core = role = None
+    if not telemetry_file:
+        max_records = 0  # nobody will read the records: keep none (a long-lived server's
+        # memory would otherwise grow until 100,000 of each were kept)
     try:
         if instance is not None:
             from fluidserve.disagg.instance import start_instance

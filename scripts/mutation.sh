@@ -25,6 +25,10 @@ git -C "$repo" ls-files -z --cached --others --exclude-standard \
 # The mutants run from the copy: point them at the checkout's traces and GPU profiles.
 export FLUIDSERVE_DATA_DIR=${FLUIDSERVE_DATA_DIR:-$(cd "$repo" && python -c \
     'from fluidserve.data import data_dir; print(data_dir() or "")')}
+# mutmut forks each mutant's test run from a process that has already run torch: one
+# OpenMP thread keeps libgomp fork-safe (a child would otherwise deadlock in its first
+# parallel op, asleep, where the CPU-time limit never fires).
+export OMP_NUM_THREADS=1 MKL_NUM_THREADS=1
 cd "$work"
 
 HYPOTHESIS_PROFILE=mutation mutmut run --max-children "$jobs"

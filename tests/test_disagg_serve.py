@@ -29,10 +29,14 @@ MAX_TOKENS = [12, 20, 8, 24, 16, 10]
 
 @pytest.fixture(scope="module")
 def deployments(default_model_dir, tmp_path_factory):
-    """1 prefill + 2 decode instances over gloo (chunks of 16), and 1 + 1 over shared memory
-    (chunks of 64) writing a request log."""
+    """1 prefill + 2 decode instances over gloo (chunks of 16), the same with instance flips,
+    and 1 + 1 over shared memory (chunks of 64) writing a request log."""
     log = tmp_path_factory.mktemp("log") / "requests.jsonl"
     specs = {
+        "flip": dict(engine_kw=BASE | dict(
+            disaggregate=True, num_decode_instances=2, prefill_chunk_size=16,
+            instance_flip=True, flip_window=0.3, flip_prefill_backlog=2.0,
+            monitor_interval=0.05)),
         "gloo": dict(engine_kw=BASE | dict(disaggregate=True, num_decode_instances=2,
                                            prefill_chunk_size=16, kv_transfer_timeout=20)),
         "shm": dict(engine_kw=BASE | dict(disaggregate=True, kv_transport="shm",
@@ -166,8 +170,7 @@ def gone(pid: int, timeout: float = 10.0) -> bool:
 
 def test_what_a_served_deployment_does_not_support_is_a_clear_error():
     for knobs, words in ((dict(tensor_parallel_size=2), "one process"),
-                         (dict(kv_transfer_granularity="chunk"), "simulated only"),
-                         (dict(instance_flip=True), "simulated only")):
+                         (dict(kv_transfer_granularity="chunk"), "simulated only")):
         with pytest.raises(ConfigError, match=words):
             check_served(EngineConfig.create(disaggregate=True, **knobs))
 
@@ -207,3 +210,54 @@ def test_shared_memory_transport_delivers_the_bytes_and_cleans_up():
     with pytest.raises(ValueError, match="expects 4 bytes"):
         t.send(data, dst=1, tag=8)
     recv.close()
+
+
+FLIP_PROMPTS = [f"item {i} " * 50 for i in range(16)]
+FLIP_TOKENS = [4 + 3 * i for i in range(16)]
+
+
+@pytest.fixture(scope="module")
+def flip_reference(default_model_dir) -> list[str]:
+    from fluidserve.engine.llm import LLM
+    from fluidserve.sampling_params import SamplingParams
+
+    llm = LLM(config=EngineConfig.create(model=str(default_model_dir), token_budget=64, **BASE))
+    return [o.text for o in llm.generate(
+        FLIP_PROMPTS, [SamplingParams(max_tokens=n, ignore_eos=True, temperature=0.0)
+                       for n in FLIP_TOKENS])]
+
+
+def test_a_decode_instance_flips_to_prefill_under_a_prompt_backlog_and_loses_nothing(
+        deployments, flip_reference):
+    """Long prompts swamp the one prefill instance: after the flip window a decode instance
+    drains (finishing what it decodes) and becomes a prefill instance; requests sent before,
+    during and after the flip all end with exactly their greedy outputs."""
+    s = deployments["flip"]
+    client = s.engine.client
+
+    async def main() -> list[tuple[str, int]]:
+        async with httpx.AsyncClient(base_url=s.url, timeout=120) as c:
+            async def one(i: int) -> tuple[str, int]:
+                r = await c.post("/v1/completions", json={
+                    "model": "tiny", "prompt": FLIP_PROMPTS[i], "max_tokens": FLIP_TOKENS[i],
+                    "temperature": 0.0, "ignore_eos": True})
+                assert r.status_code == 200, r.text
+                j = r.json()
+                return j["choices"][0]["text"], j["usage"]["completion_tokens"]
+
+            first = [asyncio.create_task(one(i)) for i in range(8)]
+            for _ in range(1000):  # the flip, done while the first requests run
+                if client.flips:
+                    break
+                await asyncio.sleep(0.01)
+            second = [asyncio.create_task(one(i)) for i in range(8, 16)]
+            return list(await asyncio.gather(*first, *second))
+
+    results = asyncio.run(main())
+    assert [t for t, _ in results] == flip_reference
+    assert [n for _, n in results] == FLIP_TOKENS
+    assert client.flips and client.flips[0][2] == "prefill", client.flips
+    flipped = client.flips[0][1]
+    assert client.roles[flipped] == "prefill" and client.roles.count("decode") == 1
+    assert client.routed[flipped] > 0, "the new prefill instance took no prompts"
+    assert s.kv_idle()

@@ -12,7 +12,11 @@ difference:
 - the cluster monitor thread broadcasts the decode instances' loads to the prefill
   instances every ``monitor_interval`` (when they changed);
 - an abort reaches every instance that may hold the request; a request that ends with an
-  error on one instance is dropped on the others.
+  error on one instance is dropped on the others;
+- with ``--instance-flip``, the monitor also runs the flip policy (``FlipPolicy``, shared
+  with the simulated cluster): it drains an instance (no new prompts for a prefill instance;
+  not accepting in the broadcast for a decode instance) and, once no request is held there,
+  tells it its new role.
 
 An instance that dies fails the requests it held (with an error the client sees); the others
 go on while at least one prefill and one decode instance are alive, else the deployment is
@@ -28,19 +32,24 @@ import logging
 import os
 import secrets
 import threading
+import time
 from collections.abc import Callable
 
 from fluidserve.config import ConfigError, EngineConfig
 from fluidserve.disagg.dispatch import DecodeLoad
+from fluidserve.disagg.flip import FlipPolicy
 from fluidserve.disagg.instance import InstanceSpec
 from fluidserve.disagg.messages import (
     DecodeLoads,
     Handoff,
     KVReceived,
     Migrate,
+    PrefillLoad,
     ReadyToReceive,
+    Redispatch,
     ReleaseKV,
     SendKV,
+    SetRole,
 )
 from fluidserve.engine.core_proc import EngineCoreClient
 from fluidserve.engine.messages import (
@@ -66,9 +75,6 @@ def check_served(config: EngineConfig) -> None:
     if d.kv_transfer_granularity != "request":
         raise ConfigError("served instances move a request's KV when its prefill ends:"
                           " --kv-transfer-granularity chunk is simulated only")
-    if d.instance_flip:
-        raise ConfigError("instance flips are simulated only (fluidserve simulate"
-                          " --disaggregate --instance-flip)")
 
 
 class DisaggClient:
@@ -94,6 +100,12 @@ class DisaggClient:
         self._outstanding = [0] * len(roles)  # prompt tokens queued per prefill instance
         self._stats: dict[int, SchedulerStats] = {}
         self._loads: dict[int, DecodeLoad] = {}
+        self._undispatched: dict[int, int] = {}  # prefill instance -> requests it holds back
+        self._blocks: list[int] = []  # KV blocks per instance
+        self._draining: set[int] = set()
+        self._flip_policy = FlipPolicy(d) if d.instance_flip else None
+        self.flips: list[tuple[float, int, str]] = []  # (monotonic time, instance, new role)
+        self.routed = [0] * len(roles)  # requests sent to each instance as a prefill instance
         self._stop = threading.Event()
         init = f"tcp://127.0.0.1:{free_port()}"
         session = f"{os.getpid()}-{secrets.token_hex(4)}"
@@ -115,6 +127,7 @@ class DisaggClient:
                 if c.proc.is_alive():
                     c.proc.kill()
             raise
+        self._blocks = [info.num_kv_blocks for info in infos]
         for i, info in enumerate(infos):
             if self.roles[i] == "decode":
                 self._loads[i] = DecodeLoad(i, info.num_kv_blocks, 0, 0)
@@ -160,12 +173,14 @@ class DisaggClient:
     # ------------------------------------------------------------------ requests
     def add(self, msg: AddRequest) -> None:
         with self._lock:
-            live = [i for i in self._alive if self.roles[i] == "prefill"]
+            live = [i for i in self._alive if self.roles[i] == "prefill"
+                    and i not in self._draining]
             if not live:
                 return  # dead: the front end fails the request
             target = min(live, key=lambda i: (self._outstanding[i], i))
             n = len(msg.prompt_token_ids)
             self._outstanding[target] += n
+            self.routed[target] += 1
             self._prompt[msg.request_id] = (target, n)
             self._where[msg.request_id] = {target}
         self.instances[target].add(msg)
@@ -222,7 +237,9 @@ class DisaggClient:
             if msg.stats is not None:
                 self._stats[i] = msg.stats
                 msg.stats = self._total_stats()
-            if msg.load is not None:
+            if isinstance(msg.load, PrefillLoad):
+                self._undispatched[i] = msg.load.undispatched
+            elif isinstance(msg.load, DecodeLoad):
                 self._loads[i] = msg.load
             if msg.outputs or msg.rejected or msg.iteration_tokens or msg.finished:
                 self.on_outputs(msg)  # the tokens first: a hand-off follows its first token
@@ -238,6 +255,9 @@ class DisaggClient:
                 return  # ended meanwhile (aborted): the prefill instance freed it
             if e.dst not in self._alive:
                 self._fail_request(rid, f"decode instance {e.dst} is gone")
+                return
+            if self.roles[e.dst] != "decode":  # it flipped after the dispatcher's last view
+                self.instances[i].send(Redispatch(rid))
                 return
             self._where[rid].add(e.dst)
             self.instances[e.dst].send(Migrate(e.request, e.predicted_len, i))
@@ -291,11 +311,55 @@ class DisaggClient:
         """Every interval, changed or not: a prefill instance's dispatcher updates its copy as
         it dispatches, and the next broadcast puts it right."""
         with self._lock:
-            loads = tuple(sorted(self._loads.values(), key=lambda x: x.instance))
+            loads = tuple(dataclasses.replace(x, accepting=x.instance not in self._draining)
+                          for x in sorted(self._loads.values(), key=lambda x: x.instance))
             targets = [i for i in self._alive if self.roles[i] == "prefill"]
         for i in targets:
             self.instances[i].send(DecodeLoads(loads))
 
     def _monitor(self) -> None:
         while not self._stop.wait(self.config.disagg.monitor_interval):
+            if self._flip_policy is not None:
+                self._balance(time.monotonic())
             self._broadcast()
+
+    # ------------------------------------------------------------------ instance flips
+    def _balance(self, now: float) -> None:
+        """Drain an instance of the over-provisioned role; flip the drained ones."""
+        d = self.config.disagg
+        with self._lock:
+            if self.dead is not None:
+                return
+            held = dict.fromkeys(self._alive, 0)
+            for where in self._where.values():
+                for i in where:
+                    if i in held:
+                        held[i] += 1
+            accepting = {role: [(i, held[i]) for i in sorted(self._alive)
+                                if self.roles[i] == role and i not in self._draining]
+                         for role in ("prefill", "decode")}
+            prefill = [i for i, _ in accepting["prefill"]]
+            backlog = sum(self._outstanding[i] for i in prefill) / max(len(prefill), 1)
+            decode_short = any(self._undispatched.get(i, 0) for i in self._alive) or any(
+                self._loads[i].waiting for i, _ in accepting["decode"] if i in self._loads)
+            victim = self._flip_policy.decide(now, backlog / d.prefill_chunk_size,
+                                              decode_short, accepting, bool(self._draining))
+            if victim is not None:
+                log.info("draining %s instance %d to flip it", self.roles[victim], victim)
+                self._draining.add(victim)
+            for i in [i for i in self._draining if held.get(i) == 0]:
+                self._flip(i, now)
+
+    def _flip(self, i: int, now: float) -> None:
+        to = "decode" if self.roles[i] == "prefill" else "prefill"
+        self.instances[i].send(SetRole(to))
+        self.roles[i] = to
+        self._draining.discard(i)
+        self._outstanding[i] = 0
+        self._undispatched.pop(i, None)
+        if to == "decode":
+            self._loads[i] = DecodeLoad(i, self._blocks[i], 0, 0)
+        else:
+            self._loads.pop(i, None)
+        self.flips.append((now, i, to))
+        log.info("instance %d is now a %s instance", i, to)

@@ -33,6 +33,7 @@ from fluidserve.core.block_manager import BlockManager
 from fluidserve.core.scheduler.base import RequestRejected, Scheduler, SchedulerLimits
 from fluidserve.core.scheduler.disagg import DecodeOnlyScheduler, PrefillOnlyScheduler
 from fluidserve.disagg.dispatch import DecodeLoad, Dispatcher
+from fluidserve.disagg.flip import FlipPolicy
 from fluidserve.disagg.predictor import make_predictor
 from fluidserve.engine.core import EngineCore, Executor, VirtualClock
 from fluidserve.engine.messages import AddRequest
@@ -179,7 +180,7 @@ class Cluster:
         self.requests: dict[str, Request] = {}
         self.flips: list[Flip] = []
         self.transfers, self.transfer_seconds = 0, 0.0
-        self._short: dict[str, float | None] = {"prefill": None, "decode": None}
+        self.flip_policy = FlipPolicy(d)
         self._announced: set[str] = set()
         self.broadcast()
 
@@ -358,26 +359,17 @@ class Cluster:
         prefill = self.role_of("prefill", accepting=True)
         decode = self.role_of("decode", accepting=True)
         backlog = sum(i.sched.queued_prefill_tokens for i in prefill) / max(len(prefill), 1)
-        backlog /= d.prefill_chunk_size
         decode_short = bool(self.undispatched) or any(i.sched.incoming for i in decode)
-        prefill_short = backlog > d.flip_prefill_backlog and not decode_short
-        self._short["prefill"] = self._since(self._short["prefill"], prefill_short, t)
-        self._short["decode"] = self._since(self._short["decode"],
-                                            decode_short and backlog < 1, t)
-        for short, spare in (("prefill", decode), ("decode", prefill)):
-            since = self._short[short]
-            if since is not None and t - since >= d.flip_window and len(spare) > 1 \
-                    and not any(i.draining for i in self.instances):
-                victim = min(spare, key=lambda i: (len(i.sched.requests), i.index))
-                victim.draining = True
-                self._short[short] = None
+        victim = self.flip_policy.decide(
+            t, backlog / d.prefill_chunk_size, decode_short,
+            {role: [(i.index, len(i.sched.requests)) for i in group]
+             for role, group in (("prefill", prefill), ("decode", decode))},
+            any(i.draining for i in self.instances))
+        if victim is not None:
+            self.instances[victim].draining = True
         for inst in self.instances:
             if inst.draining and inst.empty():
                 self._flip(inst, t)
-
-    @staticmethod
-    def _since(since: float | None, cond: bool, t: float) -> float | None:
-        return (since if since is not None else t) if cond else None
 
     def _flip(self, inst: Instance, t: float) -> None:
         to = "decode" if inst.role == "prefill" else "prefill"

@@ -34,6 +34,7 @@ class DecodeLoad:
     heavy: int
     light: int
     accepting: bool = True  # False while draining for a flip
+    waiting: int = 0  # requests offered to it and not yet admitted (for the flip policy)
 
     @property
     def requests(self) -> int:

@@ -15,6 +15,9 @@ the transport, and adds its events to the outputs the instance sends to the fron
   next iteration on, and the instance confirms (``KVReceived``). A transfer that fails or
   takes longer than ``kv_transfer_timeout`` fails its request with an error the client sees.
 
+An instance flip (``SetRole``) replaces the scheduler and the role object of a drained
+instance; the model, its KV cache and the transport stay.
+
 Served, the predictor's "true length" is the request's ``max_tokens``: the length it will
 generate is unknown until it is generated (the two agree for ``ignore_eos`` requests and a
 model that does not stop early).
@@ -35,9 +38,12 @@ from fluidserve.disagg.messages import (
     Handoff,
     KVReceived,
     Migrate,
+    PrefillLoad,
     ReadyToReceive,
+    Redispatch,
     ReleaseKV,
     SendKV,
+    SetRole,
 )
 from fluidserve.disagg.predictor import make_predictor
 from fluidserve.disagg.transfer import (
@@ -67,12 +73,61 @@ def start_instance(config: EngineConfig, spec: InstanceSpec, max_records: int | 
     """Load the model, build the core in its role, join the KV transport."""
     from fluidserve.engine.core_proc import _start_core
 
+    limits = []
+    make = role_scheduler_factory(config, spec.role)
+
+    def factory(lim, bm):
+        limits.append(lim)  # kept for a flip: the next role's scheduler starts from them
+        return make(lim, bm)
+
     core = _start_core(config.replace(seed=config.model.seed + spec.index), max_records,
-                       role_scheduler_factory(config, spec.role))
+                       factory)
     transport = make_transport(config.disagg.kv_transport, spec.index, spec.world_size,
                                spec.init_method, spec.session)
-    cls = PrefillRole if spec.role == "prefill" else DecodeRole
-    return core, cls(core, spec.index, transport, config)
+    return core, Instance(core, spec, transport, config, limits[0])
+
+
+class Instance:
+    """What the core's loop calls between iterations: the current role, which an instance
+    flip (``SetRole``, sent once the control plane has drained the instance) replaces."""
+
+    def __init__(self, core, spec: InstanceSpec, transport, config: EngineConfig,
+                 base_limits) -> None:
+        self.core, self.index, self.transport, self.config = core, spec.index, transport, config
+        self.base_limits = base_limits  # the engine's, before the role's
+        self.role = ROLES[spec.role](core, spec.index, transport, config)
+
+    def handle(self, msg) -> bool:
+        if isinstance(msg, SetRole):
+            self._flip(msg.role)
+            return True
+        return self.role.handle(msg)
+
+    def poll_interval(self, idle: float) -> float:
+        return self.role.poll_interval(idle)
+
+    def poll(self) -> list[RequestDelta]:
+        return self.role.poll()
+
+    def annotate(self, out: EngineCoreOutputs) -> bool:
+        return self.role.annotate(out)
+
+    def close(self) -> None:
+        self.transport.close()
+
+    def _flip(self, to: str) -> None:
+        core, old = self.core, self.role
+        left = list(core.scheduler.requests) + [
+            i.req.request_id for i in getattr(core.scheduler, "incoming", ())]
+        if left:  # the control plane flips only drained instances: never silently lose one
+            log.error("flipping to %s with %d requests left: failing them", to, len(left))
+            old.deltas += core.fail(left, f"instance {self.index} changed role")
+        core.scheduler = role_scheduler_factory(self.config, to)(self.base_limits,
+                                                                 core.block_manager)
+        core.notify()
+        self.role = ROLES[to](core, self.index, self.transport, self.config)
+        self.role.events, self.role.deltas, self.role.changed = old.events, old.deltas, True
+        log.info("instance %d is now a %s instance", self.index, to)
 
 
 class _Role:
@@ -116,6 +171,7 @@ class PrefillRole(_Role):
         self.announced: set[str] = set()
         self.undispatched: dict[str, int] = {}  # request id -> predicted length
         self.sending: list[Transfer] = []  # kept until landed: their tensors must live
+        self._load: PrefillLoad | None = None
 
     def poll_interval(self, idle: float) -> float:
         return TRANSFER_POLL_S if self.sending else idle
@@ -128,6 +184,12 @@ class PrefillRole(_Role):
                 req = sched.handoff.get(rid)
                 if req is None or self._dispatch(req, predicted):
                     del self.undispatched[rid]
+        elif isinstance(msg, Redispatch):
+            req = sched.handoff.get(msg.request_id)
+            if req is not None:
+                self.undispatched[req.request_id] = predict_length(
+                    self.predictor, req, req.params.max_tokens)
+                self.changed = True
         elif isinstance(msg, SendKV):
             self._send(msg)
         elif isinstance(msg, ReleaseKV):
@@ -185,7 +247,10 @@ class PrefillRole(_Role):
                 self.undispatched[rid] = predicted
         if len(self.announced) > len(handoff):  # some ended here while waiting
             self.announced &= handoff.keys()
-        return super().annotate(out)
+        load = PrefillLoad(len(self.undispatched))
+        changed = load != self._load
+        self._load = out.load = load
+        return super().annotate(out) or changed
 
     def _dispatch(self, req, predicted: int) -> bool:
         dst = pick_decode(self.dispatcher, self.core.block_manager, req, predicted,
@@ -262,11 +327,16 @@ class DecodeRole(_Role):
         return super().poll()
 
     def load(self) -> DecodeLoad:
-        heavy, light = self.core.scheduler.heavy_light()
-        return DecodeLoad(self.index, self.core.scheduler.free_blocks, heavy, light)
+        sched = self.core.scheduler
+        heavy, light = sched.heavy_light()
+        return DecodeLoad(self.index, sched.free_blocks, heavy, light,
+                          waiting=len(sched.incoming))
 
     def annotate(self, out: EngineCoreOutputs) -> bool:
         load = self.load()
         changed = load != self._load
         self._load = out.load = load
         return super().annotate(out) or changed
+
+
+ROLES = {"prefill": PrefillRole, "decode": DecodeRole}

@@ -13,7 +13,8 @@ instance to the other over the KV transport):
    ``KVReceived``; the front end tells the prefill instance to free the blocks: ``ReleaseKV``.
 
 A request that fails on either side ends with an error delta as usual; the front end then
-aborts it wherever else it is held.
+aborts it wherever else it is held. With instance flips, the control plane drains an instance
+and, once it holds nothing, sends it ``SetRole``.
 """
 
 from __future__ import annotations
@@ -53,6 +54,20 @@ class ReleaseKV:
 
 
 @dataclass(frozen=True, slots=True)
+class SetRole:
+    """To an instance the control plane drained: change role (an instance flip)."""
+
+    role: str
+
+
+@dataclass(frozen=True, slots=True)
+class Redispatch:
+    """To a prefill instance: the decode instance it picked changed role; pick again."""
+
+    request_id: str
+
+
+@dataclass(frozen=True, slots=True)
 class DecodeLoads:
     """To prefill instances: the cluster monitor's broadcast of the decode instances' loads."""
 
@@ -76,6 +91,13 @@ class ReadyToReceive:
     dst: int
     tag: int
     num_blocks: int
+
+
+@dataclass(frozen=True, slots=True)
+class PrefillLoad:
+    """A prefill instance's report: prefilled requests waiting for a decode instance."""
+
+    undispatched: int
 
 
 @dataclass(frozen=True, slots=True)

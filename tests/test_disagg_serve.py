@@ -170,7 +170,8 @@ def gone(pid: int, timeout: float = 10.0) -> bool:
 
 def test_what_a_served_deployment_does_not_support_is_a_clear_error():
     for knobs, words in ((dict(tensor_parallel_size=2), "one process"),
-                         (dict(kv_transfer_granularity="chunk"), "simulated only")):
+                         (dict(kv_transfer_granularity="chunk"), "simulated only"),
+                         (dict(distributed_executor_backend="ray"), "not built")):
         with pytest.raises(ConfigError, match=words):
             check_served(EngineConfig.create(disaggregate=True, **knobs))
 

@@ -72,6 +72,9 @@ def check_served(config: EngineConfig) -> None:
     if par.world_size > 1:
         raise ConfigError("--disaggregate runs each instance in one process: tensor and"
                           " pipeline parallelism within an instance are not supported")
+    if par.distributed_executor_backend != "mp":
+        raise ConfigError("--disaggregate starts its instances as local processes; placing"
+                          " them as Ray actors is not built (use the mp backend)")
     if d.kv_transfer_granularity != "request":
         raise ConfigError("served instances move a request's KV when its prefill ends:"
                           " --kv-transfer-granularity chunk is simulated only")

@@ -510,3 +510,165 @@ def test_train_predictor_command_writes_a_predictor_the_server_can_load(tmp_path
                               length_predictor_path=str(out))
     assert make_predictor(cfg.disagg.length_predictor,
                           path=cfg.disagg.length_predictor_path).name == "learned"
+
+
+# ---------------------------------------------------------------- decode instance, in detail
+def decode_instance(blocks: int = 40, admission: str = "greedy", **kw) -> DecodeOnlyScheduler:
+    return DecodeOnlyScheduler(SchedulerLimits(64, kw.pop("max_seqs", 64), 4096),
+                               BlockManager(blocks, 4, kw.pop("watermark", 0.0)), admission,
+                               **kw)
+
+
+def admit_and_activate(s: DecodeOnlyScheduler, r: Request, predicted: int) -> None:
+    s.offer(r, predicted)
+    assert s.admit_next() is r
+    assert s.activate(r.request_id)
+
+
+def test_decode_instance_defaults_and_a_clear_error_for_an_unknown_policy():
+    s = DecodeOnlyScheduler(SchedulerLimits(64, 8, 4096), BlockManager(40, 4))
+    assert s.admission == "greedy" and s.heavy_threshold == 128
+    with pytest.raises(ValueError, match="unknown decode admission 'fifo'; choose from"
+                       " greedy, reserve_static, reserve_dynamic"):
+        decode_instance(admission="fifo")
+
+
+def test_heavy_and_light_decodes_count_admitted_and_offered_requests():
+    s = decode_instance(heavy_threshold=100)
+    admit_and_activate(s, prefilled("a", 8), 100)  # at the threshold: light
+    admit_and_activate(s, prefilled("b", 8), 101)  # above: heavy
+    s.offer(prefilled("c", 8), 150)  # offered, not admitted: heavy
+    s.offer(prefilled("d", 8), 100)
+    s.offer(prefilled("e", 8), 300)
+    assert not s.is_heavy("a") and s.is_heavy("b") and not s.is_heavy("unknown")
+    assert s.heavy_light() == (3, 2)
+    # A request with no prediction counts as light, whatever its length.
+    assert not decode_instance(heavy_threshold=0).is_heavy("x")
+
+
+def test_predicted_growth_is_what_admitted_requests_still_need():
+    s = decode_instance()  # blocks of 4 tokens
+    a = prefilled("a", 8)  # 8 tokens: 2 blocks; predicted to end at 8 + 10 = 18: 5 blocks
+    admit_and_activate(s, a, 10)
+    assert s.predicted_growth() == 3
+    b = prefilled("b", 8)  # predicted 0 (or beyond already): at least its next token
+    admit_and_activate(s, b, 0)
+    assert s.predicted_growth() == 3 + 1  # 8 + max(0, 1 + 1) = 10 tokens: 3 blocks
+    # Past its prediction, a request is expected to need its next token only.
+    b.output_token_ids += [1] * 6  # 8 + (7 + 1) = 16 tokens: 4 blocks, it holds 2
+    assert s.predicted_growth() == 3 + 2
+    # A request whose blocks already hold its predicted end adds nothing.
+    admit_and_activate(s, prefilled("c", 5), 0)  # 5 + (1 + 1) = 7 tokens: its 2 blocks
+    assert s.predicted_growth() == 3 + 2
+
+
+def test_admission_boundaries_max_seqs_watermark_and_exact_fits():
+    s = decode_instance(max_seqs=1)
+    admit_and_activate(s, prefilled("a", 4), 4)
+    s.offer(prefilled("b", 4), 4)
+    assert s.admit_next() is None  # max_num_seqs reached
+    # The watermark is kept free: 10 blocks, 1 kept (0.1), a 9-block request fits, 10 not.
+    s = decode_instance(blocks=10, watermark=0.1)
+    assert s.admissible(prefilled("x", 36), 1) and not s.admissible(prefilled("y", 37), 1)
+    # reserve_dynamic: need + growth == free blocks admits; one more block does not.
+    s = decode_instance(blocks=20, admission="reserve_dynamic")
+    admit_and_activate(s, prefilled("a", 8), 12)  # holds 2, grows by 3 (20 tokens)
+    assert s.bm.num_free_blocks == 18
+    assert s.admissible(prefilled("b", 8), 52)  # 60 tokens: 15 blocks; 15 + 3 == 18
+    assert not s.admissible(prefilled("c", 8), 53)
+    # reserve_static: the predicted final length against what is free.
+    s = decode_instance(blocks=20, admission="reserve_static")
+    admit_and_activate(s, prefilled("a", 8), 12)
+    assert s.admissible(prefilled("b", 8), 64) and not s.admissible(prefilled("c", 8), 65)
+    # A prediction of no tokens still plans for the next one: 71 + 1 tokens fill 18 blocks.
+    assert s.admissible(prefilled("d", 71), 0) and not s.admissible(prefilled("e", 72), 0)
+
+
+def test_activate_and_finish_in_every_state_free_exactly_what_is_held():
+    s = decode_instance()
+    a = prefilled("a", 8)
+    s.offer(a, 8)
+    assert s.admit_next() is a and "a" in s.receiving and s.bm.num_free_blocks == 38
+    assert s.activate("a") and a.status is RequestStatus.RUNNING and s.running == [a]
+    assert not s.activate("a")  # not in transit any more
+    # Aborted while its KV was in transit: activation frees its blocks and says so.
+    b = prefilled("b", 8)
+    s.offer(b, 8)
+    s.admit_next()
+    b.status = RequestStatus.FINISHED_ABORTED
+    assert not s.activate("b")
+    # Aborted here while in transit: nothing may write its blocks any more.
+    b2 = prefilled("b2", 8)
+    s.offer(b2, 8)
+    s.admit_next()
+    s.finish(b2, RequestStatus.FINISHED_ABORTED, 1.0)
+    assert "b2" not in s.receiving and "b2" not in s.requests and not s.activate("b2")
+    assert "b" not in s.requests and s.bm.num_free_blocks == 38 and b not in s.running
+    # Finished while offered: withdrawn, nothing held.
+    c = prefilled("c", 8)
+    s.offer(c, 8)
+    s.finish(c, RequestStatus.FINISHED_ABORTED, 1.0)
+    assert not s.incoming and s.bm.num_free_blocks == 38
+    # Running: finished with its time; its blocks and prediction go.
+    s.finish(a, RequestStatus.FINISHED_STOPPED, 2.0)
+    assert a.finish_time == 2.0 and a.status is RequestStatus.FINISHED_STOPPED
+    assert not s.requests and not s.running and not s.predicted and s.bm.num_free_blocks == 40
+    # Ended elsewhere while running here (aborted at the front end): freed, not re-finished.
+    d = prefilled("d", 8)
+    admit_and_activate(s, d, 8)
+    d.status = RequestStatus.FINISHED_ABORTED
+    d.finish_time = 5.0
+    s.finish(d, RequestStatus.FINISHED_ABORTED, 6.0)
+    assert d.finish_time == 5.0 and not s.requests and not s.running
+    assert s.bm.num_free_blocks == 40
+    # Ended elsewhere while offered here: withdrawn, nothing to free.
+    g = prefilled("g", 8)
+    s.offer(g, 8)
+    g.status = RequestStatus.FINISHED_ABORTED
+    s.finish(g, RequestStatus.FINISHED_ABORTED, 7.0)
+    assert not s.incoming and s.bm.num_free_blocks == 40
+    # withdraw only touches offered requests.
+    e, f = prefilled("e", 8), prefilled("f", 8)
+    s.offer(e, 8)
+    s.offer(f, 8)
+    assert s.withdraw("f") is f and [i.req for i in s.incoming] == [e]
+    assert s.withdraw("zzz") is None
+
+
+def test_a_decode_instance_recomputes_a_preempted_request_in_chunks():
+    bm = BlockManager(12, 4)
+    s = DecodeOnlyScheduler(SchedulerLimits(8, 8, 4096), bm)
+    received = [prefilled(str(i), 14, max_tokens=16) for i in range(2)]
+    for r in received:
+        admit_and_activate(s, r, 16)
+    sizes, steps = [], 0
+    while s.has_work():
+        plan = s.schedule(float(steps))
+        sizes.append(plan.num_tokens)
+        s.update(plan, RunnerOutput({c.request_id: 5 for c in plan.chunks if c.samples}, 0.1),
+                 float(steps))
+        steps += 1
+        assert steps < 200
+    assert s.num_preemptions > 0 and max(sizes) == 8  # recomputed in chunks of the budget
+    assert [len(r.output_token_ids) for r in received] == [16, 16]
+
+
+def test_prefill_instance_release_and_finish_forget_the_request():
+    bm = BlockManager(64, 4)
+    s = PrefillOnlyScheduler(SchedulerLimits(16, 8, 1024), bm)
+    a, b = req("a", 10), req("b", 10)
+    s.add_request(a)
+    s.add_request(b)
+    plan = s.schedule(2.5)
+    assert a.first_scheduled_time == 2.5
+    s.update(plan, RunnerOutput({c.request_id: 9 for c in plan.chunks if c.samples}, 0.1), 3.0)
+    assert set(s.handoff) == {"a"}
+    assert s.release("a") is a and "a" not in s.requests and s.release("a") is None
+    s.finish(b, RequestStatus.FINISHED_ABORTED, 4.0)  # mid-prefill
+    assert b.finish_time == 4.0 and not s.requests and bm.num_free_blocks == 64
+    c = req("c", 4)
+    s.add_request(c)
+    plan = s.schedule(5.0)
+    s.update(plan, RunnerOutput({"c": 9}, 0.1), 5.5)
+    s.finish(c, RequestStatus.FINISHED_ABORTED, 6.0)  # waiting for its hand-off
+    assert not s.handoff and not s.requests and c.finish_time == 6.0

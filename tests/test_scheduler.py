@@ -518,3 +518,44 @@ def test_queue_policies(policy, first):
     s.add_request(req("long", 50, arrival=0.0))
     s.add_request(req("short", 5, arrival=1.0))
     assert s.schedule(0.0).chunks[0].request_id == first
+
+
+def test_admission_error_says_why_a_request_can_never_run():
+    from fluidserve.core.admission import admission_error
+
+    assert admission_error(0, 4, 64, 2, 10) == "the prompt is empty"
+    assert admission_error(60, 5, 64, 2, 40) == (
+        "prompt (60 tokens) + max_tokens (5) = 65 exceeds the context window of 64 tokens")
+    assert admission_error(5, 2, 64, 2, 3) == (
+        "request needs 4 KV blocks for 7 tokens but the cache has 3 admissible blocks")
+    assert admission_error(5, 2, 64, 2, 4) is None
+    assert admission_error(60, 4, 64, 2, 32) is None
+
+
+def test_plans_carry_the_budget_they_were_built_under():
+    for policy, budget in (("sarathi", 64), ("vllm", 64)):
+        s = make_scheduler(policy, SchedulerLimits(budget, 8, 1024), BlockManager(64, 16))
+        s.add_request(Request("a", [1] * 10, SamplingParams(max_tokens=4), 0.0))
+        assert s.schedule(0.0).token_budget == budget
+    s = make_scheduler("orca", SchedulerLimits(64, 8, 1024), BlockManager(64, 16))
+    s.add_request(Request("a", [1] * 10, SamplingParams(max_tokens=4), 0.0))
+    assert s.schedule(0.0).token_budget is None  # no token budget: whole prompts
+
+
+def test_queue_windows_group_consecutive_arrivals():
+    with pytest.raises(ValueError, match="^queue window must be >= 0$"):
+        WaitingQueue("sjf", -1)
+    q = WaitingQueue("sjf", 3)
+    for i, n in enumerate([30, 20, 10, 25, 5, 15, 1]):
+        q.push(Request(str(i), [1] * n, SamplingParams(), float(i)))
+    # Windows of three arrivals, each sorted shortest first, in arrival order of windows.
+    assert [r.num_prompt_tokens for r in q.ordered()] == [10, 20, 30, 5, 15, 25, 1]
+
+
+def test_a_scheduler_sorts_its_queue_within_the_configured_windows():
+    s = make_scheduler("sarathi", SchedulerLimits(8, 8, 1024, 1, "sjf", queue_window=3),
+                       BlockManager(256, 16))
+    for i, n in enumerate([30, 20, 10, 25, 5, 15]):
+        s.add_request(Request(str(i), [1] * n, SamplingParams(max_tokens=2), float(i)))
+    first = s.schedule(0.0)
+    assert [c.request_id for c in first.chunks] == ["2"]  # the shortest of the first window

@@ -95,4 +95,186 @@ def test_no_turn_is_lent_when_the_prefill_cannot_start():
     sched.deadline = {f"d{i}": 1.5 for i in range(4)}
     plan = sched.schedule(1.0)
     assert sorted(c.request_id for c in plan.chunks) == [f"d{i}" for i in range(4)]
+    assert all(c.is_decode and c.num_tokens == 1 for c in plan.chunks)
     assert sched.num_skipped == 0
+
+
+def run(sched, now: float, end: float):
+    """Schedule at ``now``, finish the iteration at ``end`` (every sampled token is 5)."""
+    plan = sched.schedule(now)
+    sched.update(plan, RunnerOutput({c.request_id: 5 for c in plan.chunks if c.samples}, 0.0),
+                 end)
+    return plan
+
+
+def test_deadlines_follow_etalon_met_carries_slack_missed_rebases_finished_forgets():
+    predict = predictor(0.005, 0.001, 1e-4, 0.0)
+    sched = setup("sarathi_slack", [50, 60], 20, 0.1, predict)
+    # "e" ends at its first token; its update comes before d0's and d1's in the same plan.
+    sched.add_request(Request("e", [4] * 3, SamplingParams(max_tokens=1), 0.0))
+    run(sched, 1.0, 1.02)  # first tokens (d0, d1 decode; p and e get their first token)
+    first = 1.02 + 0.1
+    assert sched.deadline == {"d0": first, "d1": first, "p": first}
+    run(sched, 1.02, first)  # exactly on the deadline: met, the slack carries forward
+    assert sched.deadline == {"d0": first + 0.1, "d1": first + 0.1, "p": first + 0.1}
+    run(sched, first, 1.30)  # late: re-based on the token
+    late = 1.30 + 0.1
+    assert sched.deadline == {"d0": late, "d1": late, "p": late}
+    run(sched, 1.30, 1.33)  # early: the slack carries forward
+    assert sched.deadline == {"d0": late + 0.1, "d1": late + 0.1, "p": late + 0.1}
+    # d0 ends at its next token, before d1 in the same plan (p ends too, at its fifth):
+    # their deadlines go, d1's still moves.
+    d0 = sched.requests["d0"]
+    d0.params = SamplingParams(max_tokens=len(d0.output_token_ids) + 1)
+    run(sched, 1.33, 1.36)
+    assert sched.deadline == {"d1": late + 0.1 + 0.1}
+
+
+def test_the_skip_rule_two_target_iterations_away_and_the_plan_it_makes():
+    predict = predictor(0.005, 0.001, 1e-4, 0.0)
+    sched = setup("sarathi_slack", [50] * 4, 3000, 0.1, predict)
+    now = 1.0
+    target = sched.budget_policy.target
+    sched.deadline = {"d0": now + 2 * target,  # exactly two iterations away: lends its turn
+                      "d1": now + 2 * target - 1e-9,  # just inside: kept
+                      "d3": now + 1.0}  # far: lends its turn; d2 has no deadline yet: kept
+    plan = sched.schedule(now)
+    decodes = [c for c in plan.chunks if c.is_decode]
+    assert sorted(c.request_id for c in decodes) == ["d1", "d2"]
+    assert all(len(c.token_ids) == 1 for c in decodes)
+    prefill = [c for c in plan.chunks if not c.is_decode]
+    assert [c.request_id for c in prefill] == ["p"]
+    assert sched.num_skipped == 2
+    pol = sched.budget_policy
+    assert plan.num_tokens == pol.last == 2 + len(prefill[0].token_ids)
+    # The chunk is the largest that fits the kept decodes' deadlines and the target.
+    kept = [51, 51]
+    chunk = len(prefill[0].token_ids)
+    assert predict(kept, chunk, 0) <= target < predict(kept, chunk + 1, 0)
+    assert sched.requests["p"].first_scheduled_time == now
+    # Lent turns add up over iterations.
+    sched.update(plan, RunnerOutput({c.request_id: 5 for c in plan.chunks if c.samples}, 0.0),
+                 now + 0.05)
+    sched.deadline.update(d0=now + 1.0, d1=now + 0.06, d2=now + 0.06, d3=now + 1.0)
+    sched.schedule(now + 0.05)
+    assert sched.num_skipped == 4
+
+
+def test_a_kept_decode_bounds_the_chunk_when_plain_batching_meets_its_deadline():
+    """A short prompt leaves the plain iteration well under the target; a kept decode whose
+    deadline lies between the plain iteration's end and the target caps the slack chunk."""
+    predict = predictor(0.005, 0.001, 1e-4, 0.0)
+    now = 1.0
+    sched = setup("sarathi_slack", [50] * 6, 3000, 0.1, predict)
+    plain = setup("sarathi", [50] * 6, 3000, 0.1, predict)
+    # Plain stall-free: 6 decodes and a chunk up to the target.
+    p_plan = plain.schedule(now)
+    t_plain = predict([51] * 6, p_plan.num_prefill_tokens, 0)
+    deadline = now + t_plain + 0.002  # plain meets it, barely
+    sched.deadline = {"d0": deadline} | {f"d{i}": now + 1.0 for i in range(1, 6)}
+    s_plan = sched.schedule(now)
+    assert [c.request_id for c in s_plan.chunks if c.is_decode] == ["d0"]
+    t_slack = predict([51], s_plan.num_prefill_tokens, 0)
+    assert now + t_slack <= deadline
+    assert s_plan.num_prefill_tokens > p_plan.num_prefill_tokens
+
+
+def test_nothing_is_lent_without_a_prefill_to_lend_to():
+    predict = predictor(0.005, 0.001, 1e-4, 0.0)
+    sched = setup("sarathi_slack", [50] * 3, 10, 0.1, predict)
+    run(sched, 1.0, 1.01)  # the short prompt is prefilled whole: only decodes are left
+    sched.deadline = {rid: 2.0 for rid in sched.deadline}
+    plan = sched.schedule(1.01)
+    assert sorted(c.request_id for c in plan.chunks) == ["d0", "d1", "d2", "p"]
+    assert sched.num_skipped == 0
+
+
+def test_auto_budget_is_asked_with_the_decodes_contexts_and_the_next_prefill_prefix():
+    """--token-budget auto prices the iteration it will build: each decode reads its context
+    plus the new token, and the chunk continues the first part-done prefill."""
+    calls = []
+
+    def policy(ctxs: list[int], prefix: int) -> int:
+        calls.append((sorted(ctxs), prefix))
+        return len(ctxs) + 16
+
+    sched = make_scheduler("sarathi", SchedulerLimits(8192, 64, 1 << 16, 1, "fcfs"),
+                           BlockManager(4096, 16))
+    sched.add_request(Request("d", [3] * 20, SamplingParams(max_tokens=50), 0.0))
+    run(sched, 0.0, 0.1)  # d decodes from now on, at 21 tokens of context
+    sched.budget_policy = policy
+    sched.add_request(Request("p", [4] * 100, SamplingParams(max_tokens=5), 0.0))
+    assert calls == [] and run(sched, 0.1, 0.2).num_prefill_tokens == 16
+    assert calls == [([21], 0)]  # p has nothing cached yet
+    plan = run(sched, 0.2, 0.3)
+    assert calls[-1] == ([22], 16) and plan.num_tokens == 17  # d's context grew by one
+    # Without a part-done prefill the prefix is 0.
+    while sched.requests["p"].is_prefill:
+        run(sched, 0.3, 0.4)
+    assert all(r.is_decode for r in sched.running)
+    want = sorted(r.num_computed_tokens + 1 for r in sched.running)
+    calls.clear()
+    run(sched, 0.4, 0.5)
+    assert calls == [(want, 0)]
+
+
+def dyadic(base: int, per_decode: int, per_token: int):
+    """Times in units of 2**-13 s: sums and differences are exact in floating point."""
+    return predictor(base / 8192, per_decode / 8192, per_token / 8192, 0.0)
+
+
+def test_kept_deadlines_met_by_plain_batching_bound_the_chunk_exactly():
+    """A kept decode due exactly when the plain iteration ends caps the slack iteration
+    there (a decode is worth 8.75 prefill tokens, so the cap and the target differ by one
+    token); one that plain batching misses anyway does not cap it."""
+    predict = dyadic(32, 8.75, 1)
+    now = 0.5
+    plain = setup("sarathi", [50] * 6, 3000, 0.1, predict)
+    p_plan = plain.schedule(now)
+    t_plain = predict([51] * 6, p_plan.num_prefill_tokens, 0)
+    target = plain.budget_policy.target
+    for deadline, limit in ((now + t_plain, t_plain), (now + t_plain - 0.01, target)):
+        sched = setup("sarathi_slack", [50] * 6, 3000, 0.1, predict)
+        sched.deadline = {"d0": deadline} | {f"d{i}": now + 1.0 for i in range(1, 6)}
+        s_plan = sched.schedule(now)
+        assert [c.request_id for c in s_plan.chunks if c.is_decode] == ["d0"]
+        chunk = s_plan.num_prefill_tokens
+        assert predict([51], chunk, 0) <= limit < predict([51], chunk + 1, 0)
+    assert predict([51], chunk, 0) > t_plain  # the two cases do differ
+
+
+def test_decodes_that_cost_nothing_are_not_skipped_and_small_gains_are_taken():
+    # Free decodes: skipping them buys no prefill token, so nobody lends a turn.
+    sched = setup("sarathi_slack", [50] * 4, 3000, 0.1, dyadic(32, 0, 1))
+    sched.deadline = {f"d{i}": 2.0 for i in range(4)}
+    plan = sched.schedule(1.0)
+    assert sum(c.is_decode for c in plan.chunks) == 4 and sched.num_skipped == 0
+    # Decodes worth one prefill token each: lending two turns buys two tokens, taken.
+    sched = setup("sarathi_slack", [50] * 4, 3000, 0.1, dyadic(32, 1, 1))
+    plain = setup("sarathi", [50] * 4, 3000, 0.1, dyadic(32, 1, 1))
+    sched.deadline = {"d0": 2.0, "d1": 2.0}
+    plan, p_plan = sched.schedule(1.0), plain.schedule(1.0)
+    assert sched.num_skipped == 2
+    assert plan.num_prefill_tokens == p_plan.num_prefill_tokens + 2
+
+
+def test_contexts_priced_are_the_decodes_next_tokens_with_and_without_lending():
+    # Attention grows with context: being off by one token of context moves the chunk.
+    predict = predictor(0.005, 0.001, 1e-4, 5e-5)
+    for far in (0, 2):  # nobody lends / d2 and d3 lend their turns
+        sched = setup("sarathi_slack", [50, 60, 70, 80], 3000, 0.1, predict)
+        sched.deadline = {f"d{i}": 1.0 + (1.0 if i >= 4 - far else 0.05) for i in range(4)}
+        plan = sched.schedule(1.0)
+        ctxs = sorted(c.start + 1 for c in plan.chunks if c.is_decode)
+        assert ctxs == [51, 61, 71, 81][:4 - far]
+        chunk, target = plan.num_prefill_tokens, sched.budget_policy.target
+        assert predict(ctxs, chunk, 0) <= target < predict(ctxs, chunk + 1, 0)
+
+
+def test_nothing_is_lent_when_the_slo_is_out_of_reach():
+    # Four decodes alone take 0.105 s > the 0.09 s target: every decode keeps its turn.
+    sched = setup("sarathi_slack", [50] * 4, 3000, 0.1, predictor(0.1, 0.00125, 1e-4, 0.0))
+    sched.deadline = {f"d{i}": 5.0 for i in range(4)}
+    plan = sched.schedule(1.0)
+    assert not sched.budget_policy.reachable
+    assert sum(c.is_decode for c in plan.chunks) == 4 and sched.num_skipped == 0

@@ -45,3 +45,36 @@ def test_round_to_tile():
     assert [round_to_tile(n, 8) for n in (0, 7, 8, 15, 16)] == [0, 0, 8, 8, 16]
     assert [round_to_tile(n, 2) for n in (5, 6)] == [4, 6]
     assert round_to_tile(13, 1) == 13
+
+
+def test_pass_target_leaves_room_for_waiting_behind_the_micro_batch_ahead():
+    from fluidserve.core.token_budget import pass_target
+
+    assert pass_target(0.3, 1) == 0.3
+    assert pass_target(0.3, 0) == 0.3
+    assert pass_target(0.3, 2) == pytest.approx(0.2)
+    assert pass_target(0.5, 4) == pytest.approx(0.4)
+
+
+def test_largest_chunk_edges_exact_fits_tiles_and_the_unreachable_case():
+    from fluidserve.core.token_budget import largest_chunk
+
+    def ms(ctxs, chunk, prefix):  # 1 ms per decode and per prefill token, exactly
+        return (len(ctxs) + chunk) / 1000
+
+    # The answer is the largest chunk that fits, to the token, with the default tile of 1.
+    assert largest_chunk(ms, [1] * 10, 0, 0.331, 4096) == (321, True)
+    # A chunk that lands exactly on the target fits, also the whole cap.
+    assert largest_chunk(ms, [1] * 10, 0, 0.100, 90) == (90, True)
+    # Decodes alone exactly on the target: reachable, and nothing more fits.
+    assert largest_chunk(ms, [1] * 10, 0, 0.010, 4096) == (1, True)
+    assert largest_chunk(ms, [1] * 10, 0, 0.010, 4096, min_chunk=16) == (16, True)
+    # In tiles: only whole tiles count; under one tile fits, the minimum chunk is granted.
+    assert largest_chunk(ms, [1] * 10, 0, 1.0, 256, tile=64) == (256, True)
+    r = largest_chunk(ms, [1] * 10, 0, 0.331, 4096, tile=64)
+    assert r == (320, True) and isinstance(r[0], int)
+    assert largest_chunk(ms, [1] * 10, 0, 0.050, 4096, tile=64, min_chunk=16) == (16, True)
+    # Unreachable: the minimum chunk (1 by default), never more than the cap.
+    assert largest_chunk(ms, [1] * 10, 0, 0.009, 4096) == (1, False)
+    assert largest_chunk(ms, [1] * 10, 0, 0.009, 4096, min_chunk=16) == (16, False)
+    assert largest_chunk(ms, [1] * 10, 0, 0.009, 8, min_chunk=16) == (8, False)

@@ -178,8 +178,10 @@ class DisaggClient:
         with self._lock:
             live = [i for i in self._alive if self.roles[i] == "prefill"
                     and i not in self._draining]
-            if not live:
-                return  # dead: the front end fails the request
+            if not live:  # the last one died a moment ago
+                self.on_outputs(EngineCoreOutputs([RequestDelta(
+                    msg.request_id, [], "error", "no prefill instance is alive")]))
+                return
             target = min(live, key=lambda i: (self._outstanding[i], i))
             n = len(msg.prompt_token_ids)
             self._outstanding[target] += n
@@ -244,8 +246,9 @@ class DisaggClient:
                 self._undispatched[i] = msg.load.undispatched
             elif isinstance(msg.load, DecodeLoad):
                 self._loads[i] = msg.load
-            if msg.outputs or msg.rejected or msg.iteration_tokens or msg.finished:
-                self.on_outputs(msg)  # the tokens first: a hand-off follows its first token
+            # Every message, for its statistics too (freed blocks are news); the tokens go
+            # before the events: a hand-off follows its first token.
+            self.on_outputs(msg)
             for e in msg.events:
                 self._relay(i, e)
         for j, ids in drop.items():

@@ -208,6 +208,10 @@ def test_auto_budget_is_asked_with_the_decodes_contexts_and_the_next_prefill_pre
     assert calls == [([21], 0)]  # p has nothing cached yet
     plan = run(sched, 0.2, 0.3)
     assert calls[-1] == ([22], 16) and plan.num_tokens == 17  # d's context grew by one
+    # A decode in flight in another micro-batch is not the prefill the chunk continues.
+    calls.clear()
+    sched.schedule(0.3, frozenset({"d"}))
+    assert calls == [([], sched.requests["p"].num_computed_tokens)]
     # Without a part-done prefill the prefix is 0.
     while sched.requests["p"].is_prefill:
         run(sched, 0.3, 0.4)
@@ -272,8 +276,9 @@ def test_contexts_priced_are_the_decodes_next_tokens_with_and_without_lending():
 
 
 def test_nothing_is_lent_when_the_slo_is_out_of_reach():
-    # Four decodes alone take 0.105 s > the 0.09 s target: every decode keeps its turn.
-    sched = setup("sarathi_slack", [50] * 4, 3000, 0.1, predictor(0.1, 0.00125, 1e-4, 0.0))
+    # Four decodes alone take 0.105 s > the 0.09 s target (a prefill alone would fit): every
+    # decode keeps its turn.
+    sched = setup("sarathi_slack", [50] * 4, 3000, 0.1, predictor(0.005, 0.025, 1e-4, 0.0))
     sched.deadline = {f"d{i}": 5.0 for i in range(4)}
     plan = sched.schedule(1.0)
     assert not sched.budget_policy.reachable

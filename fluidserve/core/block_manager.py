@@ -47,10 +47,6 @@ class BlockManager:
         reserve = self.watermark_blocks if admit else 0
         return self.num_new_blocks(request_id, num_tokens) <= len(self._free) - reserve
 
-    def fits_ever(self, num_tokens: int) -> bool:
-        """Whether a request of this many tokens could run on an otherwise empty cache."""
-        return self.blocks_for(num_tokens) <= self.num_blocks - self.watermark_blocks
-
     def allocate(self, request_id: str, num_tokens: int) -> bool:
         """Grow ``request_id``'s table to hold ``num_tokens``; False (and no change) if full."""
         table = self._tables.get(request_id)

@@ -176,6 +176,13 @@ def test_what_a_served_deployment_does_not_support_is_a_clear_error():
             check_served(EngineConfig.create(disaggregate=True, **knobs))
 
 
+def test_the_offline_engine_refuses_a_disaggregated_config_instead_of_ignoring_it():
+    from fluidserve.engine.llm import LLM
+
+    with pytest.raises(ConfigError, match="fluidserve serve --disaggregate"):
+        LLM(config=EngineConfig.create(disaggregate=True))
+
+
 def kv_caches(blocks: int, seed: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
     g = torch.Generator().manual_seed(seed)
     return [(torch.randn(blocks, 2, 4, 8, generator=g).bfloat16(),

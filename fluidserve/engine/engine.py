@@ -30,6 +30,12 @@ class LLMEngine:
         telemetry: Telemetry | None = None,
         emit_outputs: bool = True,
     ) -> None:
+        if config.disagg.disaggregate:
+            from fluidserve.config import ConfigError
+
+            raise ConfigError("the in-process engine runs one colocated instance: serve a"
+                              " disaggregated deployment with `fluidserve serve --disaggregate`"
+                              " (or drive fluidserve.disagg.cluster.Cluster in process)")
         self.config = config
         self.model_dir = config.model.model
         if executor is None:

@@ -156,9 +156,6 @@ class _Role:
         log.error("request %s: %s", request_id, message)
         self.deltas += self.core.fail([request_id], message)
 
-    def close(self) -> None:
-        self.transport.close()
-
 
 class PrefillRole(_Role):
     def __init__(self, core, index: int, transport, config: EngineConfig) -> None:

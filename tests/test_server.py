@@ -370,7 +370,12 @@ def test_overload_gets_503_and_nothing_is_lost(default_model_dir):
         assert s.kv_idle()
 
 
-def test_cli_serve_drains_on_sigterm(default_model_dir, tmp_path):
+@pytest.mark.parametrize("extra, group", [
+    ([], False),
+    # Ctrl-C, `timeout` and `kill -- -PGID` signal every process of the group: the engine's
+    # processes must leave the shutdown to the front end, or the drain has nothing to drain.
+    (["--disaggregate"], True)])
+def test_cli_serve_drains_on_sigterm(default_model_dir, tmp_path, extra, group):
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     log = open(tmp_path / "server.log", "w")
@@ -392,10 +397,12 @@ def test_cli_serve_drains_on_sigterm(default_model_dir, tmp_path):
             "60",
             "--num-threads",
             "1",
+            *extra,
         ],
         stdout=log,
         stderr=subprocess.STDOUT,
         env=os.environ | {"PYTHONUNBUFFERED": "1"},
+        start_new_session=True,
     )
     try:
         wait_healthy(url, proc=proc)
@@ -414,7 +421,10 @@ def test_cli_serve_drains_on_sigterm(default_model_dir, tmp_path):
         ) as r:
             lines = r.iter_lines()
             first = next(x for x in lines if x.startswith("data: "))
-            proc.send_signal(signal.SIGTERM)
+            if group:
+                os.killpg(proc.pid, signal.SIGTERM)
+            else:
+                proc.send_signal(signal.SIGTERM)
             time.sleep(0.3)
             refused = httpx.post(url + "/v1/completions", json={"prompt": "x"}, timeout=10)
             assert refused.status_code == 503
@@ -425,7 +435,7 @@ def test_cli_serve_drains_on_sigterm(default_model_dir, tmp_path):
         assert proc.wait(30) == 0
     finally:
         if proc.poll() is None:
-            proc.kill()
+            os.killpg(proc.pid, signal.SIGKILL)
         log.close()
 
 

@@ -49,6 +49,7 @@ def run_engine_core(config: EngineConfig, inbox: Connection, outbox: Connection,
                     instance=None) -> None:
     """Entry point of the engine-core process. ``instance``: the core is one instance of a
     disaggregated deployment (``fluidserve.disagg.instance.InstanceSpec``), in its role."""
+    ignore_group_signals()
     name = f"{instance.role} {instance.index}" if instance is not None else "core"
     logging.basicConfig(level=logging.INFO,
                         format=f"%(asctime)s %(levelname)s %(name)s[{name}]: %(message)s")
@@ -86,6 +87,19 @@ def run_engine_core(config: EngineConfig, inbox: Connection, outbox: Connection,
     if telemetry_file:
         core.telemetry.export_jsonl(telemetry_file)
         log.info("wrote telemetry to %s", telemetry_file)
+
+
+def ignore_group_signals() -> None:
+    """In a child process of the server: leave SIGINT and SIGTERM to the front end.
+
+    Ctrl-C in a terminal, `timeout`, or `kill -- -PGID` signal the whole process group; the
+    front end then drains its requests, which needs the engine core (and its workers) alive.
+    A child ends when the front end tells it to, or when its pipe from the front end closes
+    (the front end is gone)."""
+    import signal
+
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
 
 
 def _start_core(config: EngineConfig, max_records: int | None, scheduler_factory=None):

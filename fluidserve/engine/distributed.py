@@ -91,6 +91,9 @@ class RankRunner:
 def rank_main(rank: int, parallel: ParallelConfig, spec: WorkerSpec, init_method: str,
               threads: int, inbox: Connection, outbox: Connection) -> None:
     """Entry point of one rank process of the mp launcher."""
+    from fluidserve.engine.core_proc import ignore_group_signals
+
+    ignore_group_signals()
     logging.basicConfig(level=logging.INFO,
                         format=f"%(asctime)s %(levelname)s %(name)s[rank {rank}]: %(message)s")
     try:

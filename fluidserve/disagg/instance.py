@@ -137,6 +137,7 @@ class _Role:
         self.events: list = []
         self.deltas: list[RequestDelta] = []  # requests this role failed
         self.changed = False
+        self._load = None  # the load last reported
 
     def poll_interval(self, idle: float) -> float:
         return idle
@@ -145,11 +146,18 @@ class _Role:
         deltas, self.deltas = self.deltas, []
         return deltas
 
+    def load(self):
+        """What the control plane needs to know of this instance's load."""
+        raise NotImplementedError
+
     def annotate(self, out: EngineCoreOutputs) -> bool:
-        """Add this role's events to ``out``; True if they (or changed statistics) must be
-        sent even with no tokens."""
+        """Add this role's events and load to ``out``; True if they (or changed statistics)
+        must be sent even with no tokens."""
+        load = self.load()
+        changed = self.changed or load != self._load
+        self._load = out.load = load
         out.events, self.events = self.events, []
-        changed, self.changed = self.changed, False
+        self.changed = False
         return bool(out.events) or changed
 
     def _fail(self, request_id: str, message: str) -> None:
@@ -168,7 +176,6 @@ class PrefillRole(_Role):
         self.announced: set[str] = set()
         self.undispatched: dict[str, int] = {}  # request id -> predicted length
         self.sending: list[Transfer] = []  # kept until landed: their tensors must live
-        self._load: PrefillLoad | None = None
 
     def poll_interval(self, idle: float) -> float:
         return TRANSFER_POLL_S if self.sending else idle
@@ -244,10 +251,10 @@ class PrefillRole(_Role):
                 self.undispatched[rid] = predicted
         if len(self.announced) > len(handoff):  # some ended here while waiting
             self.announced &= handoff.keys()
-        load = PrefillLoad(len(self.undispatched))
-        changed = load != self._load
-        self._load = out.load = load
-        return super().annotate(out) or changed
+        return super().annotate(out)
+
+    def load(self) -> PrefillLoad:
+        return PrefillLoad(len(self.undispatched))
 
     def _dispatch(self, req, predicted: int) -> bool:
         dst = pick_decode(self.dispatcher, self.core.block_manager, req, predicted,
@@ -264,7 +271,6 @@ class DecodeRole(_Role):
         self.src: dict[str, int] = {}  # request id -> prefill instance holding its KV
         self.receiving: dict[str, tuple[Transfer, tuple[int, ...]]] = {}
         self._tags = itertools.count(1)
-        self._load: DecodeLoad | None = None
 
     def poll_interval(self, idle: float) -> float:
         return TRANSFER_POLL_S if self.receiving else idle
@@ -328,12 +334,6 @@ class DecodeRole(_Role):
         heavy, light = sched.heavy_light()
         return DecodeLoad(self.index, sched.free_blocks, heavy, light,
                           waiting=len(sched.incoming))
-
-    def annotate(self, out: EngineCoreOutputs) -> bool:
-        load = self.load()
-        changed = load != self._load
-        self._load = out.load = load
-        return super().annotate(out) or changed
 
 
 ROLES = {"prefill": PrefillRole, "decode": DecodeRole}

@@ -31,14 +31,14 @@ from fluidserve.net import free_port  # noqa: E402
 
 BEGIN, END = "<!-- served-begin -->", "<!-- served-end -->"
 CLASSES = ("LPLD", "LPHD", "HPLD", "HPHD", "mixed")
-VARIANTS = {
-    "sarathi x1 (2 threads)": ["--num-threads", "2", "--scheduler", "sarathi",
-                               "--token-budget", "512"],
-    "vllm x1 (2 threads)": ["--num-threads", "2", "--scheduler", "vllm", "--token-budget",
-                            "2048"],
-    "tetriinfer 1P+1D (1 thread each)": [
-        "--disaggregate", "--num-threads", "1", "--prefill-chunk-size", "512",
-        "--kv-transport", "gloo"],
+VARIANTS = {  # file tag: (label, serve flags)
+    "sarathi": ("sarathi x1 (2 threads)",
+                ["--num-threads", "2", "--scheduler", "sarathi", "--token-budget", "512"]),
+    "vllm": ("vllm x1 (2 threads)",
+             ["--num-threads", "2", "--scheduler", "vllm", "--token-budget", "2048"]),
+    "tetriinfer-1P+1D": ("tetriinfer 1P+1D (1 thread each)",
+                         ["--disaggregate", "--num-threads", "1", "--prefill-chunk-size",
+                          "512", "--kv-transport", "gloo"]),
 }
 
 
@@ -77,8 +77,7 @@ def run(args) -> dict:
            "num_prompts": args.num_prompts, "rate": args.rate,
            "max_prompt_len": args.max_prompt_len, "max_output_len": args.max_output_len,
            "variants": {}}
-    for label, extra in VARIANTS.items():
-        tag = label.split()[0] + ("-" + label.split()[1] if "1P" in label else "")
+    for tag, (label, extra) in VARIANTS.items():
         flags = list(extra)
         request_log = out / f"{tag}-requests.jsonl"
         if "--disaggregate" in flags:

@@ -6,6 +6,8 @@ with fixed budgets and with ``auto``. Writes JSON and prints tables:
 
     python scripts/adaptive_budget_sim.py --out docs/adaptive.json
     python scripts/adaptive_budget_sim.py --out docs/adaptive.json --tables
+    python scripts/adaptive_budget_sim.py --out docs/adaptive.json --auto-only  # after a change
+                                                  # to auto: rerun it, keep the fixed budgets
 """
 
 from __future__ import annotations
@@ -116,6 +118,8 @@ def main() -> int:
     ap.add_argument("--jobs", type=int, default=2)
     ap.add_argument("--out", default="runs/adaptive.json")
     ap.add_argument("--tables", action="store_true")
+    ap.add_argument("--auto-only", action="store_true",
+                    help="Rerun only the auto jobs; keep the other results already in --out.")
     ap.add_argument("--fluidity", action="store_true",
                     help="Instead: fluidity-index capacity of sarathi_slack vs sarathi (auto).")
     args = ap.parse_args()
@@ -125,12 +129,20 @@ def main() -> int:
     todo = (fluidity_jobs if args.fluidity else jobs)(args.num_prompts, args.margin)
     t0 = time.perf_counter()
     results = []
+    if args.auto_only:
+        todo = [j for j in todo if j["budget"] == "auto"]
+        results = [r for r in json.loads(Path(args.out).read_text()) if r["budget"] != "auto"]
     with ProcessPoolExecutor(args.jobs) as pool:
         for r in pool.map(capacity, todo):
             results.append(r)
             print(f"[{time.perf_counter() - t0:6.0f}s] {r['shape']} {r['trace']} slo {r['slo']}"
                   f" budget {r['budget']}: {r['capacity_qps']:.3g}", file=sys.stderr, flush=True)
             Path(args.out).write_text(json.dumps(results, indent=1))
+    key = {(j["shape"], j["trace"], j["slo"], j["budget"], j.get("scheduler")): i
+           for i, j in enumerate((fluidity_jobs if args.fluidity else jobs)(1, 0))}
+    results.sort(key=lambda r: key.get((r["shape"], r["trace"], r["slo"], r["budget"],
+                                        r.get("scheduler")), len(key)))
+    Path(args.out).write_text(json.dumps(results, indent=1))
     print(tables(results))
     return 0
 

@@ -117,3 +117,85 @@ def test_simulated_auto_meets_the_slo_on_a_gpu_cost_model():
     gaps = [g for r in res.records for g in r.gaps[1:]]
     assert max(gaps) <= 0.1 + 1e-9 and all(r.num_output_tokens == w.output_len
                                              for r, w in zip(res.records, work, strict=True))
+
+
+def test_saturation_chunk_stops_where_the_prefill_rate_stops_growing():
+    from fluidserve.core.token_budget import saturation_chunk
+
+    # 10 ms fixed + 0.1 ms per token: the rate approaches 10,000 tokens/s.
+    lin = linear(0.0, 1e-4, base=0.01)
+    n = saturation_chunk(lin, 8192, fraction=0.9)
+    rate = n / lin([], n, 0)
+    assert rate >= 0.9 * 8192 / lin([], 8192, 0) and n < 8192
+    assert saturation_chunk(lin, 8192, fraction=0.5) < n < saturation_chunk(lin, 8192, 0.99)
+    # A step (wave quantization): batches past 800 tokens run 25% slower per token.
+    step = lambda ctxs, chunk, prefix: 1e-4 * chunk * (1.25 if chunk > 800 else 1.0)  # noqa
+    assert saturation_chunk(step, 4096, tile=16, fraction=0.9) <= 800
+    assert saturation_chunk(step, 4096, tile=16, fraction=0.9) % 16 == 0
+
+
+def test_gap_excess_is_a_capped_quantile_of_recent_gaps_over_the_prediction():
+    from fluidserve.engine.budget import GapExcess
+
+    g = GapExcess(prior=0.3, cap=0.5, quantile=0.9, window=100, every=1, min_samples=50)
+    g.observe(0.2, [0.25] * 40)
+    assert g.value == 0.3  # too few samples: the prior holds
+    g.observe(0.2, [0.25] * 20 + [5.0] * 5)  # 5 preempted gaps, capped
+    assert g.value == pytest.approx(0.05)
+    g.observe(0.2, [0.5] * 20)
+    assert g.value == pytest.approx(0.3)
+    g.observe(0.2, [0.9] * 15)
+    assert g.value == pytest.approx(0.5)  # at most the cap
+    g.observe(0.4, [0.3] * 100)  # faster than predicted: the window forgets, never < 0
+    assert g.value == 0.0
+
+
+def test_pipelined_auto_learns_the_wait_from_gaps_of_full_micro_batches_only():
+    from fluidserve.core.scheduler.output import SchedulerOutput
+    from fluidserve.core.token_budget import pass_target
+    from fluidserve.engine.budget import AdaptiveBudget
+
+    times = {}
+    b = AdaptiveBudget(linear(0.0, 1e-4), 0.5, 0.0, pp=2,
+                       predict_plan=lambda plan: times[plan.iteration])
+    assert b.learns_gaps and b.target == pytest.approx(pass_target(0.5, 2))  # the worst case
+    assert not AdaptiveBudget(linear(0.0, 1e-4), 0.5, 0.0).learns_gaps
+    for i in range(64):
+        full = i % 2 == 0
+        times[i] = 0.4 if full else 0.05
+        plan = SchedulerOutput(i, [])
+        b.submitted(plan)
+        # Full micro-batches see 20 ms of wait; small ones wait behind a full one.
+        b.observe_gaps(plan, [0.42] * 10 if full else [0.3] * 10)
+    assert b.target == pytest.approx(0.5 - 0.02)
+    assert not b._predicted
+
+
+def test_simulated_pipelined_auto_meets_the_slo_in_micro_batches_no_larger_than_saturation():
+    import numpy as np
+
+    from fluidserve.bench.workload import WorkloadSpec, build_workload
+    from fluidserve.engine.budget import cost_model_budget
+    from fluidserve.sim.cost_model import GPUCostModel
+    from fluidserve.sim.simulate import CostModelExecutor, simulate
+
+    work, _ = build_workload(WorkloadSpec(dataset="sharegpt", num_prompts=120,
+                                          request_rate=0.6, max_prompt_len=4096, seed=3))
+    cost = GPUCostModel("llama-2-70b", "a40", tp=4, pp=2)
+    cfg = EngineConfig.create(token_budget="auto", tbt_slo=0.5, budget_margin=0.02,
+                              tensor_parallel_size=4, pipeline_parallel_size=2)
+    sizes = []
+
+    class Recording(CostModelExecutor):
+        def submit(self, plan):
+            sizes.append(plan.num_tokens)
+            return super().submit(plan)
+
+    res = simulate(work, cfg, Recording(cost, 20000, 16, 16384))
+    gaps = [g for r in res.records for g in r.gaps[1:]]
+    assert np.percentile(gaps, 99) <= 0.5
+    saturation = cost_model_budget(cost, 0.5, 0.02, 1).saturation()
+    assert 256 < saturation < 2048  # this profile's rate steps down past ~768 tokens
+    # The chunk stops at saturation (plus the decodes riding along); some reach it.
+    assert saturation < max(sizes) <= saturation + 128
+    assert all(r.num_output_tokens == w.output_len for r, w in zip(res.records, work, strict=True))

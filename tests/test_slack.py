@@ -283,3 +283,23 @@ def test_nothing_is_lent_when_the_slo_is_out_of_reach():
     plan = sched.schedule(1.0)
     assert not sched.budget_policy.reachable
     assert sum(c.is_decode for c in plan.chunks) == 4 and sched.num_skipped == 0
+
+
+def test_a_request_that_ends_outside_an_update_leaves_no_deadline_or_lent_turn_behind():
+    predict = predictor(0.005, 0.001, 1e-4, 0.0)
+    sched = setup("sarathi_slack", [50] * 3, 3000, 0.1, predict)
+    run(sched, 1.0, 1.02)
+    assert set(sched.deadline) == {"d0", "d1", "d2"}
+    sched.deadline.update({f"d{i}": 5.0 for i in range(3)})  # banked slack: all lend a turn
+    plan = sched.schedule(1.02)
+    assert sched.lent == {"d0", "d1", "d2"} and not any(c.is_decode for c in plan.chunks)
+    sched.abort("d1", 1.03)  # a client went away while its request had lent its turn
+    assert "d1" not in sched.deadline and "d1" not in sched.lent
+    sched.update(plan, RunnerOutput({c.request_id: 5 for c in plan.chunks if c.samples}, 0.0),
+                 1.1)
+    sched.deadline.update({"d0": 1.15, "d2": 1.15})  # now due: no turn to lend
+    plan = sched.schedule(1.1)
+    assert {"d0", "d2"} <= {c.request_id for c in plan.chunks if c.is_decode}
+    sched.update(plan, RunnerOutput({c.request_id: 5 for c in plan.chunks if c.samples}, 0.0),
+                 1.2)
+    assert sched.lent == set()  # their tokens came: the turns are repaid

@@ -72,3 +72,17 @@ def largest_chunk(predict: Predictor, decode_ctxs: list[int], prefix: int, targe
         else:
             hi = mid
     return max(lo * tile, min(min_chunk, max_chunk)), True
+
+
+def saturation_chunk(predict: Predictor, max_chunk: int, tile: int = 1, fraction: float = 0.95,
+                     smallest: int = 64) -> int:
+    """The smallest prefill chunk (on a grid ~19% apart) that runs at ``fraction`` of the best
+    prefill rate (tokens per second) of any chunk up to ``max_chunk``: where the device
+    saturates. A bigger chunk buys no throughput."""
+    grid, c = [], float(max(smallest, tile))
+    while c <= max_chunk:
+        grid.append(max(round_to_tile(int(c), tile), tile))
+        c *= 2 ** 0.25
+    rate = [(n, n / predict([], n, 0)) for n in grid]
+    best = max(r for _, r in rate)
+    return next(n for n, r in rate if r >= fraction * best)

@@ -12,6 +12,11 @@ non-negative least squares on a sliding window, and a fast multiplicative correc
 exponential average of measured / predicted) follows sudden changes in the machine's speed
 within a few iterations. In simulation the cost model itself is the predictor.
 
+With pipeline stages a token gap is a micro-batch's pass plus its wait behind the one ahead:
+the wait is learned from the engine's token gaps (``GapExcess``), and no micro-batch grows
+beyond the chunk where the device's prefill rate saturates (a bigger one buys nothing and
+keeps the other stages waiting).
+
 If even the decodes alone are predicted to miss the SLO, the budget degrades to the smallest
 chunk that still makes prefill progress (new requests never starve), and says so once.
 """
@@ -25,11 +30,19 @@ from collections.abc import Callable
 import numpy as np
 
 from fluidserve.core.scheduler.output import SchedulerOutput
-from fluidserve.core.token_budget import Predictor, largest_chunk, pass_target
+from fluidserve.core.token_budget import Predictor, largest_chunk, pass_target, saturation_chunk
 
 log = logging.getLogger(__name__)
 
 AUTO_MAX_BUDGET = 8192  # the largest budget `auto` may choose
+# Token gaps teach the gap excess only from batches planned near the target (at least this
+# share of it): a small batch waiting behind a full one has a long gap relative to its own
+# pass, yet is far inside the SLO.
+FULL_BATCH = 0.75
+# With pipeline stages, no micro-batch beyond the chunk that reaches this share of the best
+# prefill rate (core.token_budget.saturation_chunk): a bigger one buys no throughput and
+# keeps the other stages waiting.
+SATURATION = 0.9
 
 
 def plan_features(plan: SchedulerOutput) -> tuple[int, int, int, int, int, int]:
@@ -79,6 +92,9 @@ class OnlineIterationModel:
     def predict(self, decode_ctxs: list[int], chunk: int, prefix: int) -> float:
         return self._raw(candidate_features(decode_ctxs, chunk, prefix)) * self.correction
 
+    def predict_plan(self, plan: SchedulerOutput) -> float:
+        return self._raw(plan_features(plan)) * self.correction
+
     def observe(self, plan: SchedulerOutput, seconds: float) -> None:
         f = plan_features(plan)
         raw = self._raw(f)
@@ -110,22 +126,94 @@ class OnlineIterationModel:
         self._since_fit = 0
 
 
+class GapExcess:
+    """How much longer a token gap is than the predicted pass of the micro-batch that ended
+    it, learned online: a high quantile of (gap - prediction) over the last ``window`` tokens
+    of micro-batches planned near the target.
+
+    With pipeline stages a micro-batch may wait at the first stage behind the one ahead: at
+    worst that one's stage time, target / pp (the prior, token_budget.pass_target), in
+    practice less, since micro-batches are alike. Each sample is capped at ``cap`` (half the
+    SLO) so that a preempted request's gap cannot freeze the budget; the window is a few
+    iterations' tokens, so that the iteration-time model's errors while it catches up with a
+    change of speed do not linger."""
+
+    def __init__(self, prior: float, cap: float, quantile: float = 0.99, window: int = 1024,
+                 every: int = 8, min_samples: int = 256) -> None:
+        self.value, self.cap = prior, cap
+        self.quantile, self.every, self.min_samples = quantile, every, min_samples
+        self.samples: deque[float] = deque(maxlen=window)
+        self._since = 0
+
+    def observe(self, predicted: float, gaps: list[float]) -> None:
+        if not gaps:
+            return
+        self.samples.extend(min(g - predicted, self.cap) for g in gaps)
+        self._since += 1
+        if self._since >= self.every and len(self.samples) >= self.min_samples:
+            self._since = 0
+            self.value = max(0.0, float(np.quantile(np.fromiter(self.samples, float),
+                                                    self.quantile)))
+
+
 class AdaptiveBudget:
-    """The scheduler's ``budget_policy`` for ``--token-budget auto``."""
+    """The scheduler's ``budget_policy`` for ``--token-budget auto``.
+
+    An iteration is planned to take at most ``target`` = (1 - margin) x SLO - gap excess,
+    the excess learned from the token gaps the engine core reports (``observe_gaps``)."""
 
     def __init__(self, predict: Predictor, tbt_slo: float, margin: float, tile: int = 1,
                  max_budget: int = AUTO_MAX_BUDGET, min_chunk: int | None = None,
-                 trust: Callable[[], int] | None = None, pp: int = 1) -> None:
-        # The predictor prices one micro-batch's pass; with pipeline stages a token gap can
-        # also include waiting behind the micro-batch ahead (core.token_budget.pass_target).
-        self.predict, self.target = predict, pass_target(tbt_slo, pp) * (1 - margin)
-        self.tbt_slo, self.tile, self.max_budget = tbt_slo, tile, max_budget
+                 trust: Callable[[], int] | None = None, pp: int = 1,
+                 predict_plan: Callable[[SchedulerOutput], float] | None = None,
+                 gap_quantile: float = 0.99) -> None:
+        self.predict, self.predict_plan = predict, predict_plan
+        self.pp = pp
+        self._saturation, self._saturation_age = 0, 0
+        self.tbt_slo, self.margin, self.tile, self.max_budget = tbt_slo, margin, tile, max_budget
+        # Until gaps are measured, assume the pipeline's worst case (token_budget.pass_target).
+        self.gap_excess = GapExcess(tbt_slo - pass_target(tbt_slo, pp), tbt_slo / 2, gap_quantile)
         self.min_chunk = min_chunk or max(tile, 16)
         self.trust = trust  # the largest chunk the predictor may be trusted with, if bounded
         self.last = 0
         self.reachable = True  # whether the last iteration's decodes alone fit the target
         self.unreachable = 0  # iterations where even the decodes alone miss the SLO
         self._warned = False
+        self._predicted: dict[int, float] = {}  # iteration in flight -> its predicted pass
+
+    @property
+    def learns_gaps(self) -> bool:
+        """Whether token gaps teach this budget anything: with pipeline stages, where a gap
+        holds more than one pass."""
+        return self.pp > 1 and self.predict_plan is not None
+
+    @property
+    def target(self) -> float:
+        return self.tbt_slo * (1 - self.margin) - self.gap_excess.value
+
+    def submitted(self, plan: SchedulerOutput) -> None:
+        """A batch was submitted: remember its predicted pass for ``observe_gaps``."""
+        if self.learns_gaps:
+            self._predicted[plan.iteration] = self.predict_plan(plan)
+            if len(self._predicted) > 64:  # batches that failed never complete
+                del self._predicted[next(iter(self._predicted))]
+
+    def observe_gaps(self, plan: SchedulerOutput, gaps: list[float]) -> None:
+        """The batch completed; ``gaps``: for each of its decodes, the time since that
+        request's previous token."""
+        predicted = self._predicted.pop(plan.iteration, None)
+        if predicted is not None and predicted >= FULL_BATCH * self.target:
+            self.gap_excess.observe(predicted, gaps)
+
+    def saturation(self) -> int:
+        """Where the device saturates, by the predictor; re-read every 256 iterations, as
+        the online model learns."""
+        if self._saturation_age <= 0:
+            self._saturation = saturation_chunk(self.predict, self.max_budget, self.tile,
+                                                SATURATION)
+            self._saturation_age = 256
+        self._saturation_age -= 1
+        return self._saturation
 
     def __call__(self, decode_ctxs: list[int], prefix: int) -> int:
         chunk, ok = self.chunk(decode_ctxs, prefix, self.target)
@@ -147,6 +235,8 @@ class AdaptiveBudget:
         cap = self.max_budget - len(decode_ctxs)
         if self.trust is not None:
             cap = min(cap, self.trust())
+        if self.pp > 1:
+            cap = min(cap, self.saturation())
         return largest_chunk(self.predict, decode_ctxs, prefix, target, max(cap, 0), self.tile,
                              self.min_chunk)
 
@@ -157,7 +247,8 @@ def learned_budget(tbt_slo: float, margin: float, tile: int, pp: int = 1
     batch it has seen (so a wrong prior ramps up instead of blowing the SLO at once)."""
     model = OnlineIterationModel()
     return AdaptiveBudget(model.predict, tbt_slo, margin, tile,
-                          trust=lambda: max(64, model.max_tokens_seen * 3 // 2), pp=pp), model
+                          trust=lambda: max(64, model.max_tokens_seen * 3 // 2), pp=pp,
+                          predict_plan=model.predict_plan), model
 
 
 def cost_model_budget(cost, tbt_slo: float, margin: float, tile: int) -> AdaptiveBudget:
@@ -167,7 +258,9 @@ def cost_model_budget(cost, tbt_slo: float, margin: float, tile: int) -> Adaptiv
     def predict(decode_ctxs: list[int], chunk: int, prefix: int) -> float:
         pre = ((chunk, prefix),) if chunk > 1 else ()
         dec = tuple(decode_ctxs) + ((prefix + 1,) if chunk == 1 else ())
-        shape = PlanShape(len(decode_ctxs) + chunk, pre, dec, len(dec) + bool(pre))
+        return mean_time(PlanShape(len(decode_ctxs) + chunk, pre, dec, len(dec) + bool(pre)))
+
+    def mean_time(shape: PlanShape) -> float:
         rng = getattr(cost, "_rng", None)
         cost._rng = None  # the mean time: a prediction must not consume the replayed jitter
         try:
@@ -175,4 +268,5 @@ def cost_model_budget(cost, tbt_slo: float, margin: float, tile: int) -> Adaptiv
         finally:
             cost._rng = rng
 
-    return AdaptiveBudget(predict, tbt_slo, margin, tile, pp=cost.pp)
+    return AdaptiveBudget(predict, tbt_slo, margin, tile, pp=cost.pp,
+                          predict_plan=lambda plan: mean_time(PlanShape.of(plan)))

@@ -237,6 +237,8 @@ class EngineCore:
                 fut = Future()
                 fut.set_exception(e)
             self.in_flight.append((plan, fut, start))
+            if self.budget is not None and self.budget.learns_gaps:
+                self.budget.submitted(plan)
 
     def finish_oldest(self) -> EngineCoreOutputs:
         """Wait for the oldest batch in flight and apply it."""
@@ -257,6 +259,8 @@ class EngineCore:
         if self.force_eos_at:
             self._force_eos(plan, result)
         self._changed = True
+        if self.budget is not None and self.budget.learns_gaps:
+            self.budget.observe_gaps(plan, self._token_gaps(plan, end))
         touched = self.scheduler.update(plan, result, end)
         self.telemetry.record_iteration(plan, start, end - start)
         if self._budget_model is not None:
@@ -281,6 +285,17 @@ class EngineCore:
                 self._record_finished(req)
             deltas.append(d)
         return self.make_outputs(deltas)
+
+    def _token_gaps(self, plan: SchedulerOutput, end: float) -> list[float]:
+        """For each decode of this completed batch, the time since its request's previous
+        token (decodes that lent a turn to a prefill, by ``sarathi_slack``, excepted)."""
+        lent = getattr(self.scheduler, "lent", ())
+        gaps = []
+        for c in plan.chunks:
+            req = self.scheduler.requests.get(c.request_id)
+            if c.is_decode and req is not None and req.token_times and c.request_id not in lent:
+                gaps.append(end - req.token_times[-1])
+        return gaps
 
     def _force_eos(self, plan: SchedulerOutput, result: RunnerOutput) -> None:
         at = self.force_eos_at

@@ -22,7 +22,7 @@ import math
 from fluidserve.core.scheduler.base import Batch
 from fluidserve.core.scheduler.output import RunnerOutput, SchedulerOutput
 from fluidserve.core.scheduler.stall_free import StallFreeScheduler
-from fluidserve.request import Request
+from fluidserve.request import Request, RequestStatus
 
 
 class SlackScheduler(StallFreeScheduler):
@@ -32,6 +32,7 @@ class SlackScheduler(StallFreeScheduler):
         super().__init__(*args, **kw)
         self.deadline: dict[str, float] = {}  # request id -> deadline of its next token
         self.num_skipped = 0  # decode turns lent to prefills
+        self.lent: set[str] = set()  # requests that lent a turn since their last token
 
     def update(self, output: SchedulerOutput, result: RunnerOutput, now: float
                ) -> list[Request]:
@@ -41,13 +42,18 @@ class SlackScheduler(StallFreeScheduler):
         d_d = self.budget_policy.tbt_slo
         for req in touched:
             rid = req.request_id
+            self.lent.discard(rid)
             if req.status.finished:
-                self.deadline.pop(rid, None)
                 continue
             last = self.deadline.get(rid)
             # Met: slack carries forward; missed (or the first token): re-base on the token.
             self.deadline[rid] = last + d_d if last is not None and now <= last else now + d_d
         return touched
+
+    def finish(self, req: Request, status: RequestStatus, now: float | None = None) -> None:
+        super().finish(req, status, now)  # (an aborted request is never touched again)
+        self.deadline.pop(req.request_id, None)
+        self.lent.discard(req.request_id)
 
     def _build(self, now: float) -> Batch:
         pol = self.budget_policy
@@ -90,6 +96,7 @@ class SlackScheduler(StallFreeScheduler):
                 batch.add(r, 1, is_decode=True)
         else:
             self.num_skipped += len(skipped)
+            self.lent.update(r.request_id for r in skipped)
         return batch
 
     def _has_prefill(self, batch: Batch) -> bool:

@@ -22,10 +22,9 @@ class RequestStatus(enum.Enum):
     FINISHED_ABORTED = "abort"
     FINISHED_ERROR = "error"
 
-    @property
-    def finished(self) -> bool:
-        return self not in (RequestStatus.WAITING, RequestStatus.RUNNING,
-                            RequestStatus.MIGRATING)
+    def __init__(self, value: str) -> None:
+        # An attribute, not a property: read for every token in the engine's hot loops.
+        self.finished = value not in ("waiting", "running", "migrating")
 
 
 @dataclass(eq=False, slots=True)

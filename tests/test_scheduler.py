@@ -559,3 +559,51 @@ def test_a_scheduler_sorts_its_queue_within_the_configured_windows():
         s.add_request(Request(str(i), [1] * n, SamplingParams(max_tokens=2), float(i)))
     first = s.schedule(0.0)
     assert [c.request_id for c in first.chunks] == ["2"]  # the shortest of the first window
+
+
+@pytest.mark.parametrize("policy,window", [("fcfs", 0), ("sjf", 0), ("ljf", 7)])
+def test_waiting_queue_stays_in_order_through_removals_requeues_and_compaction(policy, window):
+    import random
+
+    from fluidserve.core.queue_policy import QUEUE_POLICIES
+
+    rng = random.Random(7)
+    q = WaitingQueue(policy, window)
+    live: dict[str, tuple] = {}  # id -> (request, arrival seq when queued)
+    seq = 0
+
+    def expected():
+        def key(item):
+            r, s = item
+            group = (s - 1) // window if window else 0
+            return (r.num_preemptions == 0, group) + QUEUE_POLICIES[policy](r, s)
+        return [r.request_id for r, _ in sorted(live.values(), key=key)]
+
+    for i in range(3000):  # well past the compaction threshold
+        op = rng.random()
+        if op < 0.5 or not live:
+            r = req(f"r{i}", rng.randint(1, 50), arrival=float(rng.randint(0, 100)))
+            seq += 1
+            live[r.request_id] = (r, seq)
+            q.push(r)
+        elif op < 0.8:  # admit from the head while iterating, as a scheduler does
+            for r in q.in_order():
+                assert q.remove(r.request_id) is r
+                del live[r.request_id]
+                if rng.random() < 0.5:
+                    break
+        elif op < 0.9:  # remove from anywhere (an abort)
+            rid = rng.choice(list(live))
+            assert q.remove(rid) is live.pop(rid)[0]
+        else:  # a preempted request queues again, ahead of every arrival
+            rid = rng.choice(list(live))
+            r = live[rid][0]
+            q.remove(rid)
+            r.num_preemptions += 1
+            live[rid] = (r, seq)
+            q.push(r)
+        assert len(q) == len(live)
+        if i % 97 == 0:
+            assert [r.request_id for r in q.ordered()] == expected()
+    assert [r.request_id for r in q.ordered()] == expected()
+    assert len(q._sorted) - q._head < 2 * len(live) + 300  # dead entries do not pile up

@@ -260,9 +260,9 @@ class Scheduler(ABC):
             if batch.num_prefills >= max_prefills or batch.left <= 0:
                 return
             if (
-                req.status is not RequestStatus.RUNNING
+                req.request_id in batch.ids  # (most running requests: the batch's decodes)
+                or req.status is not RequestStatus.RUNNING
                 or req.is_decode
-                or req.request_id in batch.ids
             ):
                 continue
             n = self._chunk_size(req, batch.left, chunked, batch)
@@ -272,7 +272,7 @@ class Scheduler(ABC):
                 batch.add(req, n)
         if self._preempted or self._short:
             return  # memory is short: admitting now would only preempt again
-        for req in self.waiting.ordered():
+        for req in self.waiting.in_order():
             if batch.num_prefills >= max_prefills or batch.left <= 0:
                 return
             n = self._chunk_size(req, batch.left, chunked, batch)

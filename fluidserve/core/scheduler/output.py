@@ -8,12 +8,14 @@ from functools import cached_property
 from fluidserve.sampling_params import SamplingParams
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class ScheduledChunk:
     """One request's share of an iteration: ``token_ids`` at positions ``start..start+n``.
 
     A decode is a chunk of one token. ``samples`` is true when the chunk reaches the end of
     the request's known tokens, so the executor must sample the next token from its logits.
+    Not modified once scheduled (not frozen either: a frozen dataclass took 1 us more to
+    build, per decode token, a fifth of the simulator's time).
     """
 
     request_id: str

@@ -18,7 +18,7 @@ class RequestLevelScheduler(Scheduler):
     def _build(self, now: float) -> Batch:
         batch = self._new_batch(math.inf)
         if not self.running:
-            for req in self.waiting.ordered():
+            for req in self.waiting.in_order():
                 if not self._admit(req, req.num_remaining, batch, now):
                     break
             return batch

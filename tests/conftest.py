@@ -97,5 +97,7 @@ def hf_models(tmp_path_factory, tokenizer_dir) -> dict[str, Path]:
 
 
 @pytest.fixture(scope="session")
-def default_model_dir() -> Path:
+def tiny_model_dir() -> Path:
+    """The random-weight tiny model: engine mechanics, fast and deterministic (it never
+    emits end-of-sequence on its own, so outputs run to max_tokens)."""
     return cached_model_dir()

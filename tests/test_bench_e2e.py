@@ -15,8 +15,9 @@ FILES = ("requests.jsonl", "requests.csv", "summary.json", "cdfs.png", "token_ti
 
 
 @pytest.fixture(scope="module")
-def srv(default_model_dir):
-    with InProcessServer(default_model_dir, name="tiny") as s:
+def srv(tiny_model_dir):
+    with InProcessServer(tiny_model_dir, name="tiny") as s:
+        s.tokenizer = str(tiny_model_dir)  # the bench must count tokens as the server does
         yield s
 
 
@@ -27,7 +28,8 @@ def last_json(capsys) -> dict:
 @pytest.mark.parametrize("endpoint", ["/v1/completions", "/v1/chat/completions"])
 def test_bench_writes_every_output(srv, tmp_path, capsys, endpoint):
     out = tmp_path / "run"
-    rc = main(["bench", "--base-url", srv.url, "--endpoint", endpoint, "--num-prompts", "12",
+    rc = main(["bench", "--base-url", srv.url, "--tokenizer", srv.tokenizer,
+               "--endpoint", endpoint, "--num-prompts", "12",
                "--dataset-name", "uniform", "--input-len", "40", "--output-len", "9",
                "--request-rate", "30", "--seed", "3", "--output-dir", str(out),
                "--tbt-deadline", "0.5"])
@@ -53,7 +55,8 @@ def test_bench_writes_every_output(srv, tmp_path, capsys, endpoint):
 
 
 def test_bench_profile_prefill_and_compare(srv, tmp_path, capsys):
-    common = ["bench", "--base-url", srv.url, "--num-prompts", "6", "--input-len", "30",
+    common = ["bench", "--base-url", srv.url, "--tokenizer", srv.tokenizer,
+              "--num-prompts", "6", "--input-len", "30",
               "--output-len", "5", "--no-plots"]
     assert main([*common, "--output-dir", str(tmp_path / "a"), "--profile-prefill",
                  "--max-prompt-len", "200"]) == 0
@@ -68,7 +71,8 @@ def test_bench_profile_prefill_and_compare(srv, tmp_path, capsys):
 
 def test_bench_records_errors_instead_of_hiding_them(srv, tmp_path, capsys):
     # Prompts longer than the server's 512-token window: every request gets a 400.
-    assert main(["bench", "--base-url", srv.url, "--num-prompts", "3", "--input-len", "600",
+    assert main(["bench", "--base-url", srv.url, "--tokenizer", srv.tokenizer,
+                 "--num-prompts", "3", "--input-len", "600",
                  "--output-len", "5", "--max-prompt-len", "600", "--no-plots",
                  "--warmup-requests", "0", "--output-dir", str(tmp_path)]) == 0
     summary = last_json(capsys)
@@ -76,7 +80,8 @@ def test_bench_records_errors_instead_of_hiding_them(srv, tmp_path, capsys):
 
 
 def test_capacity_against_a_running_endpoint(srv, tmp_path, capsys):
-    args = ["capacity", "--base-url", srv.url, "--num-prompts", "8", "--input-len", "20",
+    args = ["capacity", "--base-url", srv.url, "--tokenizer", srv.tokenizer,
+            "--num-prompts", "8", "--input-len", "20",
             "--output-len", "4", "--slo", "ttft", "--ttft-slo", "30", "--start-rate", "2",
             "--max-probes", "2", "--output-dir", str(tmp_path), "--warmup-requests", "0"]
     assert main(args) == 0

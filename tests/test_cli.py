@@ -20,11 +20,11 @@ def cli(*args: str, check: bool = True) -> subprocess.CompletedProcess:
     )
 
 
-def test_generate_json_matches_offline_api(default_model_dir):
+def test_generate_json_matches_offline_api(tiny_model_dir):
     out = cli(
         "generate",
         "--model",
-        str(default_model_dir),
+        str(tiny_model_dir),
         "--prompt",
         "The river rose",
         "--prompt",
@@ -37,7 +37,7 @@ def test_generate_json_matches_offline_api(default_model_dir):
         "8",
     )
     rows = [json.loads(line) for line in out.stdout.splitlines()]
-    ref = LLM(model=str(default_model_dir)).generate(
+    ref = LLM(model=str(tiny_model_dir)).generate(
         ["The river rose", "Hi"], SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
     )
     assert [r["token_ids"] for r in rows] == [o.token_ids for o in ref]
@@ -64,18 +64,18 @@ def test_help_lists_every_engine_knob():
         assert flag in sim_text, flag
 
 
-def test_bad_config_is_a_clear_error(default_model_dir, tmp_path):
+def test_bad_config_is_a_clear_error(tiny_model_dir, tmp_path):
     r = cli("generate", "--prompt", "x", "--token-budget", "0", check=False)
     assert r.returncode == 2 and "token_budget must be >= 1" in r.stderr
     r = cli("generate", "--prompt", "x", "--model", str(tmp_path), check=False)
     assert r.returncode == 2 and "no config.json" in r.stderr
 
 
-def test_profile_quick_writes_json_and_plots(default_model_dir, tmp_path):
+def test_profile_quick_writes_json_and_plots(tiny_model_dir, tmp_path):
     out = cli(
         "profile",
         "--model",
-        str(default_model_dir),
+        str(tiny_model_dir),
         "--dtype",
         "float32",
         "--quick",

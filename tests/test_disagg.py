@@ -239,10 +239,10 @@ MAX_TOKENS = [12, 20, 7, 16, 1]
 
 
 @pytest.fixture(scope="module")
-def colocated(default_model_dir):
+def colocated(tiny_model_dir):
     from fluidserve.engine.llm import LLM
 
-    llm = LLM(model=str(default_model_dir), token_budget=4096)
+    llm = LLM(model=str(tiny_model_dir), token_budget=4096)
     params = [SamplingParams(max_tokens=m, temperature=0.0, ignore_eos=True) for m in MAX_TOKENS]
     outs = llm.generate(PROMPTS, params)
     ids = [llm.tokenizer.encode(p) for p in PROMPTS]
@@ -252,17 +252,17 @@ def colocated(default_model_dir):
 @pytest.mark.parametrize("chunk, decodes, granularity", [
     (8, 1, "request"), (37, 2, "chunk"), (512, 2, "request")])
 def test_disaggregated_greedy_outputs_equal_the_colocated_engine(
-        default_model_dir, colocated, chunk, decodes, granularity):
+        tiny_model_dir, colocated, chunk, decodes, granularity):
     from fluidserve.disagg.cluster import Cluster
     from fluidserve.disagg.transfer import LocalKVMover
     from fluidserve.engine.messages import AddRequest
     from fluidserve.model.runner import ModelExecutor
 
     ids, want = colocated
-    eng = EngineConfig.create(model=str(default_model_dir), disaggregate=True, block_size=8,
+    eng = EngineConfig.create(model=str(tiny_model_dir), disaggregate=True, block_size=8,
                               num_decode_instances=decodes, prefill_chunk_size=chunk,
                               kv_transfer_granularity=granularity)
-    cluster = Cluster(eng, lambda clock: ModelExecutor(default_model_dir, block_size=8,
+    cluster = Cluster(eng, lambda clock: ModelExecutor(tiny_model_dir, block_size=8,
                                                        num_blocks=64),
                       kv_bytes_per_token=1024, bandwidth_gbps=10.0, mover=LocalKVMover())
     arrivals = [(0.001 * i, AddRequest(str(i), p, SamplingParams(

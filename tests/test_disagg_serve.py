@@ -28,7 +28,7 @@ MAX_TOKENS = [12, 20, 8, 24, 16, 10]
 
 
 @pytest.fixture(scope="module")
-def deployments(default_model_dir, tmp_path_factory):
+def deployments(tiny_model_dir, tmp_path_factory):
     """1 prefill + 2 decode instances over gloo (chunks of 16), the same with instance flips,
     and 1 + 1 over shared memory (chunks of 64) writing a request log."""
     log = tmp_path_factory.mktemp("log") / "requests.jsonl"
@@ -42,18 +42,18 @@ def deployments(default_model_dir, tmp_path_factory):
         "shm": dict(engine_kw=BASE | dict(disaggregate=True, kv_transport="shm",
                                           prefill_chunk_size=64), request_log=str(log)),
     }
-    servers = start_servers(default_model_dir, specs)
+    servers = start_servers(tiny_model_dir, specs)
     yield servers
     stop_servers(servers)
 
 
 @pytest.fixture(scope="module")
-def reference(default_model_dir) -> list[str]:
+def reference(tiny_model_dir) -> list[str]:
     """The colocated engine's greedy outputs."""
     from fluidserve.engine.llm import LLM
     from fluidserve.sampling_params import SamplingParams
 
-    llm = LLM(config=EngineConfig.create(model=str(default_model_dir), token_budget=64, **BASE))
+    llm = LLM(config=EngineConfig.create(model=str(tiny_model_dir), token_budget=64, **BASE))
     return [llm.generate([p], SamplingParams(max_tokens=n, ignore_eos=True,
                                              temperature=0.0))[0].text
             for p, n in zip(PROMPTS, MAX_TOKENS, strict=True)]
@@ -225,11 +225,11 @@ FLIP_TOKENS = [4 + 3 * i for i in range(16)]
 
 
 @pytest.fixture(scope="module")
-def flip_reference(default_model_dir) -> list[str]:
+def flip_reference(tiny_model_dir) -> list[str]:
     from fluidserve.engine.llm import LLM
     from fluidserve.sampling_params import SamplingParams
 
-    llm = LLM(config=EngineConfig.create(model=str(default_model_dir), token_budget=64, **BASE))
+    llm = LLM(config=EngineConfig.create(model=str(tiny_model_dir), token_budget=64, **BASE))
     return [o.text for o in llm.generate(
         FLIP_PROMPTS, [SamplingParams(max_tokens=n, ignore_eos=True, temperature=0.0)
                        for n in FLIP_TOKENS])]

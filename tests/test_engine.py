@@ -28,8 +28,8 @@ def greedy(i: int) -> SamplingParams:
 
 
 @pytest.fixture(scope="module")
-def reference(default_model_dir):
-    llm = LLM(model=str(default_model_dir), scheduler="sarathi", token_budget=4096)
+def reference(tiny_model_dir):
+    llm = LLM(model=str(tiny_model_dir), scheduler="sarathi", token_budget=4096)
     outs = llm.generate(PROMPTS, [greedy(i) for i in range(len(PROMPTS))])
     return [o.token_ids for o in outs]
 
@@ -37,39 +37,39 @@ def reference(default_model_dir):
 @pytest.mark.parametrize("scheduler", SCHEDULERS)
 @pytest.mark.parametrize("budget", [8, 37, 512])
 def test_greedy_outputs_identical_across_schedulers_and_budgets(
-    default_model_dir, reference, scheduler, budget
+    tiny_model_dir, reference, scheduler, budget
 ):
-    llm = LLM(model=str(default_model_dir), scheduler=scheduler, token_budget=budget, block_size=8)
+    llm = LLM(model=str(tiny_model_dir), scheduler=scheduler, token_budget=budget, block_size=8)
     outs = llm.generate(PROMPTS, [greedy(i) for i in range(len(PROMPTS))])
     assert [o.token_ids for o in outs] == reference
     assert llm.engine.block_manager.num_free_blocks == llm.engine.block_manager.num_blocks
 
 
-def test_greedy_independent_of_batch_mix(default_model_dir, reference):
-    llm = LLM(model=str(default_model_dir), token_budget=16)
+def test_greedy_independent_of_batch_mix(tiny_model_dir, reference):
+    llm = LLM(model=str(tiny_model_dir), token_budget=16)
     alone = [llm.generate(p, greedy(i))[0].token_ids for i, p in enumerate(PROMPTS)]
     assert alone == reference
 
 
-def test_preemption_under_tiny_kv_cache_loses_nothing(default_model_dir, reference):
+def test_preemption_under_tiny_kv_cache_loses_nothing(tiny_model_dir, reference):
     # 14 blocks of 8 tokens: far less than the 5 requests need together.
-    llm = LLM(model=str(default_model_dir), token_budget=32, block_size=8, num_kv_blocks=14)
+    llm = LLM(model=str(tiny_model_dir), token_budget=32, block_size=8, num_kv_blocks=14)
     outs = llm.generate(PROMPTS, [greedy(i) for i in range(len(PROMPTS))])
     assert llm.engine.scheduler.num_preemptions > 0
     assert [o.token_ids for o in outs] == reference
     assert all(o.finish_reason == "length" for o in outs)
 
 
-def test_seeded_sampling_is_reproducible_and_schedule_independent(default_model_dir):
+def test_seeded_sampling_is_reproducible_and_schedule_independent(tiny_model_dir):
     params = [
         SamplingParams(
             max_tokens=15, temperature=0.9, top_p=0.9, top_k=50, seed=100 + i, ignore_eos=True
         )
         for i in range(len(PROMPTS))
     ]
-    a = LLM(model=str(default_model_dir), scheduler="sarathi", token_budget=8)
+    a = LLM(model=str(tiny_model_dir), scheduler="sarathi", token_budget=8)
     b = LLM(
-        model=str(default_model_dir),
+        model=str(tiny_model_dir),
         scheduler="vllm",
         token_budget=512,
         num_kv_blocks=20,
@@ -84,16 +84,16 @@ def test_seeded_sampling_is_reproducible_and_schedule_independent(default_model_
     assert other != out_a[0]
 
 
-def test_top_k_one_is_greedy(default_model_dir, reference):
-    llm = LLM(model=str(default_model_dir))
+def test_top_k_one_is_greedy(tiny_model_dir, reference):
+    llm = LLM(model=str(tiny_model_dir))
     out = llm.generate(
         PROMPTS[0], SamplingParams(max_tokens=12, temperature=1.5, top_k=1, ignore_eos=True)
     )
     assert out[0].token_ids == reference[0]
 
 
-def test_stop_strings_and_stop_tokens(default_model_dir, reference):
-    llm = LLM(model=str(default_model_dir))
+def test_stop_strings_and_stop_tokens(tiny_model_dir, reference):
+    llm = LLM(model=str(tiny_model_dir))
     full = llm.generate(PROMPTS[1], greedy(1))[0]
     # Stop on a string that appears in the greedy text: output ends right before it.
     word = full.text.strip().split()[1] if len(full.text.split()) > 1 else full.text[2:5]
@@ -110,8 +110,8 @@ def test_stop_strings_and_stop_tokens(default_model_dir, reference):
     assert by_id.token_ids == reference[1][: reference[1].index(tok) + 1]
 
 
-def test_model_eos_ends_a_request_unless_ignored(default_model_dir, reference):
-    llm = LLM(model=str(default_model_dir))
+def test_model_eos_ends_a_request_unless_ignored(tiny_model_dir, reference):
+    llm = LLM(model=str(tiny_model_dir))
     eos = llm.tokenizer.eos_token_id
     llm.engine.core.force_eos_at = frozenset({3, 6})  # the model "says" EOS twice
     base = dict(max_tokens=10, temperature=0.0)
@@ -129,16 +129,16 @@ def test_model_eos_ends_a_request_unless_ignored(default_model_dir, reference):
     assert llm.engine.block_manager.num_free_blocks == llm.engine.block_manager.num_blocks
 
 
-def test_prompt_too_long_is_rejected(default_model_dir):
-    llm = LLM(model=str(default_model_dir), max_model_len=64)
+def test_prompt_too_long_is_rejected(tiny_model_dir):
+    llm = LLM(model=str(tiny_model_dir), max_model_len=64)
     with pytest.raises(ValueError, match="context window"):
         llm.generate("word " * 80, SamplingParams(max_tokens=4))
     with pytest.raises(ValueError, match="token ids"):
         llm.generate([[1, 2, 10**9]], SamplingParams(max_tokens=4))
 
 
-def test_telemetry_records_tokens_and_iterations(default_model_dir, tmp_path):
-    llm = LLM(model=str(default_model_dir), token_budget=16)
+def test_telemetry_records_tokens_and_iterations(tiny_model_dir, tmp_path):
+    llm = LLM(model=str(tiny_model_dir), token_budget=16)
     outs = llm.generate(PROMPTS[:3], [greedy(i) for i in range(3)])
     tel = llm.engine.telemetry
     assert len(tel.tokens) == sum(len(o.token_ids) for o in outs)
@@ -158,8 +158,8 @@ def test_telemetry_records_tokens_and_iterations(default_model_dir, tmp_path):
     assert kinds == {"iteration", "token", "request"}
 
 
-def test_executor_failure_fails_the_batch_and_engine_keeps_serving(default_model_dir):
-    llm = LLM(model=str(default_model_dir))
+def test_executor_failure_fails_the_batch_and_engine_keeps_serving(tiny_model_dir):
+    llm = LLM(model=str(tiny_model_dir))
     real = llm.engine.executor.execute
     llm.engine.executor.execute = lambda plan: (_ for _ in ()).throw(RuntimeError("boom"))
     bad = llm.generate("Hello", SamplingParams(max_tokens=3))[0]

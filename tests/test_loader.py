@@ -34,9 +34,9 @@ def test_embedded_model_is_deterministic(tmp_path, monkeypatch):
 
 
 @pytest.fixture
-def model_copy(tmp_path, default_model_dir):
+def model_copy(tmp_path, tiny_model_dir):
     d = tmp_path / "m"
-    shutil.copytree(default_model_dir, d)
+    shutil.copytree(tiny_model_dir, d)
     return d
 
 

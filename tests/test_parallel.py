@@ -50,8 +50,8 @@ def generate(engine: LLMEngine) -> list[list[int]]:
 
 
 @pytest.fixture(scope="module")
-def reference_outputs(default_model_dir):
-    with LLM(**knobs(default_model_dir)) as llm:
+def reference_outputs(tiny_model_dir):
+    with LLM(**knobs(tiny_model_dir)) as llm:
         return llm.generate(PROMPTS, [greedy(i) for i in range(4)])
 
 
@@ -61,15 +61,15 @@ def reference(reference_outputs):
 
 
 @pytest.mark.parametrize("tp,pp", PARALLEL, ids=lambda v: str(v))
-def test_greedy_outputs_equal_one_process_for_every_scheduler(default_model_dir, reference,
+def test_greedy_outputs_equal_one_process_for_every_scheduler(tiny_model_dir, reference,
                                                                tp, pp):
-    first = LLMEngine(EngineConfig.create(**knobs(default_model_dir, tensor_parallel_size=tp,
+    first = LLMEngine(EngineConfig.create(**knobs(tiny_model_dir, tensor_parallel_size=tp,
                                                   pipeline_parallel_size=pp)))
     assert first.executor.depth == pp
-    tok = Tokenizer(default_model_dir)
+    tok = Tokenizer(tiny_model_dir)
     try:
         for policy in SCHEDULERS:
-            cfg = EngineConfig.create(**knobs(default_model_dir, scheduler=policy,
+            cfg = EngineConfig.create(**knobs(tiny_model_dir, scheduler=policy,
                                               tensor_parallel_size=tp, pipeline_parallel_size=pp))
             engine = LLMEngine(cfg, executor=first.executor, tokenizer=tok)
             assert generate(engine) == reference, policy
@@ -79,8 +79,8 @@ def test_greedy_outputs_equal_one_process_for_every_scheduler(default_model_dir,
         first.shutdown()
 
 
-def test_pipeline_keeps_micro_batches_in_flight(default_model_dir):
-    cfg = EngineConfig.create(**knobs(default_model_dir, pipeline_parallel_size=2,
+def test_pipeline_keeps_micro_batches_in_flight(tiny_model_dir):
+    cfg = EngineConfig.create(**knobs(tiny_model_dir, pipeline_parallel_size=2,
                                       token_budget=8))
     engine = LLMEngine(cfg)
     try:
@@ -96,19 +96,19 @@ def test_pipeline_keeps_micro_batches_in_flight(default_model_dir):
         engine.shutdown()
 
 
-def test_ray_backend_on_a_local_instance(default_model_dir, reference):
+def test_ray_backend_on_a_local_instance(tiny_model_dir, reference):
     pytest.importorskip("ray")
-    with LLM(**knobs(default_model_dir, tensor_parallel_size=2,
+    with LLM(**knobs(tiny_model_dir, tensor_parallel_size=2,
                      distributed_executor_backend="ray")) as llm:
         outs = llm.generate(PROMPTS, [greedy(i) for i in range(4)])
     assert [o.token_ids for o in outs] == reference
 
 
-def test_bad_split_is_a_clear_error(default_model_dir):
+def test_bad_split_is_a_clear_error(tiny_model_dir):
     with pytest.raises(ValueError, match="must divide"):
-        LLM(**knobs(default_model_dir, tensor_parallel_size=3))
+        LLM(**knobs(tiny_model_dir, tensor_parallel_size=3))
     with pytest.raises(ValueError, match="exceeds"):
-        LLM(**knobs(default_model_dir, pipeline_parallel_size=9))
+        LLM(**knobs(tiny_model_dir, pipeline_parallel_size=9))
 
 
 def children(pid: int) -> list[int]:
@@ -119,11 +119,11 @@ def children(pid: int) -> list[int]:
     return kids
 
 
-def test_server_greedy_matches_and_a_dead_rank_fails_requests_visibly(default_model_dir,
+def test_server_greedy_matches_and_a_dead_rank_fails_requests_visibly(tiny_model_dir,
                                                                       reference_outputs):
-    eng = knobs(default_model_dir, tensor_parallel_size=2, pipeline_parallel_size=2)
+    eng = knobs(tiny_model_dir, tensor_parallel_size=2, pipeline_parallel_size=2)
     eng.pop("model")
-    with InProcessServer(default_model_dir, engine_kw=eng) as s:
+    with InProcessServer(tiny_model_dir, engine_kw=eng) as s:
         for i, prompt in enumerate(PROMPTS):
             r = httpx.post(s.url + "/v1/completions", timeout=120, json={
                 "prompt": prompt, "max_tokens": MAX_TOKENS[i], "temperature": 0,

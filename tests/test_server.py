@@ -24,8 +24,8 @@ PROMPT = "The river rose slowly in the spring, and the people of the valley"
 
 
 @pytest.fixture(scope="module")
-def srv(default_model_dir):
-    with InProcessServer(default_model_dir, max_waiting_requests=1000) as s:
+def srv(tiny_model_dir):
+    with InProcessServer(tiny_model_dir, max_waiting_requests=1000) as s:
         yield s
 
 
@@ -124,8 +124,8 @@ def test_logprobs(client):
     assert len(c.choices[0].logprobs.content[0].top_logprobs) == 3
 
 
-def test_greedy_over_http_equals_offline_generate(srv, default_model_dir):
-    llm = LLM(model=str(default_model_dir), max_model_len=512)
+def test_greedy_over_http_equals_offline_generate(srv, tiny_model_dir):
+    llm = LLM(model=str(tiny_model_dir), max_model_len=512)
     prompts = [PROMPT, "Why is the sky blue?", "A"]
     offline = llm.generate(prompts, SamplingParams(max_tokens=12, temperature=0, ignore_eos=True))
     for p, ref in zip(prompts, offline, strict=True):
@@ -296,8 +296,8 @@ def test_metrics_fault_is_counted_and_fails_nobody(srv):
     assert httpx.get(srv.url + "/health").status_code == 200
 
 
-def test_gate_checks_the_key_first_then_the_body_size(default_model_dir):
-    with InProcessServer(default_model_dir, api_key="sekret", protect_metrics=True,
+def test_gate_checks_the_key_first_then_the_body_size(tiny_model_dir):
+    with InProcessServer(tiny_model_dir, api_key="sekret", protect_metrics=True,
                          max_request_bytes=64 * 1024) as s:
         body = {"prompt": "x", "max_tokens": 1}
         key = {"Authorization": "Bearer sekret"}
@@ -344,8 +344,8 @@ def test_metrics_stay_open_without_protect_metrics(srv):
     assert httpx.get(srv.url + "/metrics").status_code == 200
 
 
-def test_overload_gets_503_and_nothing_is_lost(default_model_dir):
-    with InProcessServer(default_model_dir, engine_kw={"max_num_seqs": 2},
+def test_overload_gets_503_and_nothing_is_lost(tiny_model_dir):
+    with InProcessServer(tiny_model_dir, engine_kw={"max_num_seqs": 2},
                          max_waiting_requests=3) as s:
 
         async def one(c: httpx.AsyncClient, i: int):
@@ -375,7 +375,7 @@ def test_overload_gets_503_and_nothing_is_lost(default_model_dir):
     # Ctrl-C, `timeout` and `kill -- -PGID` signal every process of the group: the engine's
     # processes must leave the shutdown to the front end, or the drain has nothing to drain.
     (["--disaggregate"], True)])
-def test_cli_serve_drains_on_sigterm(default_model_dir, tmp_path, extra, group):
+def test_cli_serve_drains_on_sigterm(tiny_model_dir, tmp_path, extra, group):
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     log = open(tmp_path / "server.log", "w")
@@ -388,7 +388,7 @@ def test_cli_serve_drains_on_sigterm(default_model_dir, tmp_path, extra, group):
             "--port",
             str(port),
             "--model",
-            str(default_model_dir),
+            str(tiny_model_dir),
             "--served-model-name",
             "m",
             "--scheduler",
@@ -464,11 +464,11 @@ def sse_events(response) -> list[dict | str]:
             for line in response.iter_lines() if line.startswith("data: ")]
 
 
-def test_stop_strings_in_streams(srv, default_model_dir):
+def test_stop_strings_in_streams(srv, tiny_model_dir):
     """A stop string that spans two tokens: the stream never shows any of it, one chunk
     arrives per token (text held back while it could still be a stop string), and the
     stream and the full response agree."""
-    llm = LLM(model=str(default_model_dir), max_model_len=512)
+    llm = LLM(model=str(tiny_model_dir), max_model_len=512)
     sampling = {"max_tokens": 40, "temperature": 1.0, "seed": 1, "ignore_eos": True}
     ids = llm.generate(PROMPT, SamplingParams(**sampling))[0].token_ids
     decode = llm.tokenizer.decode
@@ -525,10 +525,10 @@ def metric(values: dict, name: str, **labels) -> float:
     return values.get((name, tuple(sorted(labels.items()))), 0.0)
 
 
-def test_metrics_values_after_known_traffic(default_model_dir):
+def test_metrics_values_after_known_traffic(tiny_model_dir):
     # 12 blocks of 8 tokens: four 40-token prompts generating 20 tokens each must preempt.
     kw = {"num_kv_blocks": 12, "token_budget": 16, "max_num_seqs": 4}
-    with InProcessServer(default_model_dir, engine_kw=kw) as s:
+    with InProcessServer(tiny_model_dir, engine_kw=kw) as s:
         def complete(n_prompt: int, n_out: int) -> httpx.Response:
             body = {"prompt": list(range(5, 5 + n_prompt)), "max_tokens": n_out,
                     "ignore_eos": True, "temperature": 0}
@@ -588,13 +588,13 @@ def test_metrics_values_after_known_traffic(default_model_dir):
         assert metric(m, "fluidserve_kv_cache_usage") == 0
 
 
-def test_drain_timeout_fails_what_is_still_running(default_model_dir, tmp_path):
+def test_drain_timeout_fails_what_is_still_running(tiny_model_dir, tmp_path):
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     log = open(tmp_path / "server.log", "w")
     proc = subprocess.Popen(
         [sys.executable, "-m", "fluidserve.cli", "serve", "--port", str(port), "--model",
-         str(default_model_dir), "--drain-timeout", "1"],
+         str(tiny_model_dir), "--drain-timeout", "1"],
         stdout=log, stderr=subprocess.STDOUT, env=os.environ | {"PYTHONUNBUFFERED": "1"},
     )
     try:

@@ -40,21 +40,21 @@ SMALL = {"num_kv_blocks": 1024}
 
 
 @pytest.fixture(scope="module")
-def fleet(default_model_dir, tmp_path_factory):
+def fleet(tiny_model_dir, tmp_path_factory):
     """Every server this module needs, started at once (each test ends its own): one per
     fault, two for shutdown, and a `fluidserve serve` process."""
     port = free_port()
     log = open(tmp_path_factory.mktemp("cli") / "server.log", "w")
     cli = subprocess.Popen(
         [sys.executable, "-m", "fluidserve.cli", "serve", "--port", str(port), "--model",
-         str(default_model_dir), "--num-threads", "1", "--watchdog-timeout", "2",
+         str(tiny_model_dir), "--num-threads", "1", "--watchdog-timeout", "2",
          "--num-kv-blocks", "1024"],
         stdout=log, stderr=subprocess.STDOUT, env=os.environ | {"PYTHONUNBUFFERED": "1"})
     specs = {point: dict(engine_kw=SMALL, watchdog_timeout=1.0) for point in DEATHS}
     specs["drain"] = dict(engine_kw=SMALL | {"max_num_seqs": 1}, drain_timeout=60)
     specs["stop"] = dict(engine_kw=SMALL | {"max_model_len": 2048}, drain_timeout=60)
     try:
-        servers = start_servers(default_model_dir, specs)
+        servers = start_servers(tiny_model_dir, specs)
     except BaseException:
         cli.kill()
         raise

@@ -48,8 +48,8 @@ def generated(output: str) -> int:
 
 
 @pytest.fixture(scope="module")
-def model_dir(default_model_dir):
-    return default_model_dir
+def model_dir(tiny_model_dir):
+    return tiny_model_dir
 
 
 def test_generation_routes_conform_to_their_schema(model_dir, tmp_path):

@@ -18,8 +18,8 @@ LIMIT = 256 * 1024
 
 
 @pytest.fixture(scope="module")
-def srv(default_model_dir):
-    with InProcessServer(default_model_dir, max_request_bytes=LIMIT) as s:
+def srv(tiny_model_dir):
+    with InProcessServer(tiny_model_dir, max_request_bytes=LIMIT) as s:
         yield s
 
 

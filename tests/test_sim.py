@@ -97,13 +97,13 @@ def engine_under_load(model_dir, scheduler, cost, wrapper, rate, seed):
 
 @pytest.mark.parametrize("arrivals", ["poisson", "at_once"])
 @pytest.mark.parametrize("scheduler", ["sarathi", "vllm"])
-def test_simulated_batches_equal_real_engine_batches(default_model_dir, scheduler, arrivals):
+def test_simulated_batches_equal_real_engine_batches(tiny_model_dir, scheduler, arrivals):
     """The real model under a tight KV cache (preemption), with requests ended by the
     model's EOS at varied lengths, against the simulator given those lengths and the same
     iteration times: the same batches, the same token times."""
     cost = CPUCostModel(load_cpu_profile(None))
     rate = 40.0 if arrivals == "poisson" else math.inf
-    work, cfg, model, real, eng, reqs = engine_under_load(default_model_dir, scheduler, cost,
+    work, cfg, model, real, eng, reqs = engine_under_load(tiny_model_dir, scheduler, cost,
                                                           Recording, rate, seed=1)
     lengths = [len(reqs[w.index].output_token_ids) for w in work]
     reasons = {reqs[w.index].finish_reason for w in work}
@@ -154,11 +154,11 @@ class PipelinedRecording(Recording):
 
 
 @pytest.mark.parametrize("scheduler", ["sarathi", "vllm"])
-def test_simulated_pipeline_batches_equal_real_engine_batches(default_model_dir, scheduler):
+def test_simulated_pipeline_batches_equal_real_engine_batches(tiny_model_dir, scheduler):
     """Two micro-batches in flight (pp = 2 timing), Poisson arrivals, preemption and EOS: the
     engine's loop and the simulator's schedule the same micro-batches at the same times."""
     cost = CPUCostModel(load_cpu_profile(None), pp=2)
-    work, cfg, model, real, eng, reqs = engine_under_load(default_model_dir, scheduler, cost,
+    work, cfg, model, real, eng, reqs = engine_under_load(tiny_model_dir, scheduler, cost,
                                                           PipelinedRecording, 40.0, seed=2)
     lengths = [len(reqs[w.index].output_token_ids) for w in work]
     assert eng.scheduler.num_preemptions > 0

@@ -44,10 +44,10 @@ def workload_spec(cfg: BenchConfig, **override) -> WorkloadSpec:
 
 
 def load_tokenizer(cfg: BenchConfig):
-    from fluidserve.model.builder import cached_model_dir
+    from fluidserve.model.builder import default_model_dir
     from fluidserve.model.tokenizer import Tokenizer
 
-    return Tokenizer(cfg.tokenizer or cached_model_dir())
+    return Tokenizer(cfg.tokenizer or default_model_dir())
 
 
 def server_model(cfg: BenchConfig) -> str:

@@ -137,11 +137,11 @@ def build_model_executor(config: EngineConfig):
     model in this process, or tp x pp worker processes (local, or Ray actors)."""
     import torch
 
-    from fluidserve.model.builder import cached_model_dir
+    from fluidserve.model.builder import default_model_dir
     from fluidserve.model.runner import ModelExecutor
 
     m, c, par = config.model, config.cache, config.parallel
-    model_dir = str(m.model or cached_model_dir())
+    model_dir = str(m.model or default_model_dir())
     if par.world_size > 1:
         from fluidserve.model.worker import plan_workers
 

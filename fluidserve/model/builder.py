@@ -1,8 +1,10 @@
-"""Build Llama-architecture model directories locally: the embedded default and benchmark shapes.
+"""Model directories that need no download: the embedded default, and benchmark shapes.
 
-Nothing is downloaded. The tokenizer is a byte-level BPE trained (``tokenizers``) on a small
-text corpus shipped with the package; weights are seeded random normals. The result is an
-ordinary Hugging Face directory, loaded by the same code as any other model.
+The default model (``default_model_dir``) is a small Llama trained on Shakespeare's plays by
+``scripts/train_default_model.py`` and shipped with the package (``model/assets/default``).
+Benchmark shapes (``cached_model_dir``) are built locally: a byte-level BPE trained
+(``tokenizers``) on a small text corpus shipped with the package, and seeded random weights.
+Either is an ordinary Hugging Face directory, loaded by the same code as any other model.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ import json
 import os
 import shutil
 import tempfile
+from collections.abc import Iterable
 from dataclasses import asdict, dataclass
 from importlib import resources
 from pathlib import Path
@@ -57,8 +60,10 @@ def corpus_text() -> str:
     return resources.files("fluidserve.model").joinpath("assets/corpus.txt").read_text()
 
 
-def build_tokenizer(out_dir: Path, vocab_size: int = 2048) -> int:
-    """Train a byte-level BPE on the shipped corpus; write HF tokenizer files. Returns its size."""
+def build_tokenizer(out_dir: Path, vocab_size: int = 2048, corpus: Iterable[str] | None = None
+                    ) -> int:
+    """Train a byte-level BPE on ``corpus`` (default: the lines of the shipped corpus); write
+    HF tokenizer files (BOS added, the chat template). Returns its size."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
     tok = Tokenizer(models.BPE(unk_token=None))
@@ -70,7 +75,8 @@ def build_tokenizer(out_dir: Path, vocab_size: int = 2048) -> int:
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
-    tok.train_from_iterator(corpus_text().splitlines(), trainer=trainer)
+    tok.train_from_iterator(corpus_text().splitlines() if corpus is None else corpus,
+                            trainer=trainer)
     bos = tok.token_to_id("<s>")
     tok.post_processor = processors.TemplateProcessing(
         single="<s> $A", pair="<s> $A <s> $B", special_tokens=[("<s>", bos)]
@@ -196,6 +202,16 @@ def build_model_dir(
     (out_dir / "config.json").write_text(json.dumps(cfg, indent=2))
     save_sharded(random_weights(cfg, seed, torch_dtype), out_dir, max_shard_bytes)
     return out_dir
+
+
+def default_model_dir() -> Path:
+    """The embedded default model: what serve / generate / ``LLM()`` load without --model."""
+    path = Path(str(resources.files("fluidserve.model").joinpath("assets/default")))
+    if not (path / "config.json").is_file() or not (path / "model.safetensors").is_file():
+        raise FileNotFoundError(
+            f"the embedded default model is missing from {path} (a broken install?);"
+            " reinstall fluidserve, or pass --model")
+    return path
 
 
 def cached_model_dir(shape: str = DEFAULT_SHAPE, dtype: str = "float32", seed: int = 0) -> Path:

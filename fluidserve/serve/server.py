@@ -21,7 +21,7 @@ from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from fluidserve.config import EngineConfig, ServerConfig
-from fluidserve.model.builder import DEFAULT_SHAPE, cached_model_dir
+from fluidserve.model.builder import default_model_dir
 from fluidserve.model.tokenizer import Tokenizer
 from fluidserve.serve import openapi as api
 from fluidserve.serve import responses as R
@@ -167,9 +167,9 @@ def start_engine(engine_config: EngineConfig, config: ServerConfig,
                  on_dead=None) -> tuple[AsyncEngine, str]:
     """Resolve the model, load its tokenizer here and start the engine-core process."""
     given = engine_config.model.model
-    default_name = Path(given).name if given else f"fluidserve-{DEFAULT_SHAPE}"
+    default_name = Path(given).name if given else "fluidserve-shakespeare"
     name = config.served_model_name or default_name
-    model_dir = given or str(cached_model_dir())
+    model_dir = given or str(default_model_dir())
     engine_config = engine_config.replace(model=model_dir)
     tokenizer = Tokenizer(engine_config.model.tokenizer or model_dir)
     engine = AsyncEngine(engine_config, tokenizer, ServerMetrics(), config.telemetry_file,

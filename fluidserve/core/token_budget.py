@@ -74,7 +74,7 @@ def largest_chunk(predict: Predictor, decode_ctxs: list[int], prefix: int, targe
     return max(lo * tile, min(min_chunk, max_chunk)), True
 
 
-def saturation_chunk(predict: Predictor, max_chunk: int, tile: int = 1, fraction: float = 0.95,
+def saturation_chunk(predict: Predictor, max_chunk: int, tile: int = 1, fraction: float = 0.9,
                      smallest: int = 64) -> int:
     """The smallest prefill chunk (on a grid ~19% apart) that runs at ``fraction`` of the best
     prefill rate (tokens per second) of any chunk up to ``max_chunk``: where the device

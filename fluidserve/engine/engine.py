@@ -133,7 +133,7 @@ class LLMEngine:
 
 
 def build_model_executor(config: EngineConfig):
-    """The real-model executor for ``config`` (building the embedded model if needed): the
+    """The real-model executor for ``config`` (the embedded default model if none is given): the
     model in this process, or tp x pp worker processes (local, or Ray actors)."""
     import torch
 

@@ -127,7 +127,8 @@ def test_saturation_chunk_stops_where_the_prefill_rate_stops_growing():
     n = saturation_chunk(lin, 8192, fraction=0.9)
     rate = n / lin([], n, 0)
     assert rate >= 0.9 * 8192 / lin([], 8192, 0) and n < 8192
-    assert saturation_chunk(lin, 8192, fraction=0.5) < n < saturation_chunk(lin, 8192, 0.99)
+    assert (saturation_chunk(lin, 8192, fraction=0.5) < n
+            < saturation_chunk(lin, 8192, fraction=0.99))
     # A step (wave quantization): batches past 800 tokens run 25% slower per token.
     step = lambda ctxs, chunk, prefix: 1e-4 * chunk * (1.25 if chunk > 800 else 1.0)  # noqa
     assert saturation_chunk(step, 4096, tile=16, fraction=0.9) <= 800

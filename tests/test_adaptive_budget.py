@@ -200,3 +200,35 @@ def test_simulated_pipelined_auto_meets_the_slo_in_micro_batches_no_larger_than_
     # The chunk stops at saturation (plus the decodes riding along); some reach it.
     assert saturation < max(sizes) <= saturation + 128
     assert all(r.num_output_tokens == w.output_len for r, w in zip(res.records, work, strict=True))
+
+
+def test_learned_budget_plans_for_the_scatter_of_measured_iteration_times():
+    import random
+
+    from fluidserve.engine.budget import OnlineIterationModel
+
+    def fed(noise: float) -> OnlineIterationModel:
+        rng = random.Random(1)
+        ex = FakeExecutor(per_token=1e-4)
+        core = auto_core(ex, 0.05)
+        model = core._budget_model
+        orig = ex.submit
+
+        def noisy(plan):  # every 10th iteration runs `noise` times slower
+            fut = orig(plan)
+            res = fut.result()
+            if rng.random() < 0.1:
+                res.execution_time *= noise
+            return fut
+
+        ex.submit = noisy
+        run(core, ex, n=40, out=60)
+        assert isinstance(model, OnlineIterationModel)
+        return core
+
+    quiet, noisy = fed(1.0), fed(1.3)
+    assert quiet._budget_model.scatter == pytest.approx(1.0, abs=0.02)
+    assert noisy._budget_model.scatter == pytest.approx(1.3, rel=0.05)
+    # The noisy engine plans its iterations shorter by that factor.
+    assert noisy.budget.target == pytest.approx(quiet.budget.target / noisy._budget_model.scatter,
+                                                rel=0.01)

@@ -83,6 +83,7 @@ class OnlineIterationModel:
         self.refit_every, self.min_fit, self.ema = refit_every, min_fit, ema
         self.recent = recent  # iterations that set the correction after a refit
         self.correction = 1.0  # measured / predicted, exponentially averaged
+        self.scatter, self.scatter_window = 1.0, 256  # see _scatter
         self.max_tokens_seen = 0
         self._since_fit = 0
 
@@ -123,7 +124,19 @@ class OnlineIterationModel:
         # The window mixes old and new speeds; the latest iterations say which holds now.
         recent = slice(-min(len(y), self.recent), None)
         self.correction = float(np.median(y[recent] / (x[recent] @ self.coef)))
+        self.scatter = self._scatter(y, x @ self.coef)
         self._since_fit = 0
+
+    def _scatter(self, y: np.ndarray, pred: np.ndarray) -> float:
+        """The 99th percentile, over the last ``scatter_window`` iterations, of measured time
+        over the prediction as the correction would have had it (the median ratio of the
+        ``recent`` iterations before): how far one iteration strays from a prediction that
+        follows the machine's speed. At least 1, at most 2."""
+        r = (y / pred)[-self.scatter_window:]
+        if len(r) <= self.recent:
+            return self.scatter
+        ahead = [r[i] / np.median(r[i - self.recent:i]) for i in range(self.recent, len(r))]
+        return float(np.clip(np.quantile(ahead, 0.99), 1.0, 2.0))
 
 
 class GapExcess:
@@ -159,15 +172,19 @@ class GapExcess:
 class AdaptiveBudget:
     """The scheduler's ``budget_policy`` for ``--token-budget auto``.
 
-    An iteration is planned to take at most ``target`` = (1 - margin) x SLO - gap excess,
-    the excess learned from the token gaps the engine core reports (``observe_gaps``)."""
+    An iteration is planned to take at most ``target`` = (1 - margin) x SLO / scatter - gap
+    excess: the scatter of measured iteration times around the online model's predictions
+    (``OnlineIterationModel._scatter``, the real engine only), the excess learned from the
+    token gaps the engine core reports (``observe_gaps``, with pipeline stages)."""
 
     def __init__(self, predict: Predictor, tbt_slo: float, margin: float, tile: int = 1,
                  max_budget: int = AUTO_MAX_BUDGET, min_chunk: int | None = None,
                  trust: Callable[[], int] | None = None, pp: int = 1,
                  predict_plan: Callable[[SchedulerOutput], float] | None = None,
-                 gap_quantile: float = 0.99) -> None:
+                 gap_quantile: float = 0.99, scatter: Callable[[], float] | None = None
+                 ) -> None:
         self.predict, self.predict_plan = predict, predict_plan
+        self.scatter = scatter  # measured / predicted time of a bad iteration (>= 1), if known
         self.pp = pp
         self._saturation, self._saturation_age = 0, 0
         self.tbt_slo, self.margin, self.tile, self.max_budget = tbt_slo, margin, tile, max_budget
@@ -189,7 +206,8 @@ class AdaptiveBudget:
 
     @property
     def target(self) -> float:
-        return self.tbt_slo * (1 - self.margin) - self.gap_excess.value
+        slo = self.tbt_slo / (self.scatter() if self.scatter is not None else 1.0)
+        return slo * (1 - self.margin) - self.gap_excess.value
 
     def submitted(self, plan: SchedulerOutput) -> None:
         """A batch was submitted: remember its predicted pass for ``observe_gaps``."""
@@ -248,7 +266,7 @@ def learned_budget(tbt_slo: float, margin: float, tile: int, pp: int = 1
     model = OnlineIterationModel()
     return AdaptiveBudget(model.predict, tbt_slo, margin, tile,
                           trust=lambda: max(64, model.max_tokens_seen * 3 // 2), pp=pp,
-                          predict_plan=model.predict_plan), model
+                          predict_plan=model.predict_plan, scatter=lambda: model.scatter), model
 
 
 def cost_model_budget(cost, tbt_slo: float, margin: float, tile: int) -> AdaptiveBudget:

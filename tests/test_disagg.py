@@ -47,12 +47,18 @@ def test_sorting_window_bounds_how_long_a_long_prompt_waits():
 
 
 # ---------------------------------------------------------------- prefill instance
-def test_prefill_instance_runs_fixed_chunks_then_holds_kv_until_released():
+def prefill_instance(*prompt_lens: int):
+    """A prefill-only scheduler (chunks of 16, 64 blocks of 4) with requests a, b, ... queued."""
     bm = BlockManager(64, 4)
     s = PrefillOnlyScheduler(SchedulerLimits(16, 8, 1024), bm)
-    a, b = req("a", 10), req("b", 20)
-    s.add_request(a)
-    s.add_request(b)
+    reqs = [req(chr(ord("a") + i), n) for i, n in enumerate(prompt_lens)]
+    for r in reqs:
+        s.add_request(r)
+    return s, bm, reqs
+
+
+def test_prefill_instance_runs_fixed_chunks_then_holds_kv_until_released():
+    s, bm, (a, b) = prefill_instance(10, 20)
     sizes = []
     while s.has_work():
         plan = s.schedule(0.0)
@@ -654,11 +660,7 @@ def test_a_decode_instance_recomputes_a_preempted_request_in_chunks():
 
 
 def test_prefill_instance_release_and_finish_forget_the_request():
-    bm = BlockManager(64, 4)
-    s = PrefillOnlyScheduler(SchedulerLimits(16, 8, 1024), bm)
-    a, b = req("a", 10), req("b", 10)
-    s.add_request(a)
-    s.add_request(b)
+    s, bm, (a, b) = prefill_instance(10, 10)
     plan = s.schedule(2.5)
     assert a.first_scheduled_time == 2.5
     s.update(plan, RunnerOutput({c.request_id: 9 for c in plan.chunks if c.samples}, 0.1), 3.0)

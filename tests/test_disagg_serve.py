@@ -29,8 +29,9 @@ MAX_TOKENS = [12, 20, 8, 24, 16, 10]
 
 @pytest.fixture(scope="module")
 def deployments(tiny_model_dir, tmp_path_factory):
-    """1 prefill + 2 decode instances over gloo (chunks of 16), the same with instance flips,
-    and 1 + 1 over shared memory (chunks of 64) writing a request log."""
+    """1 prefill + 2 decode instances over gloo (chunks of 16, KV sent chunk by chunk), the
+    same with instance flips (KV sent per request), and 1 + 1 over shared memory (chunks of
+    64, KV sent chunk by chunk) writing a request log."""
     log = tmp_path_factory.mktemp("log") / "requests.jsonl"
     specs = {
         "flip": dict(engine_kw=BASE | dict(
@@ -38,9 +39,12 @@ def deployments(tiny_model_dir, tmp_path_factory):
             instance_flip=True, flip_window=0.3, flip_prefill_backlog=2.0,
             monitor_interval=0.05)),
         "gloo": dict(engine_kw=BASE | dict(disaggregate=True, num_decode_instances=2,
-                                           prefill_chunk_size=16, kv_transfer_timeout=20)),
+                                           prefill_chunk_size=16, kv_transfer_timeout=20,
+                                           kv_transfer_granularity="chunk")),
         "shm": dict(engine_kw=BASE | dict(disaggregate=True, kv_transport="shm",
-                                          prefill_chunk_size=64), request_log=str(log)),
+                                          prefill_chunk_size=64,
+                                          kv_transfer_granularity="chunk"),
+                    request_log=str(log)),
     }
     servers = start_servers(tiny_model_dir, specs)
     yield servers
@@ -88,7 +92,9 @@ def test_served_disaggregation_equals_the_colocated_engine(deployments, referenc
     assert asyncio.run(complete_all(s.url)) == reference
     assert s.kv_idle(), "KV blocks or requests left on an instance"
     client = s.engine.client
-    assert not client._where and not any(client._outstanding)
+    assert not client._where and not client._decoder and not any(client._outstanding)
+    # Prompts longer than a chunk went to their decode instance while still prefilling.
+    assert client.early_handoffs >= 1
     if s.engine.request_log is not None:  # what `fluidserve train-predictor` learns from
         lines = [json.loads(x) for x in open(s.engine.request_log._file.name)]
         assert sorted(x["generated"] for x in lines) == sorted(MAX_TOKENS)
@@ -170,7 +176,6 @@ def gone(pid: int, timeout: float = 10.0) -> bool:
 
 def test_what_a_served_deployment_does_not_support_is_a_clear_error():
     for knobs, words in ((dict(tensor_parallel_size=2), "one process"),
-                         (dict(kv_transfer_granularity="chunk"), "simulated only"),
                          (dict(distributed_executor_backend="ray"), "not built")):
         with pytest.raises(ConfigError, match=words):
             check_served(EngineConfig.create(disaggregate=True, **knobs))

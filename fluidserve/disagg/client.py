@@ -8,7 +8,8 @@ difference:
 - a new request goes to the prefill instance with the fewest prompt tokens outstanding;
 - each instance's outputs reach the front end as they come (the first token from the
   prefill instance, the rest from the decode instance); the control-plane events among them
-  are relayed (``fluidserve.disagg.messages``: hand-off, ready to receive, received);
+  are relayed (``fluidserve.disagg.messages``: hand-off, prefill done, ready to receive,
+  received);
 - the cluster monitor thread broadcasts the decode instances' loads to the prefill
   instances every ``monitor_interval`` (when they changed);
 - an abort reaches every instance that may hold the request; a request that ends with an
@@ -44,6 +45,8 @@ from fluidserve.disagg.messages import (
     Handoff,
     KVReceived,
     Migrate,
+    PrefillDone,
+    Prefilled,
     PrefillLoad,
     ReadyToReceive,
     Redispatch,
@@ -68,16 +71,13 @@ ROLE_FAULTS = {"kv_send": "prefill", "kv_recv": "decode"}
 
 def check_served(config: EngineConfig) -> None:
     """What a served deployment supports (the simulator covers the rest)."""
-    d, par = config.disagg, config.parallel
+    par = config.parallel
     if par.world_size > 1:
         raise ConfigError("--disaggregate runs each instance in one process: tensor and"
                           " pipeline parallelism within an instance are not supported")
     if par.distributed_executor_backend != "mp":
         raise ConfigError("--disaggregate starts its instances as local processes; placing"
                           " them as Ray actors is not built (use the mp backend)")
-    if d.kv_transfer_granularity != "request":
-        raise ConfigError("served instances move a request's KV when its prefill ends:"
-                          " --kv-transfer-granularity chunk is simulated only")
 
 
 class DisaggClient:
@@ -99,6 +99,9 @@ class DisaggClient:
         self._lock = threading.RLock()
         self._alive = set(range(len(roles)))
         self._where: dict[str, set[int]] = {}  # request id -> instances that may hold it
+        self._decoder: dict[str, int] = {}  # early hand-off -> its decode instance, until the
+        # end of its prefill is relayed
+        self.early_handoffs = 0  # requests handed off before their prefill ended
         self._prompt: dict[str, tuple[int, int]] = {}  # request id -> (prefill, tokens) queued
         self._outstanding = [0] * len(roles)  # prompt tokens queued per prefill instance
         self._stats: dict[int, SchedulerStats] = {}
@@ -194,7 +197,7 @@ class DisaggClient:
         by_instance: dict[int, list[str]] = {}
         with self._lock:
             for rid in request_ids:
-                for i in self._where.pop(rid, ()):
+                for i in self._forget(rid):
                     by_instance.setdefault(i, []).append(rid)
                 self._prompt_done(rid)
         for i, ids in by_instance.items():
@@ -233,12 +236,12 @@ class DisaggClient:
                 if self.roles[i] == "prefill":
                     self._prompt_done(rid)
                 if d.finished:  # ended here: drop it wherever else it is held
-                    for j in self._where.pop(rid, ()):
+                    for j in self._forget(rid):
                         if j != i:
                             drop.setdefault(j, []).append(rid)
             for rid in msg.rejected:
                 self._prompt_done(rid)
-                self._where.pop(rid, None)
+                self._forget(rid)
             if msg.stats is not None:
                 self._stats[i] = msg.stats
                 msg.stats = self._total_stats()
@@ -266,18 +269,31 @@ class DisaggClient:
                 self.instances[i].send(Redispatch(rid))
                 return
             self._where[rid].add(e.dst)
-            self.instances[e.dst].send(Migrate(e.request, e.predicted_len, i))
+            if not e.prefilled:  # its ``PrefillDone`` will follow
+                self._decoder[rid] = e.dst
+                self.early_handoffs += 1
+            self.instances[e.dst].send(Migrate(e.request, e.predicted_len, i, e.prefilled))
+        elif isinstance(e, PrefillDone):
+            dst = self._decoder.pop(e.request.request_id, None)
+            if dst is not None and dst in self._alive:  # else redispatched (or gone)
+                self.instances[dst].send(Prefilled(e.request))
         elif isinstance(e, ReadyToReceive):
             if e.src in self._alive:
-                self.instances[e.src].send(SendKV(e.request_id, e.dst, e.tag, e.num_blocks))
+                self.instances[e.src].send(SendKV(e.request_id, e.dst, e.tags, e.num_blocks,
+                                                  e.piece_blocks))
         elif isinstance(e, KVReceived):
             if e.request_id in self._where:
                 self._where[e.request_id].discard(e.src)
             if e.src in self._alive:
                 self.instances[e.src].send(ReleaseKV(e.request_id))
 
+    def _forget(self, rid: str) -> set[int]:
+        """The request has ended: the instances that may still hold it."""
+        self._decoder.pop(rid, None)
+        return self._where.pop(rid, set())
+
     def _fail_request(self, rid: str, message: str) -> None:
-        for j in self._where.pop(rid, ()):
+        for j in self._forget(rid):
             if j in self._alive:
                 self.instances[j].abort([rid])
         self._prompt_done(rid)

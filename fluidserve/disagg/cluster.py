@@ -31,7 +31,11 @@ from typing import Protocol
 from fluidserve.config import EngineConfig
 from fluidserve.core.block_manager import BlockManager
 from fluidserve.core.scheduler.base import RequestRejected, Scheduler, SchedulerLimits
-from fluidserve.core.scheduler.disagg import DecodeOnlyScheduler, PrefillOnlyScheduler
+from fluidserve.core.scheduler.disagg import (
+    DecodeOnlyScheduler,
+    PrefillOnlyScheduler,
+    kv_tokens,
+)
 from fluidserve.disagg.dispatch import DecodeLoad, Dispatcher
 from fluidserve.disagg.flip import FlipPolicy
 from fluidserve.disagg.predictor import make_predictor
@@ -74,8 +78,7 @@ def pick_decode(dispatcher: Dispatcher, bm: BlockManager, req: Request, predicte
                 heavy_threshold: int) -> int | None:
     """The decode instance a prefilled request goes to (None: none can take it yet)."""
     need = bm.blocks_for(req.num_prompt_tokens + max(predicted, 1))
-    return dispatcher.pick(need, bm.blocks_for(req.num_computed_tokens),
-                           predicted > heavy_threshold)
+    return dispatcher.pick(need, bm.blocks_for(kv_tokens(req)), predicted > heavy_threshold)
 
 
 class KVMover(Protocol):

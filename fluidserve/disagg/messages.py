@@ -3,14 +3,22 @@
 A request's hand-off, as the front end relays it (the KV itself goes straight from one
 instance to the other over the KV transport):
 
-1. the prefill instance prefills the request, samples its first token, predicts its length
-   and picks a decode instance: ``Handoff`` (an event in its outputs);
+1. the prefill instance predicts the request's length and picks a decode instance:
+   ``Handoff`` (an event in its outputs). With ``--kv-transfer-granularity request`` it does
+   so when the prefill has ended (first token sampled); with ``chunk``, as soon as the first
+   chunk is computed;
 2. the front end sends the request to that decode instance: ``Migrate``;
-3. the decode instance admits it (its admission policy), reserves KV blocks and posts a
-   receive: ``ReadyToReceive``;
-4. the front end tells the prefill instance to send: ``SendKV``;
-5. the decode instance has the KV in its cache and decodes from its next iteration:
-   ``KVReceived``; the front end tells the prefill instance to free the blocks: ``ReleaseKV``.
+3. the decode instance admits it (its admission policy), reserves KV blocks for the prompt
+   and posts one receive per piece of the KV: ``ReadyToReceive``. A piece is a fixed run of
+   blocks (the whole prompt at request granularity; a prefill chunk's worth at chunk
+   granularity), so both sides agree on it whatever the prefill instance's batches were;
+4. the front end tells the prefill instance to send: ``SendKV``; it sends each piece once
+   its tokens are computed (at chunk granularity while the prefill goes on);
+5. a request dispatched before its prefill ended: when it ends, ``PrefillDone`` carries the
+   request with its first token, relayed as ``Prefilled``;
+6. the decode instance has every piece in its cache (and, for an early dispatch, the
+   prefilled request) and decodes from its next iteration: ``KVReceived``; the front end
+   tells the prefill instance to free the blocks: ``ReleaseKV``.
 
 A request that fails on either side ends with an error delta as usual; the front end then
 aborts it wherever else it is held. With instance flips, the control plane drains an instance
@@ -29,21 +37,33 @@ from fluidserve.request import Request
 
 @dataclass(frozen=True, slots=True)
 class Migrate:
-    """To a decode instance: a prefilled request (prompt computed, first token sampled)."""
+    """To a decode instance: a request to take over (prompt computed and first token
+    sampled, unless ``prefilled`` is False: then ``Prefilled`` follows)."""
 
     request: Request
     predicted_len: int
     src: int  # the prefill instance holding its KV
+    prefilled: bool = True
+
+
+@dataclass(frozen=True, slots=True)
+class Prefilled:
+    """To a decode instance: the prefill of a request it took early has ended (the request,
+    with its first token)."""
+
+    request: Request
 
 
 @dataclass(frozen=True, slots=True)
 class SendKV:
-    """To a prefill instance: send this request's KV blocks to ``dst`` under ``tag``."""
+    """To a prefill instance: send this request's KV blocks to ``dst``, piece ``k`` (blocks
+    ``k * piece_blocks`` onwards) under ``tags[k]``."""
 
     request_id: str
     dst: int
-    tag: int
+    tags: tuple[int, ...]
     num_blocks: int  # what the receiver posted for, also if the request ended meanwhile
+    piece_blocks: int
 
 
 @dataclass(frozen=True, slots=True)
@@ -79,9 +99,17 @@ class DecodeLoads:
 
 @dataclass(frozen=True, slots=True)
 class Handoff:
-    request: Request
+    request: Request  # as it is now: prefilled, or (chunk granularity) still prefilling
     dst: int
     predicted_len: int
+    prefilled: bool = True
+
+
+@dataclass(frozen=True, slots=True)
+class PrefillDone:
+    """A request handed off before its prefill ended has ended it."""
+
+    request: Request
 
 
 @dataclass(frozen=True, slots=True)
@@ -89,8 +117,9 @@ class ReadyToReceive:
     request_id: str
     src: int
     dst: int
-    tag: int
+    tags: tuple[int, ...]  # one per piece
     num_blocks: int
+    piece_blocks: int
 
 
 @dataclass(frozen=True, slots=True)

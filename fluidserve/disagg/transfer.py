@@ -3,9 +3,11 @@
 Token ``i`` of a request sits at offset ``i % block_size`` of its ``i // block_size``-th
 block on both sides, so a transfer copies whole blocks, layer by layer, from the source's
 block table to the destination's (the tail of the last block is copied too and never read).
-On the wire, a request's KV is one contiguous tensor of shape ``(layers, 2, blocks,
-elements per block)`` (``gather_blocks`` / ``scatter_blocks``): the sender copies its blocks
-out, so the source blocks may be freed or reused while the bytes travel.
+On the wire, a request's KV is one or more pieces (``piece_blocks``: the whole request, or
+a prefill chunk's worth of blocks each, sent as each chunk is computed), each a contiguous
+tensor of shape ``(layers, 2, blocks, elements per block)`` (``gather_blocks`` /
+``scatter_blocks``): the sender copies its blocks out, so the source blocks may be freed or
+reused while the bytes travel.
 
 Transports between the processes of a served deployment (``--kv-transport``):
 
@@ -64,6 +66,24 @@ def scatter_blocks(kv_caches: KVCaches, blocks: tuple[int, ...] | list[int],
         for layer, (k, v) in enumerate(kv_caches):
             k.index_copy_(0, idx, staged[layer, 0].reshape(n, *k.shape[1:]))
             v.index_copy_(0, idx, staged[layer, 1].reshape(n, *v.shape[1:]))
+
+
+def piece_blocks(granularity: str, chunk_size: int, block_size: int, num_blocks: int) -> int:
+    """Blocks per piece of a request's KV on the wire: all of them at ``request``
+    granularity; at ``chunk`` granularity, a prefill chunk's worth (at least one block), so
+    that a piece is ready as soon as the chunk that computes its last token has run."""
+    if granularity == "request":
+        return max(num_blocks, 1)
+    return max(1, chunk_size // block_size)
+
+
+def piece_range(k: int, piece_blocks: int, num_blocks: int) -> range:
+    """The blocks (indices into the request's block table) of piece ``k``."""
+    return range(k * piece_blocks, min((k + 1) * piece_blocks, num_blocks))
+
+
+def num_pieces(num_blocks: int, piece_blocks: int) -> int:
+    return max(1, -(-num_blocks // piece_blocks))
 
 
 class LocalKVMover:

@@ -9,7 +9,9 @@ decode instance and calls ``release``.
 
 A **decode instance** receives prefilled requests (``offer``), admits them by its admission
 policy, gets their KV blocks filled by a transfer (``admit_next`` reserves them, ``activate``
-marks them arrived), and runs continuous decode batches. A request it must preempt is
+marks them arrived), and runs continuous decode batches. A request may be offered before its
+prefill has ended (chunk-level KV transfer): its blocks are reserved for the whole prompt,
+and ``refresh`` brings the prefilled request before it is activated. A request it must preempt is
 recomputed locally (its prompt and generated tokens are all here), like any preemption in
 this engine.
 
@@ -79,6 +81,12 @@ class PrefillOnlyScheduler(Scheduler):
             r.num_remaining for r in self.waiting)  # no need to sort the queue to add it up
 
 
+def kv_tokens(req: Request) -> int:
+    """Tokens of KV a request brings to a decode instance: its prompt, also when it is handed
+    off before its prefill has ended (chunk-level KV transfer)."""
+    return max(req.num_computed_tokens, req.num_prompt_tokens)
+
+
 @dataclass
 class Incoming:
     """A prefilled request offered to a decode instance, not yet admitted."""
@@ -120,7 +128,7 @@ class DecodeOnlyScheduler(Scheduler):
         if len(self.requests) >= self.limits.max_num_seqs:
             return False
         bm = self.bm
-        now_blocks = bm.blocks_for(req.num_computed_tokens)
+        now_blocks = bm.blocks_for(kv_tokens(req))
         fits_now = now_blocks <= bm.num_free_blocks - bm.watermark_blocks
         if self.admission == "greedy" or not self.requests:
             return fits_now
@@ -152,7 +160,7 @@ class DecodeOnlyScheduler(Scheduler):
         req = head.req
         if not self.admissible(req, head.predicted_len):
             return None
-        if not self.bm.allocate(req.request_id, req.num_computed_tokens):
+        if not self.bm.allocate(req.request_id, kv_tokens(req)):
             return None
         self.incoming.popleft()
         self.requests[req.request_id] = req
@@ -172,6 +180,20 @@ class DecodeOnlyScheduler(Scheduler):
         req.status = RequestStatus.RUNNING
         self.running.append(req)
         return True
+
+    def refresh(self, req: Request) -> bool:
+        """The request, handed off before its prefill ended, as it is now that the prefill
+        has (its first token sampled): it replaces the copy offered or receiving here. False
+        if that copy is gone (it ended)."""
+        rid = req.request_id
+        for item in self.incoming:
+            if item.req.request_id == rid:
+                item.req = req
+                return True
+        if rid in self.receiving:
+            self.receiving[rid] = self.requests[rid] = req
+            return True
+        return False
 
     def withdraw(self, request_id: str) -> Request | None:
         """Drop an offered (not yet admitted) request, e.g. when its client went away."""
@@ -220,6 +242,6 @@ class DecodeOnlyScheduler(Scheduler):
     @property
     def free_blocks(self) -> int:
         """Free blocks less what the queued offers will take."""
-        queued = sum(self.bm.blocks_for(i.req.num_computed_tokens) for i in self.incoming)
+        queued = sum(self.bm.blocks_for(kv_tokens(i.req)) for i in self.incoming)
         return self.bm.num_free_blocks - queued
 

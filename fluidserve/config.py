@@ -155,8 +155,9 @@ class ParallelConfig:
         1, "Pipeline stages (layers split evenly; as many micro-batches in flight as stages).",
         aliases=("-pp",))
     distributed_executor_backend: str = knob(
-        "mp", "Launcher of the worker processes when tp x pp > 1: mp (local processes) or ray"
-        " (Ray actors on an existing cluster, or a local one; pip install fluidserve[ray]).",
+        "mp", "Launcher of the worker processes when tp x pp > 1, and of the instances with"
+        " --disaggregate: mp (local processes) or ray (Ray actors on an existing cluster, or a"
+        " local one; pip install fluidserve[ray]).",
         choices=EXECUTOR_BACKENDS)
 
     def __post_init__(self) -> None:

@@ -22,8 +22,12 @@ difference:
 An instance that dies fails the requests it held (with an error the client sees); the others
 go on while at least one prefill and one decode instance are alive, else the deployment is
 dead (the server turns unhealthy and exits non-zero). KV moves between instances over the
-transport chosen with ``--kv-transport`` (torch.distributed gloo or shared memory), directly
-from one instance to the other.
+transport chosen with ``--kv-transport`` (torch.distributed gloo, meeting at a store hosted
+here, or shared memory), directly from one instance to the other.
+
+The instances are local processes (``--distributed-executor-backend mp``) or Ray actors
+placed over a Ray cluster (``ray``: ``fluidserve.disagg.placement``); the front end talks to
+both the same way.
 """
 
 from __future__ import annotations
@@ -62,7 +66,6 @@ from fluidserve.engine.messages import (
     RequestDelta,
     SchedulerStats,
 )
-from fluidserve.net import free_port
 
 log = logging.getLogger(__name__)
 
@@ -75,9 +78,6 @@ def check_served(config: EngineConfig) -> None:
     if par.world_size > 1:
         raise ConfigError("--disaggregate runs each instance in one process: tensor and"
                           " pipeline parallelism within an instance are not supported")
-    if par.distributed_executor_backend != "mp":
-        raise ConfigError("--disaggregate starts its instances as local processes; placing"
-                          " them as Ray actors is not built (use the mp backend)")
 
 
 class DisaggClient:
@@ -113,16 +113,31 @@ class DisaggClient:
         self.flips: list[tuple[float, int, str]] = []  # (monotonic time, instance, new role)
         self.routed = [0] * len(roles)  # requests sent to each instance as a prefill instance
         self._stop = threading.Event()
-        init = f"tcp://127.0.0.1:{free_port()}"
+        self.placement = None
+        host = "127.0.0.1"
+        if config.parallel.distributed_executor_backend == "ray":
+            from fluidserve.disagg.placement import RayPlacement
+
+            self.placement = RayPlacement(len(roles), config.model.num_threads,
+                                          same_host=d.kv_transport == "shm")
+            host = self.placement.host
+        # The instances' KV-transport group meets at a store hosted here (wherever Ray put
+        # them, they can reach the front end).
+        self._store = None
+        if d.kv_transport == "gloo":
+            from torch.distributed import TCPStore
+
+            self._store = TCPStore(host, 0, None, True, wait_for_workers=False)
+        store = f"{host}:{self._store.port if self._store else 0}"
         session = f"{os.getpid()}-{secrets.token_hex(4)}"
         self.instances: list[EngineCoreClient] = []
         for i, role in enumerate(roles):
-            spec = InstanceSpec(i, role, len(roles), init, session)
+            spec = InstanceSpec(i, role, len(roles), store, session)
             tel = f"{telemetry_file}.{role}{i}" if telemetry_file else None
             self.instances.append(EngineCoreClient(
                 config, lambda msg, i=i: self._on_instance_outputs(i, msg),
                 lambda message, i=i: self._on_instance_dead(i, message), tel, max_records,
-                instance=spec))
+                instance=spec, placement=self.placement))
 
     # ------------------------------------------------------------------ lifecycle
     def wait_ready(self, timeout: float = 600.0) -> CoreReady:
@@ -132,6 +147,7 @@ class DisaggClient:
             for c in self.instances:
                 if c.proc.is_alive():
                     c.proc.kill()
+            self._release()
             raise
         self._blocks = [info.num_kv_blocks for info in infos]
         for i, info in enumerate(infos):
@@ -159,8 +175,15 @@ class DisaggClient:
     def shutdown(self, timeout: float = 10.0) -> int | None:
         self._stop.set()
         codes = [c.shutdown(timeout) for c in self.instances]
+        self._release()
         bad = [c for c in codes if c != 0]
         return bad[0] if bad else 0
+
+    def _release(self) -> None:
+        """Give back what the deployment holds besides its instances."""
+        if self.placement is not None:
+            self.placement.close()
+            self.placement = None
 
     def declare_dead(self, message: str) -> None:
         self._die(message)

@@ -76,7 +76,7 @@ class InstanceSpec:
     index: int  # rank in the deployment's KV-transport group
     role: str  # prefill | decode
     world_size: int
-    init_method: str  # torch.distributed rendezvous (gloo transport)
+    store: str  # host:port of the front end's rendezvous store (gloo transport)
     session: str  # names the deployment's shared-memory segments (shm transport)
 
 
@@ -94,7 +94,7 @@ def start_instance(config: EngineConfig, spec: InstanceSpec, max_records: int | 
     core = _start_core(config.replace(seed=config.model.seed + spec.index), max_records,
                        factory)
     transport = make_transport(config.disagg.kv_transport, spec.index, spec.world_size,
-                               spec.init_method, spec.session)
+                               spec.store, spec.session)
     return core, Instance(core, spec, transport, config, limits[0])
 
 

@@ -12,7 +12,8 @@ reused while the bytes travel.
 Transports between the processes of a served deployment (``--kv-transport``):
 
 - ``gloo``: ``torch.distributed`` point-to-point (``isend``/``irecv`` with one tag per
-  transfer) in a process group of all instances; NCCL would take its place on GPUs;
+  piece) in a process group of all instances, which meet at a ``TCPStore`` the front end
+  hosts (so the instances may be anywhere it can reach); NCCL would take its place on GPUs;
 - ``shm``: same host, shared memory: the receiver creates a segment named after the
   transfer's tag, the sender copies the bytes in and then sets the segment's last byte; the
   receiver polls that byte (x86's store order makes the data visible before the flag).
@@ -154,14 +155,16 @@ class GlooTransport:
 
     name = "gloo"
 
-    def __init__(self, rank: int, world_size: int, init_method: str,
-                 timeout: float = 600.0) -> None:
+    def __init__(self, rank: int, world_size: int, store: str, timeout: float = 600.0) -> None:
+        """``store``: ``host:port`` of the rendezvous store the front end hosts."""
         import torch.distributed as dist
 
         self.dist = dist
-        dist.init_process_group("gloo", init_method=init_method, rank=rank,
-                                world_size=world_size,
-                                timeout=datetime.timedelta(seconds=timeout))
+        host, port = store.rsplit(":", 1)
+        wait = datetime.timedelta(seconds=timeout)
+        dist.init_process_group("gloo", rank=rank, world_size=world_size, timeout=wait,
+                                store=dist.TCPStore(host, int(port), world_size,
+                                                   is_master=False, timeout=wait))
 
     def send(self, tensor: torch.Tensor, dst: int, tag: int) -> Transfer:
         return _GlooTransfer(tensor, self.dist.isend(_bytes(tensor), dst, tag=tag))
@@ -231,9 +234,9 @@ class ShmTransport:
         pass
 
 
-def make_transport(kind: str, rank: int, world_size: int, init_method: str, session: str):
+def make_transport(kind: str, rank: int, world_size: int, store: str, session: str):
     if kind == "gloo":
-        return GlooTransport(rank, world_size, init_method)
+        return GlooTransport(rank, world_size, store)
     if kind == "shm":
         return ShmTransport(session)
     raise ValueError(f"unknown KV transport {kind!r}; choose from {', '.join(KV_TRANSPORTS)}")

@@ -98,6 +98,8 @@ def ignore_group_signals() -> None:
     (the front end is gone)."""
     import signal
 
+    if threading.current_thread() is not threading.main_thread():
+        return  # a Ray actor's task thread: Ray owns the signals of its worker processes
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
 
@@ -199,23 +201,29 @@ class EngineCoreClient:
 
     def __init__(self, config: EngineConfig, on_outputs: Callable[[EngineCoreOutputs], None],
                  on_dead: Callable[[str], None], telemetry_file: str | None = None,
-                 max_records: int | None = 100_000, instance=None) -> None:
-        ctx = mp.get_context("spawn")
-        in_r, self._in_w = ctx.Pipe(duplex=False)
-        self._out_r, out_w = ctx.Pipe(duplex=False)
+                 max_records: int | None = 100_000, instance=None, placement=None) -> None:
+        """``placement``: where to start the core instead of a local process (a
+        ``fluidserve.disagg.placement.RayPlacement``); the placed core connects back."""
         name = "fluidserve-engine-core" if instance is None \
             else f"fluidserve-{instance.role}-{instance.index}"
-        self.proc = ctx.Process(target=run_engine_core, name=name,
-                                args=(config, in_r, out_w, telemetry_file, max_records,
-                                      instance))
-        # Not a daemon: it starts worker processes of its own for tp/pp. It exits when its
-        # inbox closes, so it never outlives this process.
         self.on_outputs, self.on_dead = on_outputs, on_dead
         self.info: CoreReady | None = None
         self.dead: str | None = None
         self._die_lock = threading.Lock()
         self._closing = False  # shutdown() was called: the core's end is expected
         self._sendq: queue.SimpleQueue = queue.SimpleQueue()
+        if placement is not None:
+            self._in_w = self._out_r = None  # until it has connected (``wait_ready``)
+            self.proc = placement.start(name, (config, telemetry_file, max_records, instance))
+            return
+        ctx = mp.get_context("spawn")
+        in_r, self._in_w = ctx.Pipe(duplex=False)
+        self._out_r, out_w = ctx.Pipe(duplex=False)
+        # Not a daemon: it starts worker processes of its own for tp/pp. It exits when its
+        # inbox closes, so it never outlives this process.
+        self.proc = ctx.Process(target=run_engine_core, name=name,
+                                args=(config, in_r, out_w, telemetry_file, max_records,
+                                      instance))
         self.proc.start()
         in_r.close()
         out_w.close()
@@ -223,6 +231,8 @@ class EngineCoreClient:
     def wait_ready(self, timeout: float = 600.0) -> CoreReady:
         """Block until the core has loaded its model; raises RuntimeError if it failed."""
         deadline = time.monotonic() + timeout
+        if self._out_r is None:  # one duplex connection, from the placed core
+            self._in_w = self._out_r = self.proc.connection(deadline)
         while not self._out_r.poll(0.2):
             if not self.proc.is_alive():
                 raise RuntimeError(f"engine core exited with code {self.proc.exitcode}"

@@ -16,7 +16,7 @@ import os
 import pickle
 import threading
 from collections import deque
-from concurrent.futures import Future
+from concurrent.futures import Future, ThreadPoolExecutor
 
 from fluidserve.config import ParallelConfig
 from fluidserve.core.scheduler.output import SchedulerOutput
@@ -43,11 +43,25 @@ def connect_ray(num_cpus_needed: int):
         log.info("joined the Ray cluster at %s", ray.get_runtime_context().gcs_address)
         return ray, False
     except ConnectionError:
-        ray.init(num_cpus=max(os.cpu_count() or 1, num_cpus_needed), include_dashboard=False,
-                 _node_ip_address="127.0.0.1", object_store_memory=256 << 20,
-                 log_to_driver=False)
+        # Ray's processes die with the thread that started them (PR_SET_PDEATHSIG), and the
+        # caller may be a short-lived thread (a server started from a thread pool): start
+        # them from a thread that lives as long as this process.
+        _ray_owner().submit(
+            ray.init, num_cpus=max(os.cpu_count() or 1, num_cpus_needed),
+            include_dashboard=False, _node_ip_address="127.0.0.1",
+            object_store_memory=256 << 20, log_to_driver=False).result()
         log.info("started a local Ray instance on 127.0.0.1")
         return ray, True
+
+
+_OWNER: ThreadPoolExecutor | None = None
+
+
+def _ray_owner() -> ThreadPoolExecutor:
+    global _OWNER
+    if _OWNER is None:
+        _OWNER = ThreadPoolExecutor(1, thread_name_prefix="fluidserve-ray-owner")
+    return _OWNER
 
 
 class _Rank:

@@ -39,7 +39,12 @@ VARIANTS = {  # file tag: (label, serve flags)
     "tetriinfer-1P+1D": ("tetriinfer 1P+1D (1 thread each)",
                          ["--disaggregate", "--num-threads", "1", "--prefill-chunk-size",
                           "512", "--kv-transport", "gloo"]),
+    "tetriinfer-1P+1D-chunk": ("tetriinfer 1P+1D, KV chunk by chunk",
+                               ["--disaggregate", "--num-threads", "1", "--prefill-chunk-size",
+                                "512", "--kv-transport", "gloo", "--kv-transfer-granularity",
+                                "chunk"]),
 }
+DEFAULT_VARIANTS = "sarathi,vllm,tetriinfer-1P+1D"
 
 
 def log(msg: str) -> None:
@@ -53,11 +58,18 @@ def bench(url: str, model: Path, dataset: str, args, out: Path) -> dict:
            str(args.max_prompt_len), "--max-output-len", str(args.max_output_len), "--seed",
            "0", "--tbt-deadline", "0.2", "--output-dir", str(out), "--no-plots"]
     done = subprocess.run(cmd, check=True, capture_output=True, text=True)
-    return json.loads(done.stdout.strip().splitlines()[-1])
+    summary = json.loads(done.stdout.strip().splitlines()[-1])
+    # The gap between the first and the second token: where a disaggregated deployment
+    # hands the request (and its KV) from the prefill to the decode instance.
+    second = [r["gaps"][1] for r in map(json.loads, open(out / "requests.jsonl"))
+              if len(r["gaps"]) > 1 and not r["error"]]
+    summary["handoff_gap_mean_s"] = sum(second) / len(second) if second else None
+    return summary
 
 
 def summarize(s: dict) -> dict:
     return {"completed": s["num_completed"], "failed": s["num_failed"],
+            "handoff_gap_mean_s": s["handoff_gap_mean_s"],
             "duration_s": s["duration_s"], "output_tok_s": s["output_token_throughput"],
             "ttft_mean_s": s["ttft_s"]["mean"], "ttft_p99_s": s["ttft_s"]["p99"],
             "jct_mean_s": s["e2e_latency_s"]["mean"], "tbt_p99_s": s["tbt_s"]["p99"],
@@ -77,7 +89,8 @@ def run(args) -> dict:
            "num_prompts": args.num_prompts, "rate": args.rate,
            "max_prompt_len": args.max_prompt_len, "max_output_len": args.max_output_len,
            "variants": {}}
-    for tag, (label, extra) in VARIANTS.items():
+    for tag in args.variants.split(","):
+        label, extra = VARIANTS[tag]
         flags = list(extra)
         request_log = out / f"{tag}-requests.jsonl"
         if "--disaggregate" in flags:
@@ -92,7 +105,7 @@ def run(args) -> dict:
         server.port = port
         rows = {}
         with server:
-            for dataset in CLASSES:
+            for dataset in args.classes.split(","):
                 log(f"{label}: {dataset}")
                 s = bench(server.url, model, dataset, args, out / f"{tag}-{dataset}")
                 rows[dataset] = summarize(s)
@@ -123,15 +136,18 @@ def report(res: dict, command: str) -> str:
     for metric, title, unit in (("ttft_mean_s", "mean TTFT", "s"),
                                 ("jct_mean_s", "mean JCT (end-to-end latency)", "s"),
                                 ("tbt_p99_s", "P99 TBT", "s"),
+                                ("handoff_gap_mean_s", "mean gap between the first and the"
+                                 " second token", "s"),
                                 ("output_tok_s", "output throughput", "tok/s")):
         lines += [f"**{title}** ({unit}; ratio to {names[1]})", "",
                   "| class | " + " | ".join(names) + " |", "|---" * (len(names) + 1) + "|"]
-        for cls in CLASSES:
+        for cls in res["variants"][names[0]]:
             base = res["variants"][names[1]][cls][metric]
             cells = []
             for n in names:
                 v = res["variants"][n][cls][metric]
-                cells.append(f"{v:.2f} ({v / base:.2f}x)" if base else f"{v:.2f}")
+                cells.append("-" if v is None else f"{v:.3f} ({v / base:.2f}x)" if base
+                             else f"{v:.3f}")
             lines.append(f"| {cls} | " + " | ".join(cells) + " |")
         lines.append("")
     failed = sum(r["failed"] for v in res["variants"].values() for r in v.values())
@@ -148,6 +164,11 @@ def main() -> int:
     ap.add_argument("--out", default="runs/disagg-served")
     ap.add_argument("--doc", help="Write the report between the markers of this file.")
     ap.add_argument("--num-prompts", type=int, default=24)
+    ap.add_argument("--variants", default=DEFAULT_VARIANTS,
+                    help="Comma-separated, the second is the ratios' base; of"
+                    f" {', '.join(VARIANTS)}.")
+    ap.add_argument("--classes", default=",".join(CLASSES),
+                    help="Comma-separated workload classes.")
     ap.add_argument("--rate", type=float, default=1.0)
     ap.add_argument("--max-prompt-len", type=int, default=1536)
     ap.add_argument("--max-output-len", type=int, default=256)

@@ -13,7 +13,10 @@ first token; the length predictor buckets its generated length; the dispatcher p
 decode instance from the monitor's last broadcast; the decode instance admits it by its
 admission policy, reserving KV blocks; the KV moves (``KVMover``), which takes the transfer
 time; then the prefill instance frees its blocks and the decode instance decodes it to the
-end. The cluster monitor broadcasts decode loads every ``monitor_interval`` and, with
+end. With chunk-level KV transfer the hand-off starts at the first chunk, as served: the
+decode instance admits (and holds blocks for) the request while it is still prefilling, the
+KV streams from the admission on, and what is left when the prefill ends (at least the last
+chunk) is on the critical path. The cluster monitor broadcasts decode loads every ``monitor_interval`` and, with
 ``instance_flip``, drains an instance of the over-provisioned role and flips it when the
 imbalance lasts ``flip_window``.
 """
@@ -185,6 +188,8 @@ class Cluster:
         self.transfers, self.transfer_seconds = 0, 0.0
         self.flip_policy = FlipPolicy(d)
         self._announced: set[str] = set()
+        self._admitted: dict[str, tuple[Instance, float]] = {}  # -> decode instance, when
+        self._early: set[str] = set()  # admitted before their prefill ended
         self.broadcast()
 
     # ------------------------------------------------------------------ roles
@@ -268,10 +273,17 @@ class Cluster:
         inst.busy += dt
         inst.role_time[inst.role] += dt
         if inst.role == "prefill":
+            if self.d.kv_transfer_granularity == "chunk":  # hand off at the first chunk
+                for req in inst.sched.running:
+                    if req.num_computed_tokens and req.request_id not in self._announced:
+                        self._announced.add(req.request_id)
+                        self._push(inst.clock.t, "prefilled", inst, req)
             for rid, req in inst.sched.handoff.items():
                 if rid not in self._announced:
                     self._announced.add(rid)
                     self._push(inst.clock.t, "prefilled", inst, req)
+                elif rid in self._early:  # admitted while prefilling: the last piece moves
+                    self._transfer(rid, inst.clock.t)
         else:
             self._admit(inst, inst.clock.t)
 
@@ -308,29 +320,42 @@ class Cluster:
                 pass
         req.status = RequestStatus.FINISHED_ABORTED
         req.finish_time = t
+        self._early.discard(request_id)
+        self._admitted.pop(request_id, None)
         self.undispatched = [u for u in self.undispatched if u[1] is not req]
 
     def _admit(self, dst: Instance, t: float) -> None:
         while (req := dst.sched.admit_next()) is not None:
             rid = req.request_id
-            src = self.owner[rid]
-            self.mover.move(src.core.executor, dst.core.executor,
-                            src.core.block_manager.table(rid), dst.core.block_manager.table(rid),
-                            req.num_computed_tokens)
-            secs = self._transfer_time(req)
-            self.transfers += 1
-            self.transfer_seconds += secs
-            self._push(t + secs, "kv_arrived", src, dst, rid)
+            self._admitted[rid] = (dst, t)
+            if rid in self.owner and rid in self.owner[rid].sched.handoff:
+                self._transfer(rid, t)
+            else:  # handed off at its first chunk: the KV streams until the prefill ends
+                self._early.add(rid)
 
-    def _transfer_time(self, req: Request) -> float:
+    def _transfer(self, rid: str, t: float) -> None:
+        """The prefill has ended and the decode instance has admitted the request (the later
+        of the two is ``t``): the KV lands after what is left of the transfer."""
+        self._early.discard(rid)
+        src, (dst, admitted) = self.owner[rid], self._admitted.pop(rid)
+        req = src.sched.handoff[rid]
         tokens = req.num_computed_tokens
+        self.mover.move(src.core.executor, dst.core.executor, src.core.block_manager.table(rid),
+                        dst.core.block_manager.table(rid), tokens)
+        every = tokens * self.kv_bytes_per_token / self.bandwidth
+        arrive = t + every
         if self.d.kv_transfer_granularity == "chunk":
-            # Earlier chunks streamed while later ones were computed (assuming the link keeps
-            # up with the prefill): only the last chunk's bytes remain when the prefill ends.
-            # The mover still copies everything at the hand-off; only the time differs.
+            # The pieces stream from the admission on as their chunks are computed (the
+            # mover copies everything now: only the time differs): what the link has not
+            # carried by the end of the prefill, and at least the last chunk, remains.
             chunk = self.d.prefill_chunk_size
-            tokens = tokens % chunk or min(tokens, chunk)
-        return self.d.kv_transfer_latency + tokens * self.kv_bytes_per_token / self.bandwidth
+            last = (tokens % chunk or min(tokens, chunk)) * self.kv_bytes_per_token \
+                / self.bandwidth
+            arrive = max(admitted + every, t + last)
+        arrive += self.d.kv_transfer_latency
+        self.transfers += 1
+        self.transfer_seconds += arrive - t
+        self._push(arrive, "kv_arrived", src, dst, rid)
 
     def _on_kv_arrived(self, t: float, src: Instance, dst: Instance, rid: str) -> None:
         src.sched.release(rid)

@@ -421,6 +421,8 @@ class DecodeRole(_Role):
             self.events.append(KVReceived(rid, rc.src))  # the sender may free its blocks
             if rid in sched.receiving:
                 self.waiting_since[rid] = now
+            else:  # it ended meanwhile
+                self.unprefilled.discard(rid)
         for rid, since in list(self.waiting_since.items()):
             if rid not in sched.receiving:  # ended meanwhile
                 del self.waiting_since[rid]

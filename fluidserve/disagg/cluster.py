@@ -16,9 +16,9 @@ time; then the prefill instance frees its blocks and the decode instance decodes
 end. With chunk-level KV transfer the hand-off starts at the first chunk, as served: the
 decode instance admits (and holds blocks for) the request while it is still prefilling, the
 KV streams from the admission on, and what is left when the prefill ends (at least the last
-chunk) is on the critical path. The cluster monitor broadcasts decode loads every ``monitor_interval`` and, with
-``instance_flip``, drains an instance of the over-provisioned role and flips it when the
-imbalance lasts ``flip_window``.
+chunk) is on the critical path. The cluster monitor broadcasts decode loads every
+``monitor_interval`` and, with ``instance_flip``, drains an instance of the
+over-provisioned role and flips it when the imbalance lasts ``flip_window``.
 """
 
 from __future__ import annotations

@@ -150,3 +150,46 @@ def test_fused_elementwise_kernels_match_the_eager_layers(dtype):
         ops.silu_and_mul(out, gu)
         gate, up = gu.chunk(2, dim=-1)
         torch.testing.assert_close(out, F.silu(gate) * up, **close)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_decoder_layers_in_one_call_equal_the_per_layer_path(tiny_model_dir, monkeypatch, dtype):
+    """Small batches run the whole stack of decoder layers in one compiled call: the same
+    kernels in the same order as the per-layer path, so the logits are identical."""
+    from fluidserve.core.scheduler.output import ScheduledChunk, SchedulerOutput
+    from fluidserve.model import llama
+    from fluidserve.model.runner import ModelExecutor
+    from fluidserve.sampling_params import SamplingParams
+
+    ex = ModelExecutor(str(tiny_model_dir), dtype=dtype, num_blocks=64, block_size=16)
+    assert ex.native_attention
+    g = torch.Generator().manual_seed(0)
+    ids = {r: torch.randint(3, ex.arch.vocab_size, (40,), generator=g).tolist() for r in "abc"}
+    tables = {"a": (3, 9, 4), "b": (12, 1, 7), "c": (20, 30, 25)}
+
+    def chunk(r: str, start: int, n: int) -> ScheduledChunk:
+        return ScheduledChunk(r, start, tuple(ids[r][start:start + n]), tables[r], True,
+                              SamplingParams(temperature=0.0), 0, 0,
+                              is_decode=n == 1 and start > 0)
+
+    plans = [[chunk("a", 0, 14)], [chunk("b", 0, 9), chunk("a", 14, 1)],
+             [chunk("a", 15, 1), chunk("b", 9, 1), chunk("c", 0, 3)],
+             [chunk("c", 3, 13), chunk("a", 16, 1), chunk("b", 10, 1)]]
+    used = []
+    real = llama.LlamaForCausalLM._fused_layers
+
+    def spy(self, *args):
+        out = real(self, *args)
+        used.append(out is not None)
+        return out
+
+    monkeypatch.setattr(llama.LlamaForCausalLM, "_fused_layers", spy)
+    with torch.inference_mode():
+        for i, plan in enumerate(plans):
+            # The same plan twice rewrites the same cache slots with the same values.
+            monkeypatch.setattr(llama, "FUSED_MAX_ROWS", 16)
+            fused = ex.logits(SchedulerOutput(i, plan))
+            monkeypatch.setattr(llama, "FUSED_MAX_ROWS", 0)
+            layered = ex.logits(SchedulerOutput(i, plan))
+            assert torch.equal(fused, layered), f"iteration {i}"
+    assert used == [True, False] * len(plans)  # the one-call path ran, then the layered one

@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from fluidserve.model.arch import ArchConfig
-from fluidserve.model.attention import AttentionMetadata, paged_attention
+from fluidserve.model.attention import MIN_LONG_RUN, AttentionMetadata, paged_attention
 
 
 class RMSNorm(nn.Module):
@@ -210,6 +210,13 @@ class DecoderLayer(nn.Module):
         return self.mlp.forward_native(h), residual
 
 
+# Batches of at most this many tokens run the decoder layers in one compiled call
+# (``kernels: decoder_layers``): the same kernels as ``DecoderLayer.forward_native``, without
+# the interpreter between them, which is a tenth of a decode step at batch 1. Larger batches
+# (whose linears pad rows, and whose Python share is small) take the per-layer path.
+FUSED_MAX_ROWS = 16
+
+
 class LlamaForCausalLM(nn.Module):
     """The decoder, or this worker's shard of it: the embedding on the first pipeline stage,
     the final norm and LM head on the last, a range of layers on each. ``layers[i]`` is model
@@ -233,6 +240,44 @@ class LlamaForCausalLM(nn.Module):
                 self.lm_head.weight = self.embed_tokens.weight
         self.rotary = Rotary(cfg, max_len)
 
+    def _fused_layers(self, x, positions, meta, kv_caches):
+        """This stage's decoder layers in one compiled call, if the batch is small and every
+        layer runs on the compiled kernels and prepacked linears without a tensor-parallel
+        all-reduce; else None."""
+        if x.shape[0] > FUSED_MAX_ROWS or not self.layers:
+            return None
+        args = getattr(self, "_fused_args", None)
+        if args is None:
+            args = self._fused_args = self._collect_fused_args()
+        if not args:
+            return None
+        ops = _ops()
+        if ops is None or not hasattr(ops, "decoder_layers"):
+            return None
+        norms, weights, biases = args
+        attn = self.layers[0].self_attn
+        h, residual = ops.decoder_layers(
+            x, positions, self.rotary.cos, self.rotary.sin, norms, weights, biases,
+            [kv[0] for kv in kv_caches], [kv[1] for kv in kv_caches], meta.slot_mapping,
+            meta.cu_q, meta.ctx_lens, meta.block_tables, attn.h, attn.hkv, attn.d,
+            self.layers[0].input_layernorm.eps, attn.scale, MIN_LONG_RUN)
+        return h, residual
+
+    def _collect_fused_args(self) -> tuple | tuple[()]:
+        from fluidserve.model.linear import PackedLinear
+
+        norms, weights, biases = [], [], []
+        for layer in self.layers:
+            a, m = layer.self_attn, layer.mlp
+            linears = (a.qkv_proj, a.o_proj, m.gate_up_proj, m.down_proj)
+            if a.tp.size > 1 or m.tp.size > 1 or not all(
+                    isinstance(x, PackedLinear) for x in linears):
+                return ()
+            norms += [layer.input_layernorm.weight, layer.post_attention_layernorm.weight]
+            weights += [x.packed for x in linears]
+            biases += [x.bias for x in linears]
+        return norms, weights, biases
+
     def forward(
         self,
         inputs: torch.Tensor,  # [T] token ids on the first stage, else [T, hidden] states
@@ -244,9 +289,14 @@ class LlamaForCausalLM(nn.Module):
         """[S, vocab] logits on the last stage (model dtype), else [T, hidden] states."""
         x = self.embed_tokens(inputs) if self.shard.first else inputs
         if meta.native and x.is_contiguous():
-            h, residual = x, None
-            for layer, kv in zip(self.layers, kv_caches, strict=True):
-                h, residual = layer.forward_native(h, residual, positions, self.rotary, meta, kv)
+            fused = self._fused_layers(x, positions, meta, kv_caches)
+            if fused is not None:
+                h, residual = fused
+            else:
+                h, residual = x, None
+                for layer, kv in zip(self.layers, kv_caches, strict=True):
+                    h, residual = layer.forward_native(h, residual, positions, self.rotary,
+                                                       meta, kv)
             if residual is not None:
                 if self.shard.last:  # only the sampled rows go on
                     x = residual[logits_idx] + h[logits_idx]

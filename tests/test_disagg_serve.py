@@ -188,6 +188,19 @@ def test_instances_placed_by_ray_serve_the_colocated_outputs_and_leave_nothing(
         pids = [c.proc.pid for c in client.instances]
         # Ray's worker processes, not children of the front end.
         assert len(set(pids)) == 2 and not set(pids) & set(children(os.getpid()))
+        # A placed instance that dies is noticed as a local one is: its stream ends with an
+        # error naming it, and without a decode instance the deployment is dead.
+        long = {"model": "tiny", "prompt": PROMPTS[0], "max_tokens": 400, "ignore_eos": True,
+                "stream": True}
+        with httpx.stream("POST", s.url + "/v1/completions", json=long, timeout=30) as r:
+            lines = r.iter_lines()
+            for _ in range(5):
+                next(x for x in lines if x.startswith("data: "))
+            os.kill(client.instances[1].proc.pid, signal.SIGKILL)
+            events = [x for x in lines if x.startswith("data: ")]
+        assert events[-1] == "data: [DONE]"
+        assert "decode instance 1" in json.loads(events[-2][6:])["error"]["message"]
+        assert s.dead.wait(10)
     finally:
         stop_servers(servers)
     for pid in pids:

@@ -127,8 +127,9 @@ def test_a_failed_transfer_fails_its_request_and_nothing_else(deployments, point
     assert s.kv_idle()
 
 
-def test_a_dying_decode_instance_fails_its_requests_and_the_rest_go_on(deployments):
-    s = deployments["gloo"]
+def kill_decoder_mid_stream(s) -> tuple[int, str]:
+    """Stream a long request, SIGKILL the decode instance holding it after 5 events; the
+    victim and the error that ended the stream."""
     client = s.engine.client
     long = {"model": "tiny", "prompt": PROMPTS[0], "max_tokens": 400, "ignore_eos": True,
             "stream": True}
@@ -143,7 +144,13 @@ def test_a_dying_decode_instance_fails_its_requests_and_the_rest_go_on(deploymen
         os.kill(client.instances[victim].proc.pid, signal.SIGKILL)
         events = [x for x in lines if x.startswith("data: ")]
     assert events[-1] == "data: [DONE]"
-    error = json.loads(events[-2][6:])["error"]["message"]
+    return victim, json.loads(events[-2][6:])["error"]["message"]
+
+
+def test_a_dying_decode_instance_fails_its_requests_and_the_rest_go_on(deployments):
+    s = deployments["gloo"]
+    client = s.engine.client
+    victim, error = kill_decoder_mid_stream(s)
     assert f"decode instance {victim}" in error, error
     # The other decode instance takes the next requests; the server stays healthy.
     for i in (1, 3):
@@ -190,16 +197,8 @@ def test_instances_placed_by_ray_serve_the_colocated_outputs_and_leave_nothing(
         assert len(set(pids)) == 2 and not set(pids) & set(children(os.getpid()))
         # A placed instance that dies is noticed as a local one is: its stream ends with an
         # error naming it, and without a decode instance the deployment is dead.
-        long = {"model": "tiny", "prompt": PROMPTS[0], "max_tokens": 400, "ignore_eos": True,
-                "stream": True}
-        with httpx.stream("POST", s.url + "/v1/completions", json=long, timeout=30) as r:
-            lines = r.iter_lines()
-            for _ in range(5):
-                next(x for x in lines if x.startswith("data: "))
-            os.kill(client.instances[1].proc.pid, signal.SIGKILL)
-            events = [x for x in lines if x.startswith("data: ")]
-        assert events[-1] == "data: [DONE]"
-        assert "decode instance 1" in json.loads(events[-2][6:])["error"]["message"]
+        victim, error = kill_decoder_mid_stream(s)
+        assert victim == 1 and "decode instance 1" in error, error
         assert s.dead.wait(10)
     finally:
         stop_servers(servers)

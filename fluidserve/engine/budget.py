@@ -135,7 +135,8 @@ class OnlineIterationModel:
         r = (y / pred)[-self.scatter_window:]
         if len(r) <= self.recent:
             return self.scatter
-        ahead = [r[i] / np.median(r[i - self.recent:i]) for i in range(self.recent, len(r))]
+        before = np.median(np.lib.stride_tricks.sliding_window_view(r, self.recent)[:-1], axis=1)
+        ahead = r[self.recent:] / before  # each iteration over the median of those before it
         return float(np.clip(np.quantile(ahead, 0.99), 1.0, 2.0))
 
 

@@ -17,6 +17,7 @@ import torch
 
 from fluidserve.model.arch import ArchConfig, read_arch
 from fluidserve.model.attention import AttentionMetadata, native_supported, new_kv_cache
+from fluidserve.model.host_memory import keep_freed_memory
 from fluidserve.model.inputs import StepInputs
 from fluidserve.model.linear import pack_linear_layers, packed_linear_supported
 from fluidserve.model.llama import Shard, TensorParallel
@@ -73,6 +74,8 @@ class Worker:
         self.device = torch.device(spec.device)
         if self.device.type == "cuda" and not torch.cuda.is_available():
             raise ValueError("device 'cuda' requested but torch sees no CUDA device")
+        if self.device.type == "cpu":
+            keep_freed_memory()  # no page faults on every iteration's activations
         tp = TensorParallel(shard.tp_size, tp_group)
         self.arch, self.model = load_model(spec.model_dir, spec.dtype, spec.device,
                                            spec.max_model_len, shard, tp)

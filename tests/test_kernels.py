@@ -154,8 +154,10 @@ def test_fused_elementwise_kernels_match_the_eager_layers(dtype):
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_decoder_layers_in_one_call_equal_the_per_layer_path(tiny_model_dir, monkeypatch, dtype):
-    """Small batches run the whole stack of decoder layers in one compiled call: the same
-    kernels in the same order as the per-layer path, so the logits are identical."""
+    """Batches run the whole stack of decoder layers in one compiled call: the same kernels in
+    the same order as the per-layer path, so the logits are identical, whether the batch is a
+    few decodes, pads its linears' rows (17+ tokens) or holds a run long enough for the flash
+    attention path."""
     from fluidserve.core.scheduler.output import ScheduledChunk, SchedulerOutput
     from fluidserve.model import llama
     from fluidserve.model.runner import ModelExecutor
@@ -164,8 +166,8 @@ def test_decoder_layers_in_one_call_equal_the_per_layer_path(tiny_model_dir, mon
     ex = ModelExecutor(str(tiny_model_dir), dtype=dtype, num_blocks=64, block_size=16)
     assert ex.native_attention
     g = torch.Generator().manual_seed(0)
-    ids = {r: torch.randint(3, ex.arch.vocab_size, (40,), generator=g).tolist() for r in "abc"}
-    tables = {"a": (3, 9, 4), "b": (12, 1, 7), "c": (20, 30, 25)}
+    ids = {r: torch.randint(3, ex.arch.vocab_size, (100,), generator=g).tolist() for r in "abcd"}
+    tables = {"a": (3, 9, 4), "b": (12, 1, 7), "c": (20, 30, 25), "d": (40, 41, 50, 43, 44, 60, 46)}
 
     def chunk(r: str, start: int, n: int) -> ScheduledChunk:
         return ScheduledChunk(r, start, tuple(ids[r][start:start + n]), tables[r], True,
@@ -174,7 +176,9 @@ def test_decoder_layers_in_one_call_equal_the_per_layer_path(tiny_model_dir, mon
 
     plans = [[chunk("a", 0, 14)], [chunk("b", 0, 9), chunk("a", 14, 1)],
              [chunk("a", 15, 1), chunk("b", 9, 1), chunk("c", 0, 3)],
-             [chunk("c", 3, 13), chunk("a", 16, 1), chunk("b", 10, 1)]]
+             [chunk("c", 3, 13), chunk("a", 16, 1), chunk("b", 10, 1)],
+             [chunk("d", 0, 70), chunk("a", 17, 1), chunk("c", 16, 20)],  # 91 rows, padded
+             [chunk("d", 70, 30), chunk("a", 18, 1)]]
     used = []
     real = llama.LlamaForCausalLM._fused_layers
 
@@ -187,7 +191,7 @@ def test_decoder_layers_in_one_call_equal_the_per_layer_path(tiny_model_dir, mon
     with torch.inference_mode():
         for i, plan in enumerate(plans):
             # The same plan twice rewrites the same cache slots with the same values.
-            monkeypatch.setattr(llama, "FUSED_MAX_ROWS", 16)
+            monkeypatch.setattr(llama, "FUSED_MAX_ROWS", None)
             fused = ex.logits(SchedulerOutput(i, plan))
             monkeypatch.setattr(llama, "FUSED_MAX_ROWS", 0)
             layered = ex.logits(SchedulerOutput(i, plan))

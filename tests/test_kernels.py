@@ -69,13 +69,20 @@ def batch(h, hkv, d, bs, dtype, seed=0):
                          ids=lambda s: "h{}-kv{}-d{}-bs{}".format(*s))
 @pytest.mark.parametrize("min_long_run", [1, A.MIN_LONG_RUN, 10**9],
                          ids=["all-flash", "default", "all-kernel"])
-def test_native_attention_matches_reference(dtype, shape, min_long_run):
+@pytest.mark.parametrize("amx", [True, False], ids=["amx", "aten"])
+def test_native_attention_matches_reference(dtype, shape, min_long_run, amx):
+    """Long runs take the AMX kernel (bf16, head_dim a multiple of 32, where the CPU has
+    AMX) or ATen's flash attention; short ones and decodes this file's other kernel."""
     h, hkv, d, bs = shape
     q, k, v, k_cache, v_cache, meta, tables = batch(h, hkv, d, bs, dtype)
     kc, vc = k_cache.clone(), v_cache.clone()
     out = torch.empty_like(q)
-    ops.paged_attention(out, q, k, v, kc, vc, meta.slot_mapping, meta.cu_q, meta.ctx_lens,
-                        meta.block_tables, d**-0.5, min_long_run)
+    before = ops.use_amx(amx)
+    try:
+        ops.paged_attention(out, q, k, v, kc, vc, meta.slot_mapping, meta.cu_q, meta.ctx_lens,
+                            meta.block_tables, d**-0.5, min_long_run)
+    finally:
+        ops.use_amx(before)
     # The kernel wrote the new keys and values where the eager writer puts them.
     A.write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
     assert torch.equal(kc, k_cache) and torch.equal(vc, v_cache)
@@ -83,6 +90,28 @@ def test_native_attention_matches_reference(dtype, shape, min_long_run):
     # The flash path computes in the cache dtype; the kernel accumulates in float32.
     tol = 1e-5 if dtype == torch.float32 else (4e-3 if min_long_run > 10**8 else 3e-2)
     assert (out.float() - ref.float()).abs().max() <= tol
+
+
+def test_long_runs_take_the_amx_kernel_where_the_cpu_has_it():
+    q, k, v, k_cache, v_cache, meta, tables = batch(16, 4, 64, 16, torch.bfloat16, seed=2)
+    outs = []
+    for amx in (True, False):
+        out = torch.empty_like(q)
+        before = ops.use_amx(amx)
+        try:
+            ops.paged_attention(out, q, k, v, k_cache.clone(), v_cache.clone(),
+                                meta.slot_mapping, meta.cu_q, meta.ctx_lens, meta.block_tables,
+                                0.125, A.MIN_LONG_RUN)
+        finally:
+            ops.use_amx(before)
+        outs.append(out)
+    flags = open("/proc/cpuinfo").read() if os.path.exists("/proc/cpuinfo") else ""
+    has_amx = " amx_bf16" in flags and " amx_tile" in flags
+    # Kernels are built with -march=native: where the CPU has AMX, so does the build.
+    assert ops.amx_available() == has_amx
+    # The two paths round differently (P in bf16 on the tiles), so the outputs differ
+    # exactly when the AMX kernel ran.
+    assert torch.equal(outs[0], outs[1]) != has_amx
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -20,10 +20,14 @@
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
 #include <omp.h>
+#include <immintrin.h>
+#include <sys/syscall.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
 #include <limits>
 #include <type_traits>
@@ -594,6 +598,327 @@ void silu_mul_impl(at::Tensor& out, const at::Tensor& x) {
   });
 }
 
+// ------------------------------------------------ prefill attention on AMX tiles (bf16)
+//
+// A long run (a prefill chunk) attends to its paged context with both products on the
+// CPU's matrix unit: bf16 dot products into 16 x 16 float32 tiles (TDPBF16PS, 8192
+// multiply-adds per instruction), flash-attention style with an online softmax between them.
+// The products are taken transposed, S^T = K Q^T and O^T += V^T P^T, so that a tile row holds
+// one key (or one channel) for 16 queries: the softmax then runs down 16-query vectors with no
+// horizontal reductions, which is where a CPU flash attention spends its time (ATen's ran
+// these runs at ~0.35 TFLOP/s on a 2-core Sapphire Rapids VM).
+//
+// First, once per (run, kv head), the keys the run can see are copied key-major ([key, D])
+// and the values channel-major ([D, key]), zero up to a multiple of 32 keys. Then a work item
+// (run, kv head, up to kAmxQ query tokens) takes 16-token tiles and, for each query head of
+// the group and each 32-key chunk up to the tile's last position: S^T (two tiles), mask and
+// scale, running max and sum per query, P rounded to bf16 (as flash attention on GPUs does),
+// O^T = O^T * alpha + V^T P^T.
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BW__)
+constexpr int kAmxQ = 64;  // query tokens per work item
+
+struct alignas(64) TileConfig {
+  uint8_t palette = 1, start_row = 0;
+  uint8_t reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+// Off with FLUIDSERVE_NO_AMX set (ATen's flash attention then takes the long runs).
+bool g_amx_enabled = std::getenv("FLUIDSERVE_NO_AMX") == nullptr;
+
+// The kernel asks Linux once for permission to use the tile registers (oneDNN does the same).
+bool amx_permitted() {
+  static const bool ok = [] {
+    constexpr long kArchReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
+    return syscall(SYS_arch_prctl, kArchReqXcompPerm, kXfeatureXtiledata) == 0;
+  }();
+  return ok;
+}
+
+// 2^t for t <= 0 on 16 lanes: 2^round(t) times a degree-4 polynomial for 2^f, |f| <= 1/2
+// (relative error < 5e-5, well below the bf16 rounding of P). With ``clamp``, -inf (a masked
+// score) gives 0; without, t must be finite.
+template <bool clamp>
+inline __m512 exp2_neg(__m512 t) {
+  if constexpr (clamp) t = _mm512_max_ps(t, _mm512_set1_ps(-126.0f));
+  const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m512 f = _mm512_sub_ps(t, n);
+  __m512 y = _mm512_set1_ps(9.6181291e-3f);
+  y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(5.5504109e-2f));
+  y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(2.4022651e-1f));
+  y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(6.9314718e-1f));
+  y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(1.0f));
+  return _mm512_scalef_ps(y, n);
+}
+
+// 16 x 16 float32 transpose in registers: r[i] becomes column i.
+inline void transpose16(__m512 r[16]) {
+  __m512 t[16];
+  for (int i = 0; i < 16; i += 2) {
+    t[i] = _mm512_unpacklo_ps(r[i], r[i + 1]);
+    t[i + 1] = _mm512_unpackhi_ps(r[i], r[i + 1]);
+  }
+  for (int i = 0; i < 16; i += 4) {
+    const __m512d a = _mm512_castps_pd(t[i]), b = _mm512_castps_pd(t[i + 1]);
+    const __m512d c = _mm512_castps_pd(t[i + 2]), d = _mm512_castps_pd(t[i + 3]);
+    r[i] = _mm512_castpd_ps(_mm512_unpacklo_pd(a, c));
+    r[i + 1] = _mm512_castpd_ps(_mm512_unpackhi_pd(a, c));
+    r[i + 2] = _mm512_castpd_ps(_mm512_unpacklo_pd(b, d));
+    r[i + 3] = _mm512_castpd_ps(_mm512_unpackhi_pd(b, d));
+  }
+  for (int i = 0; i < 4; ++i) {
+    t[i] = _mm512_shuffle_f32x4(r[i], r[i + 4], 0x88);
+    t[i + 4] = _mm512_shuffle_f32x4(r[i], r[i + 4], 0xdd);
+    t[i + 8] = _mm512_shuffle_f32x4(r[i + 8], r[i + 12], 0x88);
+    t[i + 12] = _mm512_shuffle_f32x4(r[i + 8], r[i + 12], 0xdd);
+  }
+  for (int i = 0; i < 4; ++i) {
+    r[i] = _mm512_shuffle_f32x4(t[i], t[i + 8], 0x88);
+    r[i + 8] = _mm512_shuffle_f32x4(t[i], t[i + 8], 0xdd);
+    r[i + 4] = _mm512_shuffle_f32x4(t[i + 4], t[i + 12], 0x88);
+    r[i + 12] = _mm512_shuffle_f32x4(t[i + 4], t[i + 12], 0xdd);
+  }
+}
+
+// 16 bf16 (or any 16-bit) values widened to 32-bit lanes and back, bits unchanged: the
+// transposes below move 16-bit data through the float transpose.
+inline __m512 widen16(const uint16_t* p) {
+  return _mm512_castsi512_ps(
+      _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))));
+}
+inline void narrow16(uint16_t* p, __m512 v) {
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p),
+                      _mm512_cvtepi32_epi16(_mm512_castps_si512(v)));
+}
+
+struct AmxRun {
+  int32_t run, keys, padded;  // keys the run sees; padded to a multiple of 32
+  int64_t offset;             // of its kv heads' packed keys (then values) in the buffer
+};
+
+// Keys 0 .. keys - 1 of kv head g key-major into kp [padded, D] and values channel-major
+// into vt [D, padded], 16 x 16 blocks at a time; the padding is zero.
+void amx_pack(const Batch& b, const AmxRun& r, int g, int BS, const uint16_t* kc,
+              const uint16_t* vc, uint16_t* kp, uint16_t* vt) {
+  const int D = b.D;
+  const int64_t kv_stride = static_cast<int64_t>(b.Hkv) * BS * D;
+  const int32_t* table = b.tables + r.run * b.table_stride;
+  __m512 x[16];
+  // Whole 16-key groups: past the context they copy stale cache slots, zeroed below.
+  for (int key0 = 0; key0 < r.keys; key0 += 16) {
+    const int64_t base = table[key0 / BS] * kv_stride + static_cast<int64_t>(g) * BS * D;
+    const uint16_t* kt = kc + base + key0 % BS;       // [D, BS] from column key0 % BS
+    const uint16_t* vb = vc + base + (key0 % BS) * D;  // [BS, D] from row key0 % BS
+    for (int d0 = 0; d0 < D; d0 += 16) {
+      for (int i = 0; i < 16; ++i) x[i] = widen16(kt + (d0 + i) * BS);  // channel d0 + i
+      transpose16(x);
+      for (int j = 0; j < 16; ++j) narrow16(kp + static_cast<int64_t>(key0 + j) * D + d0, x[j]);
+      for (int j = 0; j < 16; ++j) x[j] = widen16(vb + j * D + d0);  // key key0 + j
+      transpose16(x);
+      for (int i = 0; i < 16; ++i)
+        narrow16(vt + static_cast<int64_t>(d0 + i) * r.padded + key0, x[i]);
+    }
+  }
+  std::memset(kp + static_cast<int64_t>(r.keys) * D, 0, (r.padded - r.keys) * D * 2);
+  for (int d = 0; d < D; ++d)
+    std::memset(vt + static_cast<int64_t>(d) * r.padded + r.keys, 0, (r.padded - r.keys) * 2);
+}
+
+struct AmxItem {
+  int32_t run_index, kv_head, tok0, toks;
+};
+
+void amx_item(const AmxItem& w, const std::vector<AmxRun>& runs, const Batch& b,
+              const uint16_t* q, uint16_t* out, const uint16_t* packed) {
+  const AmxRun& r = runs[w.run_index];
+  const int D = b.D, G = b.H / b.Hkv, DC = D / 32, DB = D / 16;
+  const int q0 = b.cu_q[r.run];
+  const int q_len = b.cu_q[r.run + 1] - q0;
+  const int first_pos = b.ctx_lens[r.run] - q_len;
+  const uint16_t* kp = packed + r.offset + static_cast<int64_t>(w.kv_head) * 2 * r.padded * D;
+  const uint16_t* vt = kp + static_cast<int64_t>(r.padded) * D;
+  const float c = b.scale * 1.4426950408889634f;  // scores in log2 units
+
+  alignas(64) uint16_t qt[kMaxHeadDim / 32][16 * 32];  // Q^T, VNNI: [d pair][query][2]
+  alignas(64) float st[32 * 16];                       // S^T of one chunk: [key][query]
+  alignas(64) uint16_t pt[16 * 32];                    // P^T, VNNI: [key pair][query][2]
+  alignas(64) float cb[2][16 * 16];
+  alignas(64) float ot[kMaxHeadDim * 16];  // O^T: [channel][query]
+  static const __m512i pair_idx = _mm512_set_epi16(
+      31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8,
+      23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+  const __m512i lanes = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
+  for (int t0 = w.tok0; t0 < w.tok0 + w.toks; t0 += 16) {
+    const int nt = std::min(16, w.tok0 + w.toks - t0);
+    // Position of each query lane; padding lanes see every key (their output is dropped).
+    const __m512i qpos = _mm512_mask_blend_epi32(
+        _mm512_cmplt_epi32_mask(lanes, _mm512_set1_epi32(nt)), _mm512_set1_epi32(1 << 30),
+        _mm512_add_epi32(lanes, _mm512_set1_epi32(first_pos + t0)));
+    const int min_pos = first_pos + t0, max_pos = first_pos + t0 + nt - 1;
+    const int chunks = max_pos / 32 + 1;
+    for (int hh = 0; hh < G; ++hh) {
+      const int h = w.kv_head * G + hh;
+      for (int dc = 0; dc < DC; ++dc) {  // as 32-bit pairs: a 16 x 16 transpose per 32 d
+        __m512 y[16];
+        for (int t = 0; t < 16; ++t)
+          y[t] = t < nt ? _mm512_loadu_ps(reinterpret_cast<const float*>(
+                              q + (static_cast<int64_t>(q0 + t0 + t) * b.H + h) * D + 32 * dc))
+                        : _mm512_setzero_ps();
+        transpose16(y);
+        for (int i = 0; i < 16; ++i) _mm512_store_ps(reinterpret_cast<float*>(qt[dc] + 32 * i), y[i]);
+      }
+      __m512 m = _mm512_set1_ps(kNegInf), l = _mm512_setzero_ps();
+      std::fill(ot, ot + D * 16, 0.0f);
+      for (int ch = 0; ch < chunks; ++ch) {
+        const int key0 = 32 * ch;
+        _tile_zero(0);
+        _tile_zero(1);
+        for (int dc = 0; dc < DC; ++dc) {
+          _tile_loadd(3, qt[dc], 64);
+          _tile_loadd(2, kp + static_cast<int64_t>(key0) * D + 32 * dc, D * 2);
+          _tile_dpbf16ps(0, 2, 3);
+          _tile_loadd(2, kp + static_cast<int64_t>(key0 + 16) * D + 32 * dc, D * 2);
+          _tile_dpbf16ps(1, 2, 3);
+        }
+        _tile_stored(0, st, 64);
+        _tile_stored(1, st + 256, 64);
+        __m512 x[32];
+        const bool edge = key0 + 31 > min_pos;  // some key of the chunk is after some query
+        __m512 mx = _mm512_set1_ps(kNegInf);
+        for (int j = 0; j < 32; ++j) {
+          x[j] = _mm512_load_ps(st + 16 * j);
+          if (edge)
+            x[j] = _mm512_mask_blend_ps(
+                _mm512_cmplt_epi32_mask(qpos, _mm512_set1_epi32(key0 + j)), x[j],
+                _mm512_set1_ps(kNegInf));
+          mx = _mm512_max_ps(mx, x[j]);
+        }
+        const __m512 m_new = _mm512_max_ps(m, _mm512_mul_ps(mx, _mm512_set1_ps(c)));
+        // m is -inf until a lane has seen a key: its alpha is then 0 (nothing to rescale).
+        const __m512 alpha = exp2_neg<true>(_mm512_sub_ps(m, m_new));
+        m = m_new;
+        const __m512 neg_m = _mm512_sub_ps(_mm512_setzero_ps(), m_new);
+        __m512 sum = _mm512_setzero_ps();
+        auto probabilities = [&](auto exp2) {
+          for (int j = 0; j < 32; j += 2) {
+            const __m512 p0 = exp2(_mm512_fmadd_ps(x[j], _mm512_set1_ps(c), neg_m));
+            const __m512 p1 = exp2(_mm512_fmadd_ps(x[j + 1], _mm512_set1_ps(c), neg_m));
+            sum = _mm512_add_ps(sum, _mm512_add_ps(p0, p1));
+            const __m512i pb = (__m512i)_mm512_cvtne2ps_pbh(p1, p0);
+            _mm512_store_si512(pt + 16 * j, _mm512_permutexvar_epi16(pair_idx, pb));
+          }
+        };
+        if (edge)  // masked scores are -inf
+          probabilities([](__m512 t) { return exp2_neg<true>(t); });
+        else
+          probabilities([](__m512 t) { return exp2_neg<false>(t); });
+        l = _mm512_fmadd_ps(l, alpha, sum);
+        _tile_loadd(3, pt, 64);
+        for (int db = 0; db < DB; ++db) {
+          const int tile = db & 1;  // two accumulators in flight
+          if (tile == 0) {
+            _tile_zero(0);
+            _tile_loadd(2, vt + static_cast<int64_t>(16 * db) * r.padded + key0, r.padded * 2);
+            _tile_dpbf16ps(0, 2, 3);
+            _tile_stored(0, cb[0], 64);
+          } else {
+            _tile_zero(1);
+            _tile_loadd(2, vt + static_cast<int64_t>(16 * db) * r.padded + key0, r.padded * 2);
+            _tile_dpbf16ps(1, 2, 3);
+            _tile_stored(1, cb[1], 64);
+          }
+          float* o = ot + 16 * db * 16;
+          for (int d = 0; d < 16; ++d)
+            _mm512_store_ps(o + 16 * d, _mm512_fmadd_ps(_mm512_load_ps(o + 16 * d), alpha,
+                                                        _mm512_load_ps(cb[tile] + 16 * d)));
+        }
+      }
+      const __m512 inv = _mm512_div_ps(_mm512_set1_ps(1.0f), l);
+      for (int d0 = 0; d0 < D; d0 += 16) {  // O^T rows d0 .. d0 + 15 become 16-channel rows
+        __m512 y[16];
+        for (int i = 0; i < 16; ++i) y[i] = _mm512_mul_ps(_mm512_load_ps(ot + (d0 + i) * 16), inv);
+        transpose16(y);
+        for (int t = 0; t < nt; ++t) {
+          v16f row;
+          std::memcpy(&row, &y[t], 64);
+          store16(reinterpret_cast<c10::BFloat16*>(
+                      out + (static_cast<int64_t>(q0 + t0 + t) * b.H + h) * D + d0), row);
+        }
+      }
+    }
+  }
+}
+
+// Runs flagged in ``long_run`` on AMX tiles; false when this batch cannot use them (then the
+// caller takes ATen's flash attention).
+bool amx_long_runs(const Batch& b, int64_t S, int BS, const std::vector<uint8_t>& long_run,
+                   const at::Tensor& q, at::Tensor& out, const at::Tensor& k_cache,
+                   const at::Tensor& v_cache) {
+  if (!g_amx_enabled || q.scalar_type() != at::kBFloat16 || b.D % 32 != 0 ||
+      !amx_permitted())
+    return false;
+  std::vector<AmxRun> runs;
+  int64_t total = 0;
+  for (int32_t s = 0; s < S; ++s) {
+    if (!long_run[s]) continue;
+    const int keys = b.ctx_lens[s];
+    const int padded = (keys + 31) / 32 * 32;
+    runs.push_back({s, keys, padded, total});
+    total += static_cast<int64_t>(b.Hkv) * 2 * padded * b.D;
+  }
+  std::vector<AmxItem> items;
+  for (int i = 0; i < static_cast<int>(runs.size()); ++i) {
+    const int q_len = b.cu_q[runs[i].run + 1] - b.cu_q[runs[i].run];
+    for (int g = 0; g < b.Hkv; ++g)
+      for (int t0 = 0; t0 < q_len; t0 += kAmxQ)
+        items.push_back({i, g, t0, std::min(kAmxQ, q_len - t0)});
+  }
+  // Later query ranges see more keys: longest first, as for the other kernel's items.
+  auto reach = [&](const AmxItem& x) {
+    const AmxRun& r = runs[x.run_index];
+    return r.keys - (b.cu_q[r.run + 1] - b.cu_q[r.run]) + x.tok0;
+  };
+  std::sort(items.begin(), items.end(),
+            [&](const AmxItem& x, const AmxItem& y) { return reach(x) > reach(y); });
+  std::vector<uint16_t> packed(total);
+  const auto* qd = reinterpret_cast<const uint16_t*>(q.data_ptr<at::BFloat16>());
+  auto* od = reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>());
+  const auto* kc = reinterpret_cast<const uint16_t*>(k_cache.data_ptr<at::BFloat16>());
+  const auto* vc = reinterpret_cast<const uint16_t*>(v_cache.data_ptr<at::BFloat16>());
+  const int64_t n_pack = static_cast<int64_t>(runs.size()) * b.Hkv;
+  const int64_t n = static_cast<int64_t>(items.size());
+  const int threads = static_cast<int>(std::max<int64_t>(
+      1, std::min<int64_t>(at::get_num_threads(), std::max(n, n_pack))));
+  TileConfig cfg;
+  for (int t = 0; t < 4; ++t) {  // every tile used is 16 rows of 64 bytes
+    cfg.rows[t] = 16;
+    cfg.colsb[t] = 64;
+  }
+#pragma omp parallel num_threads(threads)
+  {
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t i = 0; i < n_pack; ++i) {
+      const AmxRun& r = runs[i / b.Hkv];
+      const int g = static_cast<int>(i % b.Hkv);
+      uint16_t* kp = packed.data() + r.offset + static_cast<int64_t>(g) * 2 * r.padded * b.D;
+      amx_pack(b, r, g, BS, kc, vc, kp, kp + static_cast<int64_t>(r.padded) * b.D);
+    }
+    _tile_loadconfig(&cfg);
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t i = 0; i < n; ++i) amx_item(items[i], runs, b, qd, od, packed.data());
+    _tile_release();
+  }
+  return true;
+}
+#else
+bool g_amx_enabled = false;
+bool amx_long_runs(const Batch&, int64_t, int, const std::vector<uint8_t>&, const at::Tensor&,
+                   at::Tensor&, const at::Tensor&, const at::Tensor&) {
+  return false;
+}
+#endif
+
 void check_common(const at::Tensor& k_cache, const at::Tensor& v_cache) {
   TORCH_CHECK(k_cache.dim() == 4 && v_cache.dim() == 4, "caches must be 4-D");
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "caches must be contiguous");
@@ -692,13 +1017,16 @@ void paged_attention(at::Tensor out, const at::Tensor& q, const at::Tensor& k,
           block_tables.data_ptr<int32_t>(), block_tables.size(1), H, Hkv, D,
           static_cast<float>(scale)};
   std::vector<uint8_t> long_run(S, 0);
+  bool any_long = false;
   for (int64_t s = 0; s < S; ++s) {
-    const int q_len = b.cu_q[s + 1] - b.cu_q[s];
-    if (q_len >= min_long_run) {
-      long_run[s] = 1;
-      long_run_attention(out, q, k, v, k_cache, v_cache, block_tables, s, b.cu_q[s], q_len,
-                         b.ctx_lens[s], scale);
-    }
+    long_run[s] = b.cu_q[s + 1] - b.cu_q[s] >= min_long_run;
+    any_long |= long_run[s];
+  }
+  if (any_long && !amx_long_runs(b, S, BS, long_run, q, out, k_cache, v_cache)) {
+    for (int64_t s = 0; s < S; ++s)
+      if (long_run[s])
+        long_run_attention(out, q, k, v, k_cache, v_cache, block_tables, s, b.cu_q[s],
+                           b.cu_q[s + 1] - b.cu_q[s], b.ctx_lens[s], scale);
   }
   const auto items = make_items(b, S, BS, long_run);
   AT_DISPATCH_SWITCH(q.scalar_type(), "paged_attention",
@@ -858,7 +1186,25 @@ std::vector<at::Tensor> decoder_layers(
   return {h, residual};
 }
 
+// Whether long runs may use the AMX kernel (where it is built); returns the previous value.
+bool use_amx(bool enabled) {
+  const bool previous = g_amx_enabled;
+  g_amx_enabled = enabled;
+  return previous;
+}
+
+// Whether this build has the AMX kernel and the kernel may run here.
+bool amx_available() {
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BW__)
+  return amx_permitted();
+#else
+  return false;
+#endif
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("use_amx", &use_amx, "Allow (or not) the AMX prefill attention; returns the old value");
+  m.def("amx_available", &amx_available, "Whether the AMX prefill attention can run here");
   m.def("fused_add_rms_norm", &fused_add_rms_norm, "residual += x; x = rmsnorm(residual) * w",
         py::call_guard<py::gil_scoped_release>());
   m.def("rms_norm", &rms_norm, "out = rmsnorm(x) * w", py::call_guard<py::gil_scoped_release>());

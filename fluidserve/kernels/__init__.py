@@ -21,7 +21,7 @@ from types import ModuleType
 log = logging.getLogger(__name__)
 
 _SOURCES = ("paged_attention_cpu.cpp",)
-_CFLAGS = ("-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-std=c++17")
+_CFLAGS = ("-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-std=c++20")
 _lock = threading.Lock()
 _cache: dict[str, ModuleType | None] = {}
 _errors: dict[str, str] = {}

@@ -39,7 +39,9 @@ class ModelConfig:
         None, "Path to a Hugging Face-format model directory. Default: the embedded model."
     )
     tokenizer: str | None = knob(None, "Tokenizer directory (default: the model directory).")
-    dtype: str = knob("float32", "Weight and activation dtype.", choices=DTYPES)
+    dtype: str = knob("auto", "Weight and activation dtype; auto: the checkpoint's own"
+                      " (config.json torch_dtype; float16 runs as bfloat16 on the CPU).",
+                      choices=("auto", *DTYPES))
     device: str = knob("cpu", "Torch device: cpu, cuda, cuda:N.")
     seed: int = knob(0, "Sampling seed for requests that do not carry one.")
     max_model_len: int | None = knob(
@@ -57,8 +59,9 @@ class ModelConfig:
         choices=("auto", "packed", "eager"))
 
     def __post_init__(self) -> None:
-        if self.dtype not in DTYPES:
-            raise ConfigError(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
+        if self.dtype not in ("auto", *DTYPES):
+            raise ConfigError(f"dtype must be auto or one of {', '.join(DTYPES)},"
+                              f" got {self.dtype!r}")
         if self.max_model_len is not None:
             _positive("max_model_len", self.max_model_len)
         if self.num_threads is not None:

@@ -40,17 +40,23 @@ def test_the_default_is_the_shipped_trained_model_within_20_mb(llm):
     assert llm.tokenizer.has_chat_template
 
 
-def test_greedy_tokens_match_transformers(llm):
+def test_runs_in_the_checkpoints_own_dtype_by_default(llm):
+    assert llm.config.model.dtype == "auto"
+    assert next(llm.engine.executor.model.parameters()).dtype == torch.bfloat16
+
+
+def test_greedy_tokens_match_transformers():
     """Every token the engine picks greedily is transformers' best next token (up to 1e-3 in
     logit, for near-ties between two float32 implementations)."""
     from transformers import LlamaForCausalLM
 
     ref = LlamaForCausalLM.from_pretrained(str(default_model_dir()),
                                            torch_dtype=torch.float32).eval()
-    for text in PROMPTS[:3]:
-        ids = llm.tokenizer.chat([{"role": "user", "content": text}])
-        out = llm.generate([ids], SamplingParams(max_tokens=24, temperature=0,
-                                                 ignore_eos=True))[0].token_ids
+    with LLM(dtype="float32") as llm:
+        chats = [llm.tokenizer.chat([{"role": "user", "content": t}]) for t in PROMPTS[:3]]
+        outs = [o.token_ids for o in llm.generate(
+            chats, SamplingParams(max_tokens=24, temperature=0, ignore_eos=True))]
+    for ids, out in zip(chats, outs, strict=True):
         with torch.no_grad():
             logits = ref(torch.tensor([list(ids) + out])).logits[0, len(ids) - 1:-1]
         chosen = logits[torch.arange(len(out)), torch.tensor(out)]

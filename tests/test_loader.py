@@ -90,3 +90,34 @@ def test_unsupported_rope_type(model_copy):
     edit_config(model_copy, rope_scaling={"rope_type": "yarn", "factor": 4.0})
     with pytest.raises(ModelLoadError, match="yarn"):
         load_model(model_copy)
+
+
+def test_dtype_auto_runs_the_checkpoint_in_its_own_dtype(tmp_path):
+    """``--dtype auto`` (the default, as in vllm serve): the dtype config.json names; float16
+    checkpoints run in bfloat16 on the CPU; float32 when the config names none."""
+    import json
+
+    import torch
+
+    from fluidserve.config import EngineConfig
+    from fluidserve.model.arch import read_arch
+    from fluidserve.model.builder import build_model_dir
+    from fluidserve.model.loader import resolve_dtype
+    from fluidserve.model.runner import ModelExecutor
+
+    assert EngineConfig.create(model="x").model.dtype == "auto"
+    bf16 = build_model_dir(tmp_path / "bf16", "tiny", dtype="bfloat16")
+    ex = ModelExecutor(str(bf16), num_blocks=8)
+    assert next(ex.model.parameters()).dtype == torch.bfloat16
+    assert ex.kv_caches[0][0].dtype == torch.bfloat16
+    arch = read_arch(bf16)
+    assert resolve_dtype("float32", arch) == "float32"  # an explicit choice wins
+    cfg = json.loads((bf16 / "config.json").read_text())
+    for named, want in (("float16", "bfloat16"), ("float32", "float32"), (None, "float32")):
+        cfg["torch_dtype"] = named
+        (bf16 / "config.json").write_text(json.dumps(cfg))
+        assert resolve_dtype("auto", read_arch(bf16)) == want
+    assert resolve_dtype("auto", read_arch(bf16), "cuda") == "float32"
+    cfg["torch_dtype"] = "float16"
+    (bf16 / "config.json").write_text(json.dumps(cfg))
+    assert resolve_dtype("auto", read_arch(bf16), "cuda") == "float16"

@@ -14,6 +14,20 @@ from fluidserve.model.llama import LlamaForCausalLM, Rotary, Shard, TensorParall
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
+
+def resolve_dtype(requested: str, arch, device: str = "cpu") -> str:
+    """The dtype to run: ``requested``, or for ``auto`` (the default, as in ``vllm serve``) the
+    checkpoint's own (config.json ``torch_dtype``; float32 when it names none). A float16
+    checkpoint runs in bfloat16 on the CPU, whose matrix units and kernels are built for it."""
+    if requested != "auto":
+        return requested
+    name = str(arch.dtype or "float32").removeprefix("torch.")
+    if name not in DTYPES:
+        name = "float32"
+    if name == "float16" and device == "cpu":
+        name = "bfloat16"
+    return name
+
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
 # HF parameter suffix -> (our module path, slot in the fused tensor or None)
 _FUSED = {

@@ -9,6 +9,7 @@ from pathlib import Path
 from fluidserve.core.scheduler.output import RunnerOutput, SchedulerOutput
 from fluidserve.model.arch import read_arch
 from fluidserve.model.inputs import prepare_inputs
+from fluidserve.model.loader import resolve_dtype
 from fluidserve.model.worker import (
     Worker,
     WorkerSpec,
@@ -35,7 +36,7 @@ class ModelExecutor:
         self,
         model_dir: str | Path,
         *,
-        dtype: str = "float32",
+        dtype: str = "auto",
         device: str = "cpu",
         block_size: int = 16,
         num_blocks: int | None = None,
@@ -45,6 +46,7 @@ class ModelExecutor:
         linear_backend: str = "auto",
     ) -> None:
         arch = read_arch(model_dir)
+        dtype = resolve_dtype(dtype, arch, device)
         blocks = num_blocks or kv_cache_blocks(arch, dtype, block_size, kv_cache_memory_gb)
         spec = WorkerSpec(str(model_dir), dtype, device, block_size, blocks,
                           resolve_max_model_len(arch, max_model_len), attention_backend,

@@ -21,7 +21,7 @@ from fluidserve.model.host_memory import keep_freed_memory
 from fluidserve.model.inputs import StepInputs
 from fluidserve.model.linear import pack_linear_layers, packed_linear_supported
 from fluidserve.model.llama import Shard, TensorParallel
-from fluidserve.model.loader import DTYPES, load_model
+from fluidserve.model.loader import DTYPES, load_model, resolve_dtype
 from fluidserve.model.sampler import sample
 
 
@@ -59,9 +59,10 @@ def plan_workers(model_dir: str | Path, config) -> tuple[ArchConfig, WorkerSpec]
     m, c, p = config.model, config.cache, config.parallel
     arch = read_arch(model_dir)
     Shard(0, p.tensor_parallel_size, 0, p.pipeline_parallel_size).check(arch)
-    blocks = c.num_kv_blocks or kv_cache_blocks(arch, m.dtype, c.block_size, c.kv_cache_memory_gb,
+    dtype = resolve_dtype(m.dtype, arch, m.device)
+    blocks = c.num_kv_blocks or kv_cache_blocks(arch, dtype, c.block_size, c.kv_cache_memory_gb,
                                                 p.tensor_parallel_size, p.pipeline_parallel_size)
-    spec = WorkerSpec(str(model_dir), m.dtype, m.device, c.block_size, blocks,
+    spec = WorkerSpec(str(model_dir), dtype, m.device, c.block_size, blocks,
                       resolve_max_model_len(arch, m.max_model_len), m.attention_backend,
                       m.linear_backend)
     return arch, spec

@@ -96,7 +96,8 @@ def _cmd_generate(args: argparse.Namespace) -> int:
 def _cmd_build_model(args: argparse.Namespace) -> int:
     from fluidserve.model.builder import build_model_dir
 
-    out = build_model_dir(args.out, args.shape, dtype=args.dtype, seed=args.seed)
+    out = build_model_dir(args.out, args.shape, dtype=args.dtype, seed=args.seed,
+                          device=args.device)
     from fluidserve.model.arch import read_arch
 
     print(f"wrote {out} ({read_arch(out).num_params / 1e6:.1f}M parameters, {args.dtype})")
@@ -231,6 +232,8 @@ def build_parser() -> argparse.ArgumentParser:
     bld.add_argument("--shape", default="250m", choices=sorted(SHAPES), help="Model shape.")
     bld.add_argument("--dtype", default="bfloat16", choices=("float32", "bfloat16", "float16"))
     bld.add_argument("--seed", type=int, default=0)
+    bld.add_argument("--device", default="cpu",
+                     help="Draw the random weights here (cuda: seconds for an 8B model).")
     bld.set_defaults(func=_cmd_build_model)
     return parser
 

@@ -50,15 +50,23 @@ class ModelConfig:
     num_threads: int | None = knob(
         None, "Torch intra-op threads on CPU, per worker process (default: torch's).")
     attention_backend: str = knob(
-        "auto", "native: the compiled paged-attention kernel (built once per machine); eager:"
-        " PyTorch reference code; auto: native where it builds and supports the shape.",
-        choices=("auto", "native", "eager"))
+        "auto", "native: the compiled CPU kernels for attention and the fused operators (built"
+        " once per machine); triton: their Triton counterparts on CUDA; eager: PyTorch"
+        " reference code; auto: native on the CPU, triton on CUDA, where each can run.",
+        choices=("auto", "native", "triton", "eager"))
     linear_backend: str = knob(
         "auto", "packed: oneDNN linear layers on weights prepacked at load (CPU); eager:"
         " F.linear; auto: packed where oneDNN supports the dtype.",
         choices=("auto", "packed", "eager"))
+    enforce_eager: bool = knob(
+        False, "CUDA: run every step eagerly, with no CUDA graphs (by default decode-only"
+        " batches replay graphs captured at start-up).")
+    max_cudagraph_capture_size: int = knob(
+        256, "CUDA: the largest decode batch captured in a CUDA graph (capped by"
+        " --max-num-seqs); larger batches run eagerly.")
 
     def __post_init__(self) -> None:
+        _positive("max_cudagraph_capture_size", self.max_cudagraph_capture_size)
         if self.dtype not in ("auto", *DTYPES):
             raise ConfigError(f"dtype must be auto or one of {', '.join(DTYPES)},"
                               f" got {self.dtype!r}")

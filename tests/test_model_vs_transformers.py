@@ -13,8 +13,13 @@ from .conftest import ARCHS
 
 BS = 16
 GREEDY = SamplingParams(temperature=0.0)
-# (attention, linear) backends: the compiled/prepacked fast path and the eager reference.
-BACKENDS = [("native", "packed"), ("eager", "eager")]
+CUDA = torch.cuda.is_available()
+# (device, attention, linear): the compiled/prepacked CPU fast path, the Triton kernels (the
+# CUDA fast path: compiled on a GPU, else through Triton's interpreter on the CPU) and the eager
+# reference, on every device there is.
+BACKENDS = [("cpu", "native", "packed"), ("cpu", "eager", "eager"),
+            ("cuda" if CUDA else "cpu", "triton", "eager")] + ([("cuda", "eager", "eager")] if CUDA
+                                                              else [])
 
 
 def hf_logits(model_dir, ids: list[int]) -> torch.Tensor:
@@ -42,9 +47,10 @@ def chunk(rid: str, ids: list[int], start: int, n: int, table: list[int]) -> Sch
 @pytest.mark.parametrize("backends", BACKENDS, ids=lambda b: "-".join(b))
 @pytest.mark.parametrize("arch", ARCHS)
 def test_chunked_prefill_and_decode_logits_match_transformers(hf_models, arch, backends):
-    ex = ModelExecutor(hf_models[arch], num_blocks=64, block_size=BS,
-                       attention_backend=backends[0], linear_backend=backends[1])
-    assert ex.native_attention == (backends[0] == "native")
+    device, attention, linear = backends
+    ex = ModelExecutor(hf_models[arch], dtype="float32", device=device, num_blocks=64,
+                       block_size=BS, attention_backend=attention, linear_backend=linear)
+    assert ex.attention == attention
     g = torch.Generator().manual_seed(1)
     a = torch.randint(3, ex.arch.vocab_size, (45,), generator=g).tolist()
     b = torch.randint(3, ex.arch.vocab_size, (23,), generator=g).tolist()
@@ -61,7 +67,7 @@ def test_chunked_prefill_and_decode_logits_match_transformers(hf_models, arch, b
     ]
     with torch.inference_mode():
         for i, chunks in enumerate(plans):
-            got = ex.logits(SchedulerOutput(i, chunks))
+            got = ex.logits(SchedulerOutput(i, chunks)).cpu()
             for row, c in enumerate(chunks):
                 ref = (ref_a if c.request_id == "a" else ref_b)[c.context_len - 1]
                 torch.testing.assert_close(
@@ -73,15 +79,21 @@ def test_chunked_prefill_and_decode_logits_match_transformers(hf_models, arch, b
                 )
 
 
-@pytest.mark.parametrize("backends", BACKENDS, ids=lambda b: "-".join(b))
+# Triton's interpreter cannot load bfloat16: without a GPU the Triton path is checked in
+# float32 (above) and float16 (in test_triton_kernels.py).
+BF16_BACKENDS = [b for b in BACKENDS if b[1] != "triton" or b[0] == "cuda"]
+
+
+@pytest.mark.parametrize("backends", BF16_BACKENDS, ids=lambda b: "-".join(b))
 @pytest.mark.parametrize("arch", ARCHS)
 def test_bfloat16_logits_close_to_transformers(hf_models, arch, backends):
-    ex = ModelExecutor(hf_models[arch], dtype="bfloat16", num_blocks=16, block_size=BS,
-                       attention_backend=backends[0], linear_backend=backends[1])
+    device, attention, linear = backends
+    ex = ModelExecutor(hf_models[arch], dtype="bfloat16", device=device, num_blocks=16,
+                       block_size=BS, attention_backend=attention, linear_backend=linear)
     ids = list(range(5, 40))
     ref = hf_logits(hf_models[arch], ids)[-1]
     with torch.inference_mode():
-        got = ex.logits(SchedulerOutput(0, [chunk("a", ids, 0, len(ids), [3, 0, 1])]))[0]
+        got = ex.logits(SchedulerOutput(0, [chunk("a", ids, 0, len(ids), [3, 0, 1])]))[0].cpu()
     assert ex.kv_caches[0][0].dtype == torch.bfloat16
     # bf16 keeps ~3 significant digits; compare against the logit scale.
     assert (got - ref).abs().max() <= 0.05 * ref.abs().max()

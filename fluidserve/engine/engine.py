@@ -139,6 +139,7 @@ def build_model_executor(config: EngineConfig):
 
     from fluidserve.model.builder import default_model_dir
     from fluidserve.model.runner import ModelExecutor
+    from fluidserve.model.worker import cuda_graph_batch
 
     m, c, par = config.model, config.cache, config.parallel
     model_dir = str(m.model or default_model_dir())
@@ -168,5 +169,6 @@ def build_model_executor(config: EngineConfig):
         max_model_len=m.max_model_len,
         attention_backend=m.attention_backend,
         linear_backend=m.linear_backend,
+        cuda_graph_max_batch=cuda_graph_batch(config),
     )
     return executor, model_dir

@@ -13,14 +13,18 @@ at offset ``i % block_size``):
   compiled kernel scores a query against a whole block with block-wide vector multiply-adds;
 - values ``[num_blocks, num_kv_heads, block_size, head_dim]``.
 
-Two implementations share this layout: the compiled kernel (``fluidserve.kernels``; one call
-per layer for the whole batch, no padding, no per-request Python) and the eager PyTorch code
-below, which is the reference and the fallback where the kernel cannot be built.
+Three implementations share this layout, picked by ``AttentionMetadata.backend``: ``native``,
+the compiled CPU kernel (``fluidserve.kernels``: one call per layer for the whole batch, no
+padding, no per-request Python); ``triton``, the same contract in Triton for GPUs
+(``fluidserve.kernels.triton_ops``); and ``eager``, the PyTorch code below, which is the
+reference and the fallback where neither can run.
 """
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
+from types import ModuleType
 
 import torch
 import torch.nn.functional as F
@@ -38,7 +42,28 @@ class AttentionMetadata:
     block_tables: torch.Tensor  # [S, max_blocks] int32, padded with block 0
     block_size: int
     runs: list[tuple[int, int, int]]  # (q_start, q_len, ctx_len) per run, on the host
-    native: bool = True  # use the compiled kernel
+    backend: str = "native"  # native (compiled CPU kernels) | triton | eager
+    tiles: object = None  # triton: the launch grid (triton_ops.AttentionTiles)
+
+    @property
+    def compiled(self) -> bool:
+        """True when the layers run on kernels (``ops``), False on the eager reference."""
+        return self.backend != "eager"
+
+    @property
+    def ops(self) -> ModuleType:
+        """The kernel module of this backend (same call signatures on every device)."""
+        return kernel_ops(self.backend)
+
+
+def kernel_ops(backend: str) -> ModuleType:
+    if backend == "triton":
+        from fluidserve.kernels import triton_ops
+
+        return triton_ops
+    from fluidserve.kernels import cpu_ops
+
+    return cpu_ops()
 
 
 def new_kv_cache(num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
@@ -58,6 +83,22 @@ def native_supported(block_size: int, head_dim: int, device: torch.device) -> bo
         and head_dim <= 256
 
 
+def triton_unsupported(head_dim: int, device: torch.device) -> str | None:
+    """Why the Triton kernels cannot run here, or None. On the CPU they run only under
+    Triton's interpreter (``TRITON_INTERPRET=1``), which the tests use."""
+    if device.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
+        return "needs a CUDA device (or TRITON_INTERPRET=1 on the CPU, for testing)"
+    if device.type not in ("cpu", "cuda"):
+        return f"device {device.type} not supported"
+    if head_dim > 256:
+        return f"head_dim {head_dim} > 256"
+    try:
+        import triton  # noqa: F401
+    except ImportError as e:
+        return f"triton is not installed ({e})"
+    return None
+
+
 def paged_attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -69,12 +110,14 @@ def paged_attention(
 ) -> torch.Tensor:
     """q: [T, H, D]; k, v: [T, Hkv, D] (this batch's new tokens). Returns [T, H, D]."""
     out = torch.empty_like(q)
-    if meta.native:
-        from fluidserve.kernels import cpu_ops
-
-        cpu_ops().paged_attention(out, q, k.contiguous(), v.contiguous(), k_cache, v_cache,
-                                  meta.slot_mapping, meta.cu_q, meta.ctx_lens, meta.block_tables,
-                                  scale, MIN_LONG_RUN)
+    if meta.backend == "native":
+        meta.ops.paged_attention(out, q, k.contiguous(), v.contiguous(), k_cache, v_cache,
+                                 meta.slot_mapping, meta.cu_q, meta.ctx_lens, meta.block_tables,
+                                 scale, MIN_LONG_RUN)
+        return out
+    if meta.backend == "triton":
+        meta.ops.paged_attention(out, q, k, v, k_cache, v_cache, meta.slot_mapping, meta.cu_q,
+                                 meta.ctx_lens, meta.block_tables, scale, meta.tiles)
         return out
     write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
     singles = []

@@ -37,6 +37,7 @@ class ModelShape:
     vocab_size: int | None = None  # None: the tokenizer's size
     max_position_embeddings: int = 2048
     tie_word_embeddings: bool = True
+    rope_theta: float = 10000.0
 
 
 SHAPES = {
@@ -46,6 +47,11 @@ SHAPES = {
     "250m": ModelShape(1024, 2816, 20, 16, 8, vocab_size=32000, max_position_embeddings=4096),
     # ~213M parameters, grouped-query attention 16/4: the shape of the engine races.
     "200m-gqa": ModelShape(1024, 2816, 16, 16, 4, vocab_size=32000, max_position_embeddings=4096),
+    # Llama-3-8B's shape (8.03B parameters, GQA 32/8, 128256-token vocabulary, untied head):
+    # the GPU decode benchmark. Random weights; use build-model --device cuda to make them fast.
+    "llama3-8b": ModelShape(4096, 14336, 32, 32, 8, vocab_size=128256,
+                            max_position_embeddings=8192, tie_word_embeddings=False,
+                            rope_theta=500000.0),
 }
 DEFAULT_SHAPE = "tiny"
 
@@ -109,7 +115,7 @@ def hf_config(shape: ModelShape, vocab_size: int, dtype: str, bos: int, eos: int
         "vocab_size": vocab_size,
         "max_position_embeddings": shape.max_position_embeddings,
         "rms_norm_eps": 1e-5,
-        "rope_theta": 10000.0,
+        "rope_theta": shape.rope_theta,
         "hidden_act": "silu",
         "tie_word_embeddings": shape.tie_word_embeddings,
         "attention_bias": False,
@@ -119,17 +125,18 @@ def hf_config(shape: ModelShape, vocab_size: int, dtype: str, bos: int, eos: int
     }
 
 
-def random_weights(cfg: dict, seed: int, dtype):
-    """HF-named tensors, N(0, 0.02) for matrices and ones for norms, from a seeded generator."""
+def random_weights(cfg: dict, seed: int, dtype, device: str = "cpu"):
+    """HF-named tensors, N(0, 0.02) for matrices and ones for norms, from a seeded generator
+    on ``device`` (the same seed draws other values on a GPU than on the CPU)."""
     import torch
 
-    g = torch.Generator().manual_seed(seed)
+    g = torch.Generator(device).manual_seed(seed)
     h, f, v = cfg["hidden_size"], cfg["intermediate_size"], cfg["vocab_size"]
     d = cfg["head_dim"]
     q, kv = cfg["num_attention_heads"] * d, cfg["num_key_value_heads"] * d
 
     def normal(*shape: int):
-        return (torch.randn(*shape, generator=g) * 0.02).to(dtype)
+        return (torch.randn(*shape, generator=g, device=device) * 0.02).to(dtype).cpu()
 
     w = {"model.embed_tokens.weight": normal(v, h), "model.norm.weight": torch.ones(h, dtype=dtype)}
     for i in range(cfg["num_hidden_layers"]):
@@ -184,6 +191,7 @@ def build_model_dir(
     dtype: str = "float32",
     seed: int = 0,
     max_shard_bytes: int = 2 << 30,
+    device: str = "cpu",
 ) -> Path:
     """Write a complete HF-format Llama model directory (tokenizer included) to ``out_dir``."""
     if isinstance(shape, str):
@@ -200,7 +208,7 @@ def build_model_dir(
     torch_dtype = getattr(torch, dtype)
     cfg = hf_config(shape, vocab, dtype, SPECIAL_TOKENS.index("<s>"), SPECIAL_TOKENS.index("</s>"))
     (out_dir / "config.json").write_text(json.dumps(cfg, indent=2))
-    save_sharded(random_weights(cfg, seed, torch_dtype), out_dir, max_shard_bytes)
+    save_sharded(random_weights(cfg, seed, torch_dtype, device), out_dir, max_shard_bytes)
     return out_dir
 
 

@@ -29,23 +29,18 @@ class RMSNorm(nn.Module):
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * x.to(dtype)
 
-    # Compiled variants (fluidserve.kernels), rounding as the eager code does.
-    def native(self, x: torch.Tensor) -> torch.Tensor:
+    # Kernel variants (``ops``: the compiled CPU or the Triton kernels), rounding as the eager
+    # code does.
+    def native(self, x: torch.Tensor, ops) -> torch.Tensor:
         out = torch.empty_like(x)
-        _ops().rms_norm(out, x, self.weight, self.eps)
+        ops.rms_norm(out, x, self.weight, self.eps)
         return out
 
-    def add_native(self, x: torch.Tensor, residual: torch.Tensor
+    def add_native(self, x: torch.Tensor, residual: torch.Tensor, ops
                    ) -> tuple[torch.Tensor, torch.Tensor]:
         """(norm(residual + x), residual + x), computed in place in x and residual."""
-        _ops().fused_add_rms_norm(x, residual, self.weight, self.eps)
+        ops.fused_add_rms_norm(x, residual, self.weight, self.eps)
         return x, residual
-
-
-def _ops():
-    from fluidserve.kernels import cpu_ops
-
-    return cpu_ops()
 
 
 def rope_inv_freq(cfg: ArchConfig) -> torch.Tensor:
@@ -162,8 +157,10 @@ class Attention(nn.Module):
         q = qkv[:, : h * d].view(t, h, d)
         k = qkv[:, h * d : (h + hkv) * d].view(t, hkv, d)
         v = qkv[:, (h + hkv) * d :].view(t, hkv, d)
-        _ops().rope(q, k, positions, rotary.cos, rotary.sin)
-        o = paged_attention(q.contiguous(), k, v, kv[0], kv[1], meta, self.scale)
+        meta.ops.rope(q, k, positions, rotary.cos, rotary.sin)
+        if meta.backend == "native":  # the CPU kernel reads dense queries; Triton, strides
+            q = q.contiguous()
+        o = paged_attention(q, k, v, kv[0], kv[1], meta, self.scale)
         return self.tp.all_reduce(self.o_proj(o.reshape(t, h * d)))
 
 
@@ -181,10 +178,10 @@ class MLP(nn.Module):
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
         return self.tp.all_reduce(self.down_proj(F.silu(gate) * up))
 
-    def forward_native(self, x: torch.Tensor) -> torch.Tensor:
+    def forward_native(self, x: torch.Tensor, ops) -> torch.Tensor:
         gu = self.gate_up_proj(x)
         act = gu.new_empty(gu.shape[0], gu.shape[1] // 2)
-        _ops().silu_and_mul(act, gu)
+        ops.silu_and_mul(act, gu)
         return self.tp.all_reduce(self.down_proj(act))
 class DecoderLayer(nn.Module):
     def __init__(self, cfg: ArchConfig, tp: TensorParallel) -> None:
@@ -201,13 +198,14 @@ class DecoderLayer(nn.Module):
     def forward_native(self, h, residual, positions, rotary, meta, kv):
         """The same layer on the compiled kernels, as a (layer output, residual stream) pair:
         the residual add is fused into the next norm (x = residual + h)."""
+        ops = meta.ops
         if residual is None:
-            h, residual = self.input_layernorm.native(h), h
+            h, residual = self.input_layernorm.native(h, ops), h
         else:
-            h, residual = self.input_layernorm.add_native(h, residual)
+            h, residual = self.input_layernorm.add_native(h, residual, ops)
         h = self.self_attn.forward_native(h, positions, rotary, meta, kv)
-        h, residual = self.post_attention_layernorm.add_native(h, residual)
-        return self.mlp.forward_native(h), residual
+        h, residual = self.post_attention_layernorm.add_native(h, residual, ops)
+        return self.mlp.forward_native(h, ops), residual
 
 
 # Batches run the decoder layers in one compiled call (``kernels: decoder_layers``): the same
@@ -242,16 +240,17 @@ class LlamaForCausalLM(nn.Module):
 
     def _fused_layers(self, x, positions, meta, kv_caches):
         """This stage's decoder layers in one compiled call, if every layer runs on the
-        compiled kernels and prepacked linears without a tensor-parallel all-reduce; else
+        compiled CPU kernels and prepacked linears without a tensor-parallel all-reduce; else
         None."""
-        if (FUSED_MAX_ROWS is not None and x.shape[0] > FUSED_MAX_ROWS) or not self.layers:
+        if meta.backend != "native" or not self.layers or (
+                FUSED_MAX_ROWS is not None and x.shape[0] > FUSED_MAX_ROWS):
             return None
         args = getattr(self, "_fused_args", None)
         if args is None:
             args = self._fused_args = self._collect_fused_args()
         if not args:
             return None
-        ops = _ops()
+        ops = meta.ops
         if ops is None or not hasattr(ops, "decoder_layers"):
             return None
         norms, weights, biases = args
@@ -288,7 +287,7 @@ class LlamaForCausalLM(nn.Module):
     ) -> torch.Tensor:
         """[S, vocab] logits on the last stage (model dtype), else [T, hidden] states."""
         x = self.embed_tokens(inputs) if self.shard.first else inputs
-        if meta.native and x.is_contiguous():
+        if meta.compiled and x.is_contiguous():
             fused = self._fused_layers(x, positions, meta, kv_caches)
             if fused is not None:
                 h, residual = fused
@@ -298,9 +297,9 @@ class LlamaForCausalLM(nn.Module):
                     h, residual = layer.forward_native(h, residual, positions, self.rotary,
                                                        meta, kv)
             if residual is not None:
-                if self.shard.last:  # only the sampled rows go on
-                    x = residual[logits_idx] + h[logits_idx]
-                    return self.lm_head(self.norm(x))
+                if self.shard.last:  # only the sampled rows go on: norm(residual + h)
+                    x, _ = self.norm.add_native(h[logits_idx], residual[logits_idx], meta.ops)
+                    return self.lm_head(x)
                 x = residual + h
             else:
                 x = h

@@ -44,17 +44,18 @@ class ModelExecutor:
         max_model_len: int | None = None,
         attention_backend: str = "auto",
         linear_backend: str = "auto",
+        cuda_graph_max_batch: int = 0,
     ) -> None:
         arch = read_arch(model_dir)
         dtype = resolve_dtype(dtype, arch, device)
         blocks = num_blocks or kv_cache_blocks(arch, dtype, block_size, kv_cache_memory_gb)
         spec = WorkerSpec(str(model_dir), dtype, device, block_size, blocks,
                           resolve_max_model_len(arch, max_model_len), attention_backend,
-                          linear_backend)
+                          linear_backend, cuda_graph_max_batch)
         self.worker = Worker(spec)
         self.arch, self.model = self.worker.arch, self.worker.model
         self.kv_caches, self.device = self.worker.kv_caches, self.worker.device
-        self.native_attention = self.worker.native_attention
+        self.attention = self.worker.attention
         self.packed_linear = self.worker.packed_linear
         self.num_blocks, self.block_size = blocks, block_size
         self.max_model_len = spec.max_model_len

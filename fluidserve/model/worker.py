@@ -16,7 +16,12 @@ from pathlib import Path
 import torch
 
 from fluidserve.model.arch import ArchConfig, read_arch
-from fluidserve.model.attention import AttentionMetadata, native_supported, new_kv_cache
+from fluidserve.model.attention import (
+    AttentionMetadata,
+    native_supported,
+    new_kv_cache,
+    triton_unsupported,
+)
 from fluidserve.model.host_memory import keep_freed_memory
 from fluidserve.model.inputs import StepInputs
 from fluidserve.model.linear import pack_linear_layers, packed_linear_supported
@@ -37,6 +42,7 @@ class WorkerSpec:
     max_model_len: int = 0
     attention_backend: str = "auto"
     linear_backend: str = "auto"
+    cuda_graph_max_batch: int = 0  # decode batches up to this size replay CUDA graphs (0: off)
 
 
 def resolve_max_model_len(arch: ArchConfig, requested: int | None) -> int:
@@ -64,8 +70,16 @@ def plan_workers(model_dir: str | Path, config) -> tuple[ArchConfig, WorkerSpec]
                                                 p.tensor_parallel_size, p.pipeline_parallel_size)
     spec = WorkerSpec(str(model_dir), dtype, m.device, c.block_size, blocks,
                       resolve_max_model_len(arch, m.max_model_len), m.attention_backend,
-                      m.linear_backend)
+                      m.linear_backend, cuda_graph_batch(config))
     return arch, spec
+
+
+def cuda_graph_batch(config) -> int:
+    """The largest decode batch captured in a CUDA graph for an EngineConfig (0: none)."""
+    m = config.model
+    if m.enforce_eager or not m.device.startswith("cuda") or config.parallel.world_size > 1:
+        return 0
+    return min(m.max_cudagraph_capture_size, config.scheduler.max_num_seqs)
 
 
 class Worker:
@@ -88,9 +102,15 @@ class Worker:
         # One (key, value) pair of caches per layer of this stage (layouts: model/attention.py).
         self.kv_caches = [new_kv_cache(spec.num_blocks, spec.block_size, hkv, self.arch.head_dim,
                                        dtype, self.device) for _ in self.model.layers]
-        self.native_attention = choose_attention(spec.attention_backend, spec.block_size,
-                                                 self.arch.head_dim, self.device)
+        self.attention = choose_attention(spec.attention_backend, spec.block_size,
+                                          self.arch.head_dim, self.device)
         self.tp_size, self.pp_size = shard.tp_size, shard.pp_size
+        self.graphs = None
+        if spec.cuda_graph_max_batch and self.attention == "triton" \
+                and self.device.type == "cuda" and shard.tp_size == shard.pp_size == 1:
+            from fluidserve.model.cuda_graphs import DecodeGraphs
+
+            self.graphs = DecodeGraphs(self, spec.cuda_graph_max_batch)
 
     def _rank(self, pp_rank: int) -> int:
         return pp_rank * self.tp_size + self.shard.tp_rank
@@ -98,15 +118,25 @@ class Worker:
     def forward(self, inputs: StepInputs) -> torch.Tensor:
         """This stage's forward pass: logits on the last stage, hidden states elsewhere."""
         dev, sh = self.device, self.shard
+        size = self.graphs.size_for(inputs) if self.graphs else None
+        if size is not None:
+            self.comm_wait = 0.0
+            return self.graphs.run(inputs, size)
         meta = AttentionMetadata(
             slot_mapping=torch.from_numpy(inputs.slot_mapping).to(dev),
             cu_q=torch.from_numpy(inputs.cu_q).to(dev),
             ctx_lens=torch.from_numpy(inputs.ctx_lens).to(dev),
             block_tables=torch.from_numpy(inputs.block_tables).to(dev),
             block_size=self.spec.block_size,
-            runs=[] if self.native_attention else inputs.runs(),
-            native=self.native_attention,
+            runs=inputs.runs() if self.attention == "eager" else [],
+            backend=self.attention,
         )
+        if self.attention == "triton":
+            from fluidserve.kernels.triton_ops import attention_tiles
+
+            attn = self.model.layers[0].self_attn if self.model.layers else None
+            if attn is not None:
+                meta.tiles = attention_tiles(inputs.cu_q, attn.h // attn.hkv, attn.hkv, dev)
         self.comm_wait = 0.0  # seconds blocked on the neighbouring stages this step
         if sh.first:
             x = torch.from_numpy(inputs.token_ids).to(dev)
@@ -136,21 +166,30 @@ class Worker:
         return tokens, logprobs
 
 
-def choose_attention(backend: str, block_size: int, head_dim: int, device: torch.device) -> bool:
-    """True for the compiled kernel, False for eager PyTorch; 'native' fails loudly."""
+def choose_attention(backend: str, block_size: int, head_dim: int, device: torch.device) -> str:
+    """The attention (and fused-operator) backend that runs: native (compiled CPU kernels),
+    triton (GPU) or eager. auto picks native on the CPU and triton on CUDA, falling back to
+    eager; asking for native or triton where it cannot run fails loudly."""
     if backend == "eager":
-        return False
+        return "eager"
+    if backend == "triton" or (backend == "auto" and device.type == "cuda"):
+        why = triton_unsupported(head_dim, device)
+        if why is None:
+            return "triton"
+        if backend == "triton":
+            raise ValueError(f"attention backend 'triton' unavailable: {why}")
+        return "eager"
     from fluidserve.kernels import build_error, cpu_ops
 
     supported = native_supported(block_size, head_dim, device)
     if supported and cpu_ops() is not None:
-        return True
+        return "native"
     if backend == "native":
         why = build_error() if supported else (
             f"block size {block_size} / head_dim {head_dim} / device {device.type} not supported"
             " (needs cpu, block size 16 or 32, head_dim a multiple of 16)")
         raise ValueError(f"attention backend 'native' unavailable: {why}")
-    return False
+    return "eager"
 
 
 def choose_linear(backend: str, dtype: torch.dtype, device: torch.device) -> bool:

@@ -73,21 +73,27 @@ class Timer:
 
 
 def measure_peaks(device: str, dtype: torch.dtype) -> dict:
-    n = 2048
+    cuda = torch.device(device).type == "cuda"
+    sync = (lambda: torch.cuda.synchronize(device)) if cuda else (lambda: None)
+    n = 8192 if cuda else 2048
     a = torch.randn(n, n, device=device).to(dtype)
     b = torch.randn(n, n, device=device).to(dtype)
     torch.matmul(a, b)
+    reps = 20 if cuda else 5
+    sync()
     t0 = time.perf_counter()
-    reps = 5
     for _ in range(reps):
         torch.matmul(a, b)
+    sync()
     flops = 2 * n**3 * reps / (time.perf_counter() - t0)
-    x = torch.empty(256 << 20, dtype=torch.uint8, device=device)  # 256 MiB
+    x = torch.empty((2048 if cuda else 256) << 20, dtype=torch.uint8, device=device)
     y = torch.empty_like(x)
     y.copy_(x)
+    sync()
     t0 = time.perf_counter()
     for _ in range(reps):
         y.copy_(x)
+    sync()
     bw = 2 * x.numel() * reps / (time.perf_counter() - t0)  # read + write
     return {"matmul_flops": flops, "memory_bandwidth_bytes_per_s": bw}
 
@@ -197,10 +203,14 @@ def engine_overhead(model_dir: str, args: ProfileConfig, running: int, context: 
         eng.step()
     ex = eng.executor.worker
     forward, spent = ex.forward, [0.0]
+    # CUDA runs the forward pass asynchronously: wait for it, or it looks free.
+    sync = torch.cuda.synchronize if ex.device.type == "cuda" else (lambda: None)
 
     def timed(plan):
+        sync()
         t = time.perf_counter()
         out = forward(plan)
+        sync()
         spent[0] += time.perf_counter() - t
         return out
 
@@ -231,6 +241,8 @@ def run_profile(args: ProfileConfig) -> int:
         device=args.device,
         num_blocks=blocks + 1,
         max_model_len=max(need_tokens, q["stall_prompt"] + 64),
+        # CUDA: decode batches replay graphs, as in the engine (cuda_graph_batch)
+        cuda_graph_max_batch=max(q["batch_sizes"]) if args.device.startswith("cuda") else 0,
     )
     t = Timer(ex, args.repeats)
     arch = ex.arch

@@ -62,9 +62,8 @@ class DecodeGraphs:
     """One captured decode step per batch size, for one worker (whole model, one device)."""
 
     # The inputs a graph reads: name -> value of a padding row (slot -1: no KV write; context
-    # 0: attends to nothing). Each is its own device tensor (so every view starts aligned; a
-    # single buffer with views at 4-byte offsets replayed wrong logits on an H100), filled by
-    # an asynchronous copy from a pinned host twin.
+    # 0: attends to nothing). Each is its own device tensor, filled by an asynchronous copy
+    # from a pinned host twin.
     PAD = {"tokens": 0, "positions": 0, "slots": -1, "ctx": 0}
 
     def __init__(self, worker, max_batch: int, capture: Callable[[Step], Step] | None = None

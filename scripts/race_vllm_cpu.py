@@ -22,6 +22,7 @@ import argparse
 import json
 import os
 import platform
+import shlex
 import shutil
 import signal
 import subprocess
@@ -207,7 +208,8 @@ def main() -> int:
                     " (TAG 'fluidserve' alone: --fluidserve-args).")
     ap.add_argument("--skip-capacity", action="store_true", help="Only the three workloads.")
     ap.add_argument("--capacity-only", action="store_true",
-                    help="Keep the workload results of --out's race.json; run the capacity part.")
+                    help="Keep the workload results of --out's race.json and the capacity"
+                    " results already in it (an interrupted race resumes); run the rest.")
     ap.add_argument("--quick", action="store_true", help="Fewer capacity probes (a smoke run).")
     args = ap.parse_args()
     from fluidserve.model.builder import build_model_dir, cache_root
@@ -234,10 +236,13 @@ def main() -> int:
     result = {"machine": machine(), "model": str(model), "fluidserve_args": args.fluidserve_args,
               "fluidserve_workload_args": per_workload,
               "started": time.strftime("%Y-%m-%d %H:%M:%S"), "engines": {}}
+    command = shlex.join(["python", "scripts/race_vllm_cpu.py", *sys.argv[1:]])
+    result["commands"] = [command]
     if args.capacity_only:
         kept = json.loads((out / "race.json").read_text())
         result = kept | {"capacity_started": result["started"],
-                         "capacity_machine": result["machine"]}
+                         "capacity_machine": result["machine"],
+                         "commands": [*kept.get("commands", []), command]}
     log(f"machine: {result['machine']}")
     # One server per distinct configuration: vLLM at its defaults for every workload,
     # fluidserve with each workload's flags (workloads sharing flags share a server).
@@ -258,7 +263,7 @@ def main() -> int:
                 r["poisson_fluidserve_bench"] = fluidserve_bench(srv.url, model, out, tag)
         (out / "race.json").write_text(json.dumps(result, indent=1, default=float))
     if not args.skip_capacity:
-        caps = {}
+        caps = dict(result.get("capacity", {})) if args.capacity_only else {}
         variants = [(f"vllm-{b}", lambda b=b: vllm_server(venv, model, b, out))
                     for b in (128, 512, 2048)]
         flags = {}
@@ -268,6 +273,9 @@ def main() -> int:
             variants.append((tag, lambda tag=tag: fluidserve_server(
                 model, flags[tag].split(), f"{tag}-cap", out)))
         for tag, make in variants:
+            if tag in caps and caps[tag].get("args") == flags.get(tag):
+                log(f"capacity: {tag} kept from {out / 'race.json'}")
+                continue
             with make() as srv:
                 log(f"capacity: {tag}")
                 caps[tag] = capacity(srv.url, model, out, tag, 0.5, args.quick)
@@ -280,7 +288,7 @@ def main() -> int:
     from race_report import plot, report, write_doc  # noqa: E402 - beside this script
 
     plot(result, out)
-    text = report(result, out, " ".join(["python", "scripts/race_vllm_cpu.py", *sys.argv[1:]]))
+    text = report(result, out, result["commands"])
     if args.doc:
         write_doc(Path(args.doc), text, out)
         log(f"wrote {args.doc}")

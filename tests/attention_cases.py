@@ -27,10 +27,10 @@ def reference(q, k_cache, v_cache, runs, tables, scale):
     return out
 
 
-def batch(h, hkv, d, bs, dtype, seed=0, lengths=RUNS):
+def batch(h, hkv, d, bs, dtype, seed=0, lengths=RUNS, num_blocks=200):
     """q, k, v of a flattened batch of runs (query tokens, context) over a scattered cache."""
     g = torch.Generator().manual_seed(seed)
-    nb = 200
+    nb = num_blocks
     k_cache, v_cache = A.new_kv_cache(nb, bs, hkv, d, dtype, torch.device("cpu"))
     k_cache.copy_(torch.randn(k_cache.shape, generator=g))
     v_cache.copy_(torch.randn(v_cache.shape, generator=g))

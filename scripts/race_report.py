@@ -96,7 +96,7 @@ def report(result: dict, out: Path, commands: list[str]) -> str:
         f"runs {_fluidserve_flags(result)}. Client: vLLM's own `vllm bench serve` (random",
         "prompts of exact length, `--ignore-eos --temperature 0`, 2 warm-up requests), and",
         "`fluidserve bench` for the Etalon metrics. "
-        + ("Command:" if len(commands) == 1 else "Commands (the second resumed the first):"),
+        + ("Command:" if len(commands) == 1 else "Commands:"),
         "",
         *(f"    {c}" for c in commands),
         "",

@@ -1,0 +1,54 @@
+"""The prepacked linears of the race model's decoder stack against the row count.
+
+The 64 linear layers of a 16-layer, 1024-hidden bf16 Llama (QKV 1024x1536, output 1024x1024,
+gate/up 1024x5632, down 2816x1024), each with its own weight, so that every call reads its
+weight from memory as a decode step does (one weight reused sixteen times would sit in the
+cache and flatter the kernel). For each row count: the median time of the whole stack over
+a few rounds, the weight bytes read per second, and the arithmetic rate. Prints JSON lines.
+
+    python scripts/bench_linears.py 1 16 32 48 64 128 256
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+
+import torch
+from torch import nn
+
+from fluidserve.model.linear import PackedLinear, packed_linear_supported
+
+SHAPES = ((1024, 1536), (1024, 1024), (1024, 5632), (2816, 1024))  # (in, out) per layer
+LAYERS = 16
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("rows", nargs="*", type=int, default=[1, 16, 32, 48, 64, 128, 256])
+    ap.add_argument("--rounds", type=int, default=7)
+    args = ap.parse_args()
+    if not packed_linear_supported(torch.bfloat16, torch.device("cpu")):
+        raise SystemExit("this CPU/PyTorch has no oneDNN bf16 linear")
+    torch.manual_seed(0)
+    stack = [PackedLinear(nn.Linear(i, o, bias=False).to(torch.bfloat16))
+             for _ in range(LAYERS) for i, o in SHAPES]
+    weight_bytes = LAYERS * sum(i * o for i, o in SHAPES) * 2
+    for m in args.rows:
+        xs = {i: torch.randn(m, i, dtype=torch.bfloat16) for i, _ in SHAPES}
+        times = []
+        for _ in range(args.rounds + 1):  # the first round builds oneDNN's primitives
+            t0 = time.perf_counter()
+            for layer in stack:
+                layer(xs[layer.in_features])
+            times.append(time.perf_counter() - t0)
+        t = statistics.median(times[1:])
+        print(json.dumps({"rows": m, "ms": round(t * 1e3, 2),
+                          "weight_gb_s": round(weight_bytes / t / 1e9, 1),
+                          "tflop_s": round(m * weight_bytes / t / 1e12, 2)}), flush=True)
+
+
+if __name__ == "__main__":
+    main()

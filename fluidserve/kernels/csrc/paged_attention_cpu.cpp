@@ -138,6 +138,10 @@ inline float softmax_row(float* row, int visible, int width) {
   return 1.0f / hsum(vs);
 }
 
+// How many blocks ahead a decode item prefetches its keys and values. A decode spends ~150
+// cycles on a block (16 keys of a kv-head group), far less than a scattered block takes to
+// arrive from memory: two blocks ahead left the loads exposed.
+constexpr int kAhead = 8;
 inline void prefetch(const void* p, int bytes) {
   const char* c = static_cast<const char*>(p);
   for (int i = 0; i < bytes; i += 64) __builtin_prefetch(c + i);
@@ -237,8 +241,9 @@ void attend(const WorkItem& w, const Batch& b, const T* q, T* out, const T* k_ca
 
 // A decode item: one query token, query heads head0 .. head0 + heads - 1 (whole groups of
 // kv heads). Blocks are visited once, all the item's kv heads together (contiguous in the
-// cache), with the blocks two ahead prefetched; the score and value passes are the ones of
-// ``attend``.
+// cache), with the blocks kAhead ahead prefetched (the first ones before the pass starts, and
+// the value pass's first ones during the score pass's last blocks); the score and value
+// passes are the ones of ``attend``.
 template <typename T, int BS>
 void attend_decode(const WorkItem& w, const Batch& b, const T* q, T* out, const T* k_cache,
                    const T* v_cache, std::vector<float>& scores) {
@@ -263,8 +268,13 @@ void attend_decode(const WorkItem& w, const Batch& b, const T* q, T* out, const 
   }
   scores.resize(static_cast<size_t>(R) * width);
   float* sc = scores.data();
+  for (int blk = 0; blk < std::min(kAhead, num_blocks); ++blk)
+    prefetch(k_cache + table[blk] * kv_stride + off, span);
   for (int blk = 0; blk < num_blocks; ++blk) {  // pass 1: scores
-    if (blk + 2 < num_blocks) prefetch(k_cache + table[blk + 2] * kv_stride + off, span);
+    if (blk + kAhead < num_blocks)
+      prefetch(k_cache + table[blk + kAhead] * kv_stride + off, span);
+    else if (blk + kAhead - num_blocks < num_blocks)  // the value pass's first blocks
+      prefetch(v_cache + table[blk + kAhead - num_blocks] * kv_stride + off, span);
     const T* kb = k_cache + table[blk] * kv_stride + off;
     for (int k = 0; k < nkv; ++k) {
       const T* kt = kb + k * BS * D;  // [D, BS]
@@ -295,7 +305,7 @@ void attend_decode(const WorkItem& w, const Batch& b, const T* q, T* out, const 
   for (int r = 0; r < R; ++r)  // pass 2: softmax over the ctx visible keys
     inv_sum[r] = softmax_row(sc + r * width, ctx, width);
   for (int blk = 0; blk < num_blocks; ++blk) {  // pass 3: probability-weighted values
-    if (blk + 2 < num_blocks) prefetch(v_cache + table[blk + 2] * kv_stride + off, span);
+    if (blk + kAhead < num_blocks) prefetch(v_cache + table[blk + kAhead] * kv_stride + off, span);
     const T* vb = v_cache + table[blk] * kv_stride + off;
     const int nj = std::min(BS, ctx - blk * BS);
     for (int k = 0; k < nkv; ++k) {

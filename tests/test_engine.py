@@ -168,3 +168,30 @@ def test_executor_failure_fails_the_batch_and_engine_keeps_serving(tiny_model_di
     assert llm.engine.block_manager.num_free_blocks == llm.engine.block_manager.num_blocks
     good = llm.generate("Hello", SamplingParams(max_tokens=3, ignore_eos=True))[0]
     assert good.finish_reason == "length" and len(good.token_ids) == 3
+
+
+def test_engine_core_freezes_its_startup_heap_before_serving(tiny_model_dir, monkeypatch):
+    """A full collection in the engine core walks the whole heap (the model, the tokenizer):
+    ~110 ms for the race model, every running stream stalled for it. The core freezes what
+    start-up left alive before its first iteration, so collections only see the newer."""
+    import gc
+    import multiprocessing as mp
+
+    from fluidserve.config import EngineConfig
+    from fluidserve.engine import core_proc
+    from fluidserve.engine.messages import CoreReady
+
+    seen = {}
+    monkeypatch.setattr(core_proc, "ignore_group_signals", lambda: None)
+    monkeypatch.setattr(core_proc, "_busy_loop",
+                        lambda *a: seen.setdefault("frozen", gc.get_freeze_count()))
+    inbox, _ = mp.Pipe(duplex=False)
+    got, outbox = mp.Pipe(duplex=False)
+    gc.unfreeze()
+    try:
+        core_proc.run_engine_core(EngineConfig.create(model=str(tiny_model_dir), num_threads=1),
+                                  inbox, outbox, None, None)
+        assert isinstance(got.recv(), CoreReady)
+        assert seen["frozen"] > 1000  # the loaded model's and libraries' objects
+    finally:
+        gc.unfreeze()

@@ -91,13 +91,14 @@ class RankRunner:
 def rank_main(rank: int, parallel: ParallelConfig, spec: WorkerSpec, init_method: str,
               threads: int, inbox: Connection, outbox: Connection) -> None:
     """Entry point of one rank process of the mp launcher."""
-    from fluidserve.engine.core_proc import ignore_group_signals
+    from fluidserve.engine.core_proc import freeze_startup_heap, ignore_group_signals
 
     ignore_group_signals()
     logging.basicConfig(level=logging.INFO,
                         format=f"%(asctime)s %(levelname)s %(name)s[rank {rank}]: %(message)s")
     try:
         runner = RankRunner(rank, parallel, spec, init_method, threads)
+        freeze_startup_heap()
         outbox.send(("ready", rank))
         while True:
             kind, payload = pickle.loads(inbox.recv_bytes())

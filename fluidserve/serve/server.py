@@ -21,6 +21,7 @@ from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from fluidserve.config import EngineConfig, ServerConfig
+from fluidserve.engine.core_proc import freeze_startup_heap
 from fluidserve.model.builder import default_model_dir
 from fluidserve.model.tokenizer import Tokenizer
 from fluidserve.serve import openapi as api
@@ -223,6 +224,7 @@ def run_server(engine_config: EngineConfig, config: ServerConfig) -> int:
         signal.signal(sig, lambda *_: None)
     server = DrainingServer(uv, app.state.fluidserve)
     holder["server"] = server
+    freeze_startup_heap()  # the front end's full collections, too, would pause every stream
     server.run()
     if "failed" in holder:
         log.error("exiting: %s", holder["failed"])

@@ -209,6 +209,22 @@ def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
 
 
 @triton.jit
+def _tile_rows(cu_q_ptr, tile_run_ptr, tile_tok_ptr, tile, h, G: tl.constexpr,
+               BLOCK_M: tl.constexpr):
+    """A tile's rows (its tokens' query heads of kv head h, G per token): the run, its first
+    token and the run's span in the batch, and per row its token, query head and validity."""
+    run = tl.load(tile_run_ptr + tile)
+    tok0 = tl.load(tile_tok_ptr + tile)
+    q0 = tl.load(cu_q_ptr + run)
+    n = tl.load(cu_q_ptr + run + 1) - q0
+    rows = tl.arange(0, BLOCK_M)
+    tok = tok0 + rows // G
+    head = h * G + rows % G
+    row_ok = (tok < n) & (rows < (BLOCK_M // G) * G)
+    return run, tok0, q0, n, rows, tok, head, row_ok
+
+
+@triton.jit
 def _attention_kernel(out_ptr, q_ptr, kc_ptr, vc_ptr, cu_q_ptr, ctx_ptr, bt_ptr, tile_run_ptr,
                       tile_tok_ptr, part_ptr, ml_ptr,
                       sq_t, sq_h, so_t, so_h, skc_b, skc_h, skc_d, svc_b, svc_h, svc_s, s_bt,
@@ -218,16 +234,9 @@ def _attention_kernel(out_ptr, q_ptr, kc_ptr, vc_ptr, cu_q_ptr, ctx_ptr, bt_ptr,
     tile = tl.program_id(0)
     h = tl.program_id(1)
     split = tl.program_id(2)
-    run = tl.load(tile_run_ptr + tile)
-    tok0 = tl.load(tile_tok_ptr + tile)
-    q0 = tl.load(cu_q_ptr + run)
-    n = tl.load(cu_q_ptr + run + 1) - q0
+    run, tok0, q0, n, rows, tok, head, row_ok = _tile_rows(cu_q_ptr, tile_run_ptr, tile_tok_ptr,
+                                                           tile, h, G, BLOCK_M)
     ctx = tl.load(ctx_ptr + run)
-
-    rows = tl.arange(0, BLOCK_M)
-    tok = tok0 + rows // G
-    head = h * G + rows % G
-    row_ok = (tok < n) & (rows < (BLOCK_M // G) * G)
     qpos = ctx - n + tok  # position of each row's token in its sequence
     di = tl.arange(0, D)
     dm = di < d
@@ -284,14 +293,8 @@ def _merge_splits_kernel(out_ptr, part_ptr, ml_ptr, cu_q_ptr, tile_run_ptr, tile
                          SPLITS: tl.constexpr):
     tile = tl.program_id(0)
     h = tl.program_id(1)
-    run = tl.load(tile_run_ptr + tile)
-    tok0 = tl.load(tile_tok_ptr + tile)
-    q0 = tl.load(cu_q_ptr + run)
-    n = tl.load(cu_q_ptr + run + 1) - q0
-    rows = tl.arange(0, BLOCK_M)
-    tok = tok0 + rows // G
-    head = h * G + rows % G
-    row_ok = (tok < n) & (rows < (BLOCK_M // G) * G)
+    _, _, q0, _, rows, tok, head, row_ok = _tile_rows(cu_q_ptr, tile_run_ptr, tile_tok_ptr, tile,
+                                                      h, G, BLOCK_M)
     di = tl.arange(0, D)
     base = ((tile * tl.num_programs(1) + h) * SPLITS).to(tl.int64)
     m = tl.full([BLOCK_M], float("-inf"), tl.float32)

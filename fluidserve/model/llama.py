@@ -183,6 +183,8 @@ class MLP(nn.Module):
         act = gu.new_empty(gu.shape[0], gu.shape[1] // 2)
         ops.silu_and_mul(act, gu)
         return self.tp.all_reduce(self.down_proj(act))
+
+
 class DecoderLayer(nn.Module):
     def __init__(self, cfg: ArchConfig, tp: TensorParallel) -> None:
         super().__init__()

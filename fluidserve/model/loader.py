@@ -24,9 +24,10 @@ def resolve_dtype(requested: str, arch, device: str = "cpu") -> str:
     name = str(arch.dtype or "float32").removeprefix("torch.")
     if name not in DTYPES:
         name = "float32"
-    if name == "float16" and device == "cpu":
+    if name == "float16" and device.startswith("cpu"):
         name = "bfloat16"
     return name
+
 
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
 # HF parameter suffix -> (our module path, slot in the fused tensor or None)

@@ -9,7 +9,7 @@ import pytest
 
 from fluidserve.config import ConfigError, EngineConfig
 from fluidserve.core.scheduler import RunnerOutput
-from fluidserve.core.token_budget import largest_chunk
+from fluidserve.core.token_budget import efficient_chunk, largest_chunk
 from fluidserve.engine.core import EngineCore, VirtualClock
 from fluidserve.engine.messages import AddRequest
 from fluidserve.engine.telemetry import Telemetry
@@ -28,6 +28,46 @@ def test_largest_chunk_is_the_largest_that_fits_in_tiles():
     assert largest_chunk(p, [5] * 8, 0, 0.05, 200) == (200, True)  # capped
     # Even the decodes alone miss: the smallest chunk that keeps prefills moving.
     assert largest_chunk(p, [5] * 80, 0, 0.05, 4096, min_chunk=16) == (16, False)
+
+
+def staircase(tile: int = 128, per_token: float = 1e-4, per_tile: float = 0.004,
+              base: float = 0.01):
+    """A device whose time grows with the tokens (decodes and chunk together) and jumps at
+    every tile it starts."""
+    def predict(ctxs, chunk, prefix):
+        n = len(ctxs) + chunk
+        return base + per_token * n + per_tile * -(-n // tile)
+    return predict
+
+
+def test_efficient_chunk_ends_the_iteration_on_a_step_of_the_staircase():
+    p, decodes = staircase(), [300] * 24
+    # 0.3 s fits 2179 tokens: 3 past the 17th tile, which they start.
+    largest, ok = largest_chunk(p, decodes, 0, 0.3, 8192)
+    assert ok and largest == 2179 - 24
+    chosen = efficient_chunk(p, decodes, 0, largest)
+    assert chosen == 17 * 128 - 24  # three tokens fewer, one tile less
+    assert p(decodes, chosen, 0) < p(decodes, largest, 0)
+    assert chosen / p(decodes, chosen, 0) > largest / p(decodes, largest, 0)
+    # On a step already: nothing below it is better.
+    largest, _ = largest_chunk(p, decodes, 0, 0.35, 8192)
+    assert (24 + largest) % 128 == 0 and efficient_chunk(p, decodes, 0, largest) == largest
+
+
+def test_efficient_chunk_keeps_the_largest_when_the_rate_only_grows():
+    p = linear(0.001, 0.0001)
+    assert efficient_chunk(p, [5] * 8, 0, 3000) == 3000
+    assert efficient_chunk(p, [5] * 8, 0, 3000, tile=128) == 3000
+    # With a tile size the candidates are tile multiples (chunks pay for whole tiles).
+    assert efficient_chunk(staircase(tile=100), [1] * 30, 0, 1024, tile=128) % 128 == 0
+
+
+def test_auto_budget_prefers_a_chunk_on_a_step_over_one_just_past_it():
+    from fluidserve.engine.budget import AdaptiveBudget
+
+    p, decodes = staircase(), [300] * 24
+    total = AdaptiveBudget(p, tbt_slo=0.3, margin=0.0)(decodes, 0)
+    assert total == 17 * 128  # not the 2179 tokens that fit
 
 
 class FakeExecutor:

@@ -74,6 +74,32 @@ def largest_chunk(predict: Predictor, decode_ctxs: list[int], prefix: int, targe
     return max(lo * tile, min(min_chunk, max_chunk)), True
 
 
+def efficient_chunk(predict: Predictor, decode_ctxs: list[int], prefix: int, largest: int,
+                    step: int = 64, tile: int = 1, low: float = 0.75) -> int:
+    """Of the chunks from ``low`` x ``largest`` up to ``largest``, the one whose iteration runs
+    prefill at the best rate (chunk tokens per second of predicted iteration time, with these
+    decodes); the larger one on a tie. Candidates are ``largest`` and the chunks that bring
+    the iteration's tokens to a multiple of ``step``, or with a tile size the tile multiples
+    below ``largest`` (chunks pay for whole tiles).
+
+    An operator's time is a staircase in the token count (GPU kernels pay for whole tiles and
+    waves, the CPU engine pads its rows), so the largest chunk under the SLO often sits just
+    past a step and buys its last few tokens dearly: on the A100 profile of a 34B model 2080
+    tokens cost 7.6% more per token than 2048. The chosen chunk is never predicted slower
+    than ``largest``: its rate is at least as good and it has fewer tokens."""
+    best, best_rate = largest, largest / predict(decode_ctxs, largest, prefix)
+    d, step = (0, tile) if tile > 1 else (len(decode_ctxs), step)
+    c = (d + largest) // step * step - d
+    if c == largest:
+        c -= step
+    while c > 0 and c >= low * largest:
+        rate = c / predict(decode_ctxs, c, prefix)
+        if rate > best_rate:
+            best, best_rate = c, rate
+        c -= step
+    return best
+
+
 def saturation_chunk(predict: Predictor, max_chunk: int, tile: int = 1, fraction: float = 0.9,
                      smallest: int = 64) -> int:
     """The smallest prefill chunk (on a grid ~19% apart) that runs at ``fraction`` of the best

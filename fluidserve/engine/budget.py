@@ -30,7 +30,13 @@ from collections.abc import Callable
 import numpy as np
 
 from fluidserve.core.scheduler.output import SchedulerOutput
-from fluidserve.core.token_budget import Predictor, largest_chunk, pass_target, saturation_chunk
+from fluidserve.core.token_budget import (
+    Predictor,
+    efficient_chunk,
+    largest_chunk,
+    pass_target,
+    saturation_chunk,
+)
 
 log = logging.getLogger(__name__)
 
@@ -43,6 +49,10 @@ FULL_BATCH = 0.75
 # prefill rate (core.token_budget.saturation_chunk): a bigger one buys no throughput and
 # keeps the other stages waiting.
 SATURATION = 0.9
+# Below the largest chunk that fits, `auto` weighs the chunks that end the iteration on a
+# multiple of this many tokens (or of the tile size) and takes the best prefill rate
+# (core.token_budget.efficient_chunk).
+EFFICIENT_STEP = 64
 
 
 def plan_features(plan: SchedulerOutput) -> tuple[int, int, int, int, int, int]:
@@ -256,8 +266,12 @@ class AdaptiveBudget:
             cap = min(cap, self.trust())
         if self.pp > 1:
             cap = min(cap, self.saturation())
-        return largest_chunk(self.predict, decode_ctxs, prefix, target, max(cap, 0), self.tile,
-                             self.min_chunk)
+        chunk, ok = largest_chunk(self.predict, decode_ctxs, prefix, target, max(cap, 0),
+                                  self.tile, self.min_chunk)
+        if ok and chunk > self.min_chunk:
+            chunk = max(efficient_chunk(self.predict, decode_ctxs, prefix, chunk,
+                                        EFFICIENT_STEP, self.tile), self.min_chunk)
+        return chunk, ok
 
 
 def learned_budget(tbt_slo: float, margin: float, tile: int, pp: int = 1

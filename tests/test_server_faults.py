@@ -44,11 +44,12 @@ def fleet(tiny_model_dir, tmp_path_factory):
     """Every server this module needs, started at once (each test ends its own): one per
     fault, two for shutdown, and a `fluidserve serve` process."""
     port = free_port()
-    log = open(tmp_path_factory.mktemp("cli") / "server.log", "w")
+    log_path = tmp_path_factory.mktemp("cli") / "server.log"
+    log = open(log_path, "w")
     cli = subprocess.Popen(
         [sys.executable, "-m", "fluidserve.cli", "serve", "--port", str(port), "--model",
          str(tiny_model_dir), "--num-threads", "1", "--watchdog-timeout", "2",
-         "--num-kv-blocks", "1024"],
+         "--num-kv-blocks", "1024", "--token-budget", "auto", "--tbt-slo", "0.5"],
         stdout=log, stderr=subprocess.STDOUT, env=os.environ | {"PYTHONUNBUFFERED": "1"})
     specs = {point: dict(engine_kw=SMALL, watchdog_timeout=1.0) for point in DEATHS}
     specs["drain"] = dict(engine_kw=SMALL | {"max_num_seqs": 1}, drain_timeout=60)
@@ -58,7 +59,7 @@ def fleet(tiny_model_dir, tmp_path_factory):
     except BaseException:
         cli.kill()
         raise
-    yield servers | {"cli": (cli, f"http://127.0.0.1:{port}")}
+    yield servers | {"cli": (cli, f"http://127.0.0.1:{port}", log_path)}
     stop_servers(servers)
     if cli.poll() is None:
         cli.kill()
@@ -166,7 +167,7 @@ def _core_pid(server_pid: int, timeout: float = 30.0) -> int:
 def test_cli_serve_exits_nonzero_when_its_engine_core_wedges(fleet):
     """A core that stops (SIGSTOP: no crash, no exit) is found by the watchdog: the stream gets
     an error, and `fluidserve serve` exits 1 so that a supervisor restarts it."""
-    proc, url = fleet["cli"]
+    proc, url, log_path = fleet["cli"]
     wait_healthy(url, proc=proc)
     core = _core_pid(proc.pid)
     try:
@@ -178,6 +179,8 @@ def test_cli_serve_exits_nonzero_when_its_engine_core_wedges(fleet):
             events = [first, *data_events(lines)]
         assert "no progress" in assert_failed_stream(events)
         assert proc.wait(30) == 1
+        log = log_path.read_text()  # (the server runs `--token-budget auto`)
+        assert "(token budget auto)" in log and "Logging error" not in log
     finally:
         if Path(f"/proc/{core}").exists():
             os.kill(core, signal.SIGKILL)

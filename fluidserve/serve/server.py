@@ -200,7 +200,7 @@ def run_server(engine_config: EngineConfig, config: ServerConfig) -> int:
     info = engine.info
     log.info(
         "model %s ready in %.1fs (engine core: %.1fs): %d KV blocks of %d tokens,"
-        " max_model_len %d, scheduler %s (token budget %d)",
+        " max_model_len %d, scheduler %s (token budget %s)",
         name,
         time.perf_counter() - t0,
         info.load_seconds,

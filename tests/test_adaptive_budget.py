@@ -129,6 +129,36 @@ def test_learned_budget_keeps_iterations_within_the_slo_and_follows_a_slowdown()
     assert not core.has_unfinished()
 
 
+class ColdShapeExecutor(FakeExecutor):
+    """The first batch of every padded row count takes ``cold`` times as long (oneDNN
+    primitives built, lazy first-forward setup), as on the CPU engine."""
+
+    def __init__(self, per_token: float, cold: float) -> None:
+        super().__init__(per_token)
+        self.cold, self.seen = cold, set()
+
+    def submit(self, plan):
+        from fluidserve.model.linear import padded_rows
+
+        fut = super().submit(plan)
+        rows = padded_rows(plan.num_tokens)
+        if rows not in self.seen:
+            self.seen.add(rows)
+            fut.result().execution_time *= self.cold
+        return fut
+
+
+def test_first_batches_of_a_shape_do_not_shrink_the_learned_budget():
+    ex = ColdShapeExecutor(per_token=1e-4, cold=6.0)
+    core = auto_core(ex, 0.05)
+    run(core, ex, n=60, out=100)
+    model = core._budget_model
+    assert model.first_of_shape == len(ex.seen) > 10
+    assert model.scatter < 1.2 and 0.8 < model.correction < 1.25
+    budgets = [r.token_budget for r in core.telemetry.iterations]
+    assert min(budgets[30:150]) > 350  # as much room as on a machine without the setup cost
+
+
 def test_unreachable_slo_degrades_to_small_chunks_and_still_finishes_everything():
     ex = FakeExecutor(per_token=1e-3, base=0.02)  # 30 decodes alone: 0.05 s > 0.03 s
     core = auto_core(ex, 0.03)

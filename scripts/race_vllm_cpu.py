@@ -267,9 +267,8 @@ def main() -> int:
               "started": time.strftime("%Y-%m-%d %H:%M:%S"), "engines": {}}
     command = shlex.join(["python", "scripts/race_vllm_cpu.py", *sys.argv[1:]])
     result["commands"] = [command]
-    if args.capacity_only:
-        kept = json.loads((out / "race.json").read_text()) if (out / "race.json").exists() \
-            else result  # the capacity part alone
+    if args.capacity_only and (out / "race.json").exists():  # (else the capacity part alone)
+        kept = json.loads((out / "race.json").read_text())
         result = kept | {"capacity_started": result["started"],
                          "capacity_machine": result["machine"],
                          "commands": [*kept.get("commands", []), command]}

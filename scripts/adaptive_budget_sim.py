@@ -8,6 +8,8 @@ with fixed budgets and with ``auto``. Writes JSON and prints tables:
     python scripts/adaptive_budget_sim.py --out docs/adaptive.json --tables
     python scripts/adaptive_budget_sim.py --out docs/adaptive.json --auto-only  # after a change
                                                   # to auto: rerun it, keep the fixed budgets
+    python scripts/adaptive_budget_sim.py --sweep yi-34b:arxiv:0.5:1.75 --margin 0.02
+                                                  # budgets x seeds at one rate
 """
 
 from __future__ import annotations
@@ -18,6 +20,8 @@ import sys
 import time
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
+
+import numpy as np
 
 from fluidserve.bench.capacity import search_capacity, slo_check
 from fluidserve.config import BenchConfig, CapacityConfig, EngineConfig, SimConfig
@@ -33,16 +37,21 @@ SETUPS = [  # shape, device, tp, pp, trace, SLOs
 BUDGETS = ("auto", 256, 512, 1024, 2048)
 
 
-def capacity(job: dict) -> dict:
+def configs(job: dict, seed: int = 0) -> tuple[SimConfig, EngineConfig, BenchConfig]:
     sim = SimConfig(model_shape=job["shape"], device=job["device"])
     knobs = {"token_budget": job["budget"], "tensor_parallel_size": job["tp"],
              "pipeline_parallel_size": job["pp"]}
     if job["budget"] == "auto":
         knobs |= {"tbt_slo": job["slo"], "budget_margin": job["margin"]}
     eng = EngineConfig.create(scheduler=job.get("scheduler", "sarathi"), **knobs)
-    bench = BenchConfig(dataset_name=job["trace"], num_prompts=job["num_prompts"], seed=0,
+    bench = BenchConfig(dataset_name=job["trace"], num_prompts=job["num_prompts"], seed=seed,
                         max_prompt_len=8192, max_output_len=8192, plots=False,
                         tbt_deadline=job["slo"])
+    return sim, eng, bench
+
+
+def capacity(job: dict) -> dict:
+    sim, eng, bench = configs(job)
     # tbt: P99 TBT <= SLO and median scheduling delay <= 2 s; fluidity: 99% of requests keep
     # Etalon's fluidity-index >= 0.9 with D_d = the SLO.
     cap = CapacityConfig(slo=job.get("kind", "tbt"), tbt_slo=job["slo"],
@@ -111,6 +120,33 @@ def tables(results: list[dict]) -> str:
     return "\n".join(out)
 
 
+def sweep(spec: str, budgets: str, seeds: int, n: int, margin: float) -> None:
+    """One setup at one rate, several budgets and workload seeds: the median scheduling delay
+    and P99 TBT of each run, and the operator table's linear time per token at each fixed
+    budget (the staircase that decides which budgets pass near capacity)."""
+    shape, trace, slo, rate = spec.split(":")
+    _, device, tp, pp, _, _ = next(x for x in SETUPS if (x[0], x[4]) == (shape, trace))
+    for b in budgets.split(","):
+        job = {"shape": shape, "device": device, "tp": tp, "pp": pp, "trace": trace,
+               "slo": float(slo), "budget": b if b == "auto" else int(b), "num_prompts": n,
+               "margin": margin}
+        delays, p99s = [], []
+        for seed in range(seeds):
+            sim, eng, bench = configs(job, seed)
+            summary = run_once(sim, eng, bench, float(rate))[1]
+            delays.append(summary["scheduling_delay_s"]["p50"])
+            p99s.append(summary["tbt_s"]["p99"])
+        per_token = ""
+        if b != "auto":  # the GPU table's linear layers, per token, at this budget
+            cost = make_cost_model(SimConfig(model_shape=shape, device=device), eng.parallel)
+            us = float(np.interp(int(b), cost.grid, cost.per_layer)) / int(b) * 1e6
+            per_token = f" linear {us:.3f} us/token/layer"
+        ok = sum(d <= 2.0 and p <= float(slo) for d, p in zip(delays, p99s, strict=True))
+        print(f"budget {b:>5}: median delay " + " ".join(f"{d:5.2f}" for d in delays)
+              + f" (mean {sum(delays) / len(delays):.2f} s), max P99 TBT {max(p99s):.3f} s,"
+              f" {ok}/{seeds} within the SLO;{per_token}", flush=True)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--num-prompts", type=int, default=512)
@@ -122,7 +158,15 @@ def main() -> int:
                     help="Rerun only the auto jobs; keep the other results already in --out.")
     ap.add_argument("--fluidity", action="store_true",
                     help="Instead: fluidity-index capacity of sarathi_slack vs sarathi (auto).")
+    ap.add_argument("--sweep", metavar="SHAPE:TRACE:SLO:RATE",
+                    help="Instead: at one rate, each of --budgets over --seeds workload seeds"
+                    " (e.g. yi-34b:arxiv:0.5:1.75).")
+    ap.add_argument("--budgets", default="1536,1792,1920,2048,2176,2304,2560,auto")
+    ap.add_argument("--seeds", type=int, default=6)
     args = ap.parse_args()
+    if args.sweep:
+        sweep(args.sweep, args.budgets, args.seeds, args.num_prompts, args.margin)
+        return 0
     if args.tables:
         print(tables(json.loads(Path(args.out).read_text())))
         return 0

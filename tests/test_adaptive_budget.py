@@ -159,6 +159,46 @@ def test_first_batches_of_a_shape_do_not_shrink_the_learned_budget():
     assert min(budgets[30:150]) > 350  # as much room as on a machine without the setup cost
 
 
+class PaddedRowsExecutor(FakeExecutor):
+    """The CPU engine's cost: a batch costs what its rows padded to ``padded_rows`` cost
+    (577 tokens as much as 640)."""
+
+    def __init__(self, per_token: float, packed_linear: bool) -> None:
+        super().__init__(per_token)
+        self.packed_linear = packed_linear
+
+    def submit(self, plan):
+        from fluidserve.model.linear import padded_rows
+
+        fut = super().submit(plan)
+        fut.result().execution_time = (self.base + self.per_token
+                                       * padded_rows(plan.num_tokens)) * self.speed
+        return fut
+
+
+def test_auto_prices_padded_rows_and_fills_them():
+    from fluidserve.model.linear import padded_rows
+
+    def served(packed_linear: bool):
+        ex = PaddedRowsExecutor(per_token=1e-4, packed_linear=packed_linear)
+        core = auto_core(ex, 0.05)
+        times = run(core, ex, n=60, out=100)
+        its = [r for r in list(core.telemetry.iterations)[30:] if r.num_prefill_tokens]
+        # The budget, not the batch: a batch is smaller where the prompts run out.
+        filled = sum(padded_rows(r.token_budget) == r.token_budget for r in its) / len(its)
+        within = sum(t <= 0.05 for _, t in times[30:]) / len(times[30:])
+        rate = sum(r.num_prefill_tokens for r in its) / sum(r.duration for r in its)
+        return core, filled, within, rate
+
+    core, filled, within, rate = served(packed_linear=True)
+    assert core._budget_model.token_rows is padded_rows
+    assert filled > 0.9 and within >= 0.95
+    # Priced on its tokens, the same engine leaves padding unused: rows it pays for and
+    # prefills nothing in.
+    _, raw_filled, _, raw_rate = served(packed_linear=False)
+    assert raw_filled < 0.5 and rate > 1.05 * raw_rate
+
+
 def test_unreachable_slo_degrades_to_small_chunks_and_still_finishes_everything():
     ex = FakeExecutor(per_token=1e-3, base=0.02)  # 30 decodes alone: 0.05 s > 0.03 s
     core = auto_core(ex, 0.03)

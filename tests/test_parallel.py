@@ -13,10 +13,12 @@ from pathlib import Path
 
 import httpx
 import pytest
+import torch
 
 from fluidserve.config import SCHEDULERS, EngineConfig
 from fluidserve.engine.engine import LLMEngine
 from fluidserve.engine.llm import LLM
+from fluidserve.model.linear import packed_linear_supported
 from fluidserve.model.tokenizer import Tokenizer
 from fluidserve.sampling_params import SamplingParams
 
@@ -66,6 +68,9 @@ def test_greedy_outputs_equal_one_process_for_every_scheduler(tiny_model_dir, re
     first = LLMEngine(EngineConfig.create(**knobs(tiny_model_dir, tensor_parallel_size=tp,
                                                   pipeline_parallel_size=pp)))
     assert first.executor.depth == pp
+    # The ranks run prepacked linears on padded rows, and say so (`auto` prices those rows).
+    assert first.executor.packed_linear is packed_linear_supported(torch.float32,
+                                                                   torch.device("cpu"))
     tok = Tokenizer(tiny_model_dir)
     try:
         for policy in SCHEDULERS:

@@ -88,7 +88,8 @@ class OnlineIterationModel:
 
     def __init__(self, prior: np.ndarray | None = None, window: int = 1024,
                  refit_every: int = 16, min_fit: int = 24, ema: float = 0.5,
-                 recent: int = 8, shape_of: Callable[[int], int] | None = None) -> None:
+                 recent: int = 8, shape_of: Callable[[int], int] | None = None,
+                 token_rows: Callable[[int], int] | None = None) -> None:
         from fluidserve.sim.cost_model import CPUCostModel, load_cpu_profile
 
         self._features = CPUCostModel.features
@@ -109,9 +110,18 @@ class OnlineIterationModel:
         self.shape_of = shape_of or (lambda n: n)
         self.shapes_seen: set[int] = set()
         self.first_of_shape = 0  # batches not learned from, for that reason
+        # The rows the matrix products run on for a batch of n tokens (``token_rows(n)``):
+        # the CPU engine pads its rows to a bounded set of sizes, and an iteration costs what
+        # its padded batch costs (577 tokens take as long as 640). Priced on its padded rows,
+        # a chunk that would leave padding unused is predicted no faster than one that fills
+        # it, so the budget fills it (``efficient_chunk``).
+        self.token_rows = token_rows or (lambda n: n)
+
+    def _x(self, f: tuple) -> np.ndarray:
+        return self._features(self.token_rows(f[0]), *f[1:])
 
     def _raw(self, f: tuple) -> float:
-        return float(self.coef @ self._features(*f))
+        return float(self.coef @ self._x(f))
 
     def predict(self, decode_ctxs: list[int], chunk: int, prefix: int) -> float:
         return self._raw(candidate_features(decode_ctxs, chunk, prefix)) * self.correction
@@ -131,7 +141,7 @@ class OnlineIterationModel:
         if raw > 0:
             ratio = min(max(seconds / raw, 0.05), 20.0)
             self.correction = (1 - self.ema) * self.correction + self.ema * ratio
-        self.rows.append(self._features(*f))
+        self.rows.append(self._x(f))
         self.times.append(seconds)
         self._since_fit += 1
         if self._since_fit >= self.refit_every and len(self.times) >= self.min_fit:
@@ -292,13 +302,16 @@ class AdaptiveBudget:
         return chunk, ok
 
 
-def learned_budget(tbt_slo: float, margin: float, tile: int, pp: int = 1
-                   ) -> tuple[AdaptiveBudget, OnlineIterationModel]:
+def learned_budget(tbt_slo: float, margin: float, tile: int, pp: int = 1,
+                   pads_rows: bool = False) -> tuple[AdaptiveBudget, OnlineIterationModel]:
     """The real engine's adaptive budget: an online model, trusted up to 1.5x the largest
-    batch it has seen (so a wrong prior ramps up instead of blowing the SLO at once)."""
+    batch it has seen (so a wrong prior ramps up instead of blowing the SLO at once).
+    ``pads_rows``: the executor runs its linears on rows padded as ``padded_rows`` pads
+    them (the CPU's prepacked linears), and the model prices each batch on those rows."""
     from fluidserve.model.linear import padded_rows
 
-    model = OnlineIterationModel(shape_of=padded_rows)
+    model = OnlineIterationModel(shape_of=padded_rows,
+                                 token_rows=padded_rows if pads_rows else None)
     return AdaptiveBudget(model.predict, tbt_slo, margin, tile,
                           trust=lambda: max(64, model.max_tokens_seen * 3 // 2), pp=pp,
                           predict_plan=model.predict_plan, scatter=lambda: model.scatter), model

@@ -44,6 +44,11 @@ class WorkerSpec:
     linear_backend: str = "auto"
     cuda_graph_max_batch: int = 0  # decode batches up to this size replay CUDA graphs (0: off)
 
+    def packed_linear(self) -> bool:
+        """Whether the workers run their linears prepacked (and pad a batch's rows as
+        ``linear.padded_rows`` does), as ``Worker`` decides it."""
+        return choose_linear(self.linear_backend, DTYPES[self.dtype], torch.device(self.device))
+
 
 def resolve_max_model_len(arch: ArchConfig, requested: int | None) -> int:
     n = min(requested or arch.max_position_embeddings, arch.max_position_embeddings)
@@ -95,7 +100,7 @@ class Worker:
         self.arch, self.model = load_model(spec.model_dir, spec.dtype, spec.device,
                                            spec.max_model_len, shard, tp)
         dtype = DTYPES[spec.dtype]
-        self.packed_linear = choose_linear(spec.linear_backend, dtype, self.device)
+        self.packed_linear = spec.packed_linear()
         if self.packed_linear:
             pack_linear_layers(self.model)
         hkv = self.arch.num_kv_heads // shard.tp_size

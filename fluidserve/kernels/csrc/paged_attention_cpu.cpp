@@ -1154,6 +1154,13 @@ at::Tensor packed_linear(const at::Tensor& x_in, const at::Tensor& w,
 // input and post-attention norm weights (``norms``: 2 per layer), the prepacked QKV, output,
 // gate/up and down weights (``weights``: 4 per layer) and their optional biases. Returns
 // (layer output, residual stream); the model adds them before its final norm.
+//
+// A batch whose token count the linears pad (``padded_rows``) is padded once, here, and the
+// whole stack runs on the padded rows: the row-wise kernels and the linears carry the
+// padding rows along (zero, or the biases' finite images of zero), attention and RoPE see
+// only the batch's tokens, and the attention output's padding rows stay zero. Padding each
+// linear's input instead cost a zero-filled copy per linear: 64 a step, ~1.1 ms of a 47 ms
+// batch-40 decode step, and ~7 MB of copies per layer for a 600-token prefill.
 std::vector<at::Tensor> decoder_layers(
     at::Tensor h, const at::Tensor& positions, const at::Tensor& cos, const at::Tensor& sin,
     const std::vector<at::Tensor>& norms, const std::vector<at::Tensor>& weights,
@@ -1166,7 +1173,16 @@ std::vector<at::Tensor> decoder_layers(
                   biases.size() == 4 * L,
               "decoder_layers: per-layer argument lists of the wrong length");
   TORCH_CHECK(h.dim() == 2 && h.is_contiguous(), "decoder_layers: h must be [T, hidden]");
-  const int64_t T = h.size(0);
+  const int64_t T = h.size(0), rows = padded_rows(T);
+  if (rows != T) {
+    at::Tensor padded = at::zeros({rows, h.size(1)}, h.options());
+    padded.narrow(0, 0, T).copy_(h);
+    h = padded;
+  }
+  // The attention output, one buffer for every layer: its padding rows are never written.
+  at::Tensor o_rows = rows != T ? at::zeros({rows, H * D}, h.options())
+                                : at::empty({rows, H * D}, h.options());
+  at::Tensor o = o_rows.narrow(0, 0, T).view({T, H, D});
   at::Tensor residual;
   for (size_t i = 0; i < L; ++i) {
     if (!residual.defined()) {
@@ -1177,22 +1193,21 @@ std::vector<at::Tensor> decoder_layers(
     } else {
       fused_add_rms_norm(h, residual, norms[2 * i], eps);
     }
-    const at::Tensor qkv = packed_linear(h, weights[4 * i], biases[4 * i]);
+    const at::Tensor qkv = packed_linear(h, weights[4 * i], biases[4 * i]).narrow(0, 0, T);
     at::Tensor q = qkv.narrow(1, 0, H * D).view({T, H, D});
     at::Tensor k = qkv.narrow(1, H * D, Hkv * D).view({T, Hkv, D});
     const at::Tensor v = qkv.narrow(1, (H + Hkv) * D, Hkv * D).view({T, Hkv, D});
     rope(q, k, positions, cos, sin);
-    const at::Tensor qc = q.contiguous();
-    at::Tensor o = at::empty_like(qc);
-    paged_attention(o, qc, k.contiguous(), v.contiguous(), k_caches[i], v_caches[i], slots,
-                    cu_q, ctx_lens, block_tables, scale, min_long_run);
-    h = packed_linear(o.reshape({T, H * D}), weights[4 * i + 1], biases[4 * i + 1]);
+    paged_attention(o, q.contiguous(), k.contiguous(), v.contiguous(), k_caches[i],
+                    v_caches[i], slots, cu_q, ctx_lens, block_tables, scale, min_long_run);
+    h = packed_linear(o_rows, weights[4 * i + 1], biases[4 * i + 1]);
     fused_add_rms_norm(h, residual, norms[2 * i + 1], eps);
     const at::Tensor gu = packed_linear(h, weights[4 * i + 2], biases[4 * i + 2]);
-    at::Tensor act = at::empty({T, gu.size(1) / 2}, gu.options());
+    at::Tensor act = at::empty({rows, gu.size(1) / 2}, gu.options());
     silu_and_mul(act, gu);
     h = packed_linear(act, weights[4 * i + 3], biases[4 * i + 3]);
   }
+  if (rows != T) return {h.narrow(0, 0, T), residual.narrow(0, 0, T)};
   return {h, residual};
 }
 

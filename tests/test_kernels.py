@@ -48,6 +48,35 @@ def test_native_attention_matches_reference(dtype, shape, min_long_run, amx):
     assert (out.float() - ref.float()).abs().max() <= tol
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("min_long_run", [1, A.MIN_LONG_RUN, 10**9],
+                         ids=["all-flash", "default", "all-kernel"])
+@pytest.mark.parametrize("amx", [True, False], ids=["amx", "aten"])
+def test_attention_reads_queries_keys_and_values_through_their_strides(dtype, min_long_run,
+                                                                       amx):
+    """The model hands the kernel views into its fused QKV output (no copies): every path
+    (decodes, short runs, AMX or ATen long runs, the cache write) gives exactly what it
+    gives on dense tensors."""
+    h, hkv, d, bs = 16, 4, 64, 16
+    q, k, v, k_cache, v_cache, meta, _ = batch(h, hkv, d, bs, dtype, seed=3)
+    qkv = torch.cat([q.flatten(1), k.flatten(1), v.flatten(1)], dim=1)
+    t = q.shape[0]
+    views = (qkv[:, : h * d].view(t, h, d), qkv[:, h * d: (h + hkv) * d].view(t, hkv, d),
+             qkv[:, (h + hkv) * d:].view(t, hkv, d))
+    assert not any(x.is_contiguous() for x in views)
+    results = []
+    for q_, k_, v_ in ((q, k, v), views):
+        out, kc, vc = torch.empty_like(q), k_cache.clone(), v_cache.clone()
+        before = ops.use_amx(amx)
+        try:
+            ops.paged_attention(out, q_, k_, v_, kc, vc, meta.slot_mapping, meta.cu_q,
+                                meta.ctx_lens, meta.block_tables, d**-0.5, min_long_run)
+        finally:
+            ops.use_amx(before)
+        results.append((out, kc, vc))
+    assert all(torch.equal(a, b) for a, b in zip(*results, strict=True))
+
+
 def test_long_runs_take_the_amx_kernel_where_the_cpu_has_it():
     q, k, v, k_cache, v_cache, meta, tables = batch(16, 4, 64, 16, torch.bfloat16, seed=2)
     outs = []

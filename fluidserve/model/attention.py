@@ -108,12 +108,12 @@ def paged_attention(
     meta: AttentionMetadata,
     scale: float,
 ) -> torch.Tensor:
-    """q: [T, H, D]; k, v: [T, Hkv, D] (this batch's new tokens). Returns [T, H, D]."""
-    out = torch.empty_like(q)
+    """q: [T, H, D]; k, v: [T, Hkv, D] (this batch's new tokens; views into the fused QKV
+    output will do: the kernels read them through their strides). Returns [T, H, D]."""
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     if meta.backend == "native":
-        meta.ops.paged_attention(out, q, k.contiguous(), v.contiguous(), k_cache, v_cache,
-                                 meta.slot_mapping, meta.cu_q, meta.ctx_lens, meta.block_tables,
-                                 scale, MIN_LONG_RUN)
+        meta.ops.paged_attention(out, q, k, v, k_cache, v_cache, meta.slot_mapping, meta.cu_q,
+                                 meta.ctx_lens, meta.block_tables, scale, MIN_LONG_RUN)
         return out
     if meta.backend == "triton":
         meta.ops.paged_attention(out, q, k, v, k_cache, v_cache, meta.slot_mapping, meta.cu_q,

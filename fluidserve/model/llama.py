@@ -158,9 +158,7 @@ class Attention(nn.Module):
         k = qkv[:, h * d : (h + hkv) * d].view(t, hkv, d)
         v = qkv[:, (h + hkv) * d :].view(t, hkv, d)
         meta.ops.rope(q, k, positions, rotary.cos, rotary.sin)
-        if meta.backend == "native":  # the CPU kernel reads dense queries; Triton, strides
-            q = q.contiguous()
-        o = paged_attention(q, k, v, kv[0], kv[1], meta, self.scale)
+        o = paged_attention(q, k, v, kv[0], kv[1], meta, self.scale)  # views: no copies
         return self.tp.all_reduce(self.o_proj(o.reshape(t, h * d)))
 
 

@@ -57,6 +57,7 @@ struct Batch {
   int64_t table_stride;
   int H, Hkv, D;
   float scale;
+  int64_t q_row;  // elements from one token's queries to the next's (a token's H x D is dense)
 };
 
 // GCC/Clang vector extensions: the compiler maps them onto the widest registers the CPU has
@@ -173,7 +174,7 @@ void attend(const WorkItem& w, const Batch& b, const T* q, T* out, const T* k_ca
   for (int r = 0; r < R; ++r) {
     const int t = w.tok0 + r / w.heads;
     const int h = w.kv_head * G + w.head0 + r % w.heads;
-    const T* qr = q + (static_cast<int64_t>(q0 + t) * b.H + h) * D;
+    const T* qr = q + static_cast<int64_t>(q0 + t) * b.q_row + static_cast<int64_t>(h) * D;
     for (int d = 0; d < D; ++d) qf[r][d] = static_cast<float>(qr[d]) * b.scale;
     last[r] = first_pos + t;
   }
@@ -262,7 +263,7 @@ void attend_decode(const WorkItem& w, const Batch& b, const T* q, T* out, const 
   alignas(64) float qf[kMaxRows][kMaxHeadDim];
   alignas(64) float acc[kMaxRows][kMaxHeadDim];
   for (int r = 0; r < R; ++r) {
-    const T* qr = q + (static_cast<int64_t>(q0) * b.H + h0 + r) * D;
+    const T* qr = q + static_cast<int64_t>(q0) * b.q_row + static_cast<int64_t>(h0 + r) * D;
     for (int d = 0; d < D; ++d) qf[r][d] = static_cast<float>(qr[d]) * b.scale;
     std::fill(acc[r], acc[r] + D, 0.0f);
   }
@@ -773,7 +774,8 @@ void amx_item(const AmxItem& w, const std::vector<AmxRun>& runs, const Batch& b,
         __m512 y[16];
         for (int t = 0; t < 16; ++t)
           y[t] = t < nt ? _mm512_loadu_ps(reinterpret_cast<const float*>(
-                              q + (static_cast<int64_t>(q0 + t0 + t) * b.H + h) * D + 32 * dc))
+                              q + static_cast<int64_t>(q0 + t0 + t) * b.q_row +
+                              static_cast<int64_t>(h) * D + 32 * dc))
                         : _mm512_setzero_ps();
         transpose16(y);
         for (int i = 0; i < 16; ++i) _mm512_store_ps(reinterpret_cast<float*>(qt[dc] + 32 * i), y[i]);
@@ -937,14 +939,18 @@ void check_common(const at::Tensor& k_cache, const at::Tensor& v_cache) {
 
 }  // namespace
 
-// Write this batch's new keys and values (k, v: [T, Hkv, D]) into their cache slots.
+// Write this batch's new keys and values (k, v: [T, Hkv, D], each head's D elements dense,
+// e.g. views into the fused QKV output) into their cache slots.
 void write_kv(const at::Tensor& k, const at::Tensor& v, at::Tensor k_cache, at::Tensor v_cache,
               const at::Tensor& slots) {
   check_common(k_cache, v_cache);
   TORCH_CHECK(slots.scalar_type() == at::kLong && slots.is_contiguous(), "slots: int64");
   const int64_t T = k.size(0);
   const int Hkv = k_cache.size(1), D = k_cache.size(2), BS = k_cache.size(3);
-  const at::Tensor kc = k.contiguous(), vc = v.contiguous();
+  const at::Tensor kc = k.stride(2) == 1 ? k : k.contiguous();
+  const at::Tensor vc = v.stride(2) == 1 ? v : v.contiguous();
+  const int64_t k_row = kc.stride(0), k_head = kc.stride(1);
+  const int64_t v_row = vc.stride(0), v_head = vc.stride(1);
   const int64_t* slot = slots.data_ptr<int64_t>();
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, k.scalar_type(), "write_kv", [&] {
     const scalar_t* ks = kc.data_ptr<scalar_t>();
@@ -955,8 +961,8 @@ void write_kv(const at::Tensor& k, const at::Tensor& v, at::Tensor k_cache, at::
       for (int64_t t = t0; t < t1; ++t) {
         const int64_t blk = slot[t] / BS, off = slot[t] % BS;
         for (int h = 0; h < Hkv; ++h) {
-          const scalar_t* kr = ks + (t * Hkv + h) * D;
-          const scalar_t* vr = vs + (t * Hkv + h) * D;
+          const scalar_t* kr = ks + t * k_row + h * k_head;
+          const scalar_t* vr = vs + t * v_row + h * v_head;
           scalar_t* kt = kd + ((blk * Hkv + h) * D) * BS + off;  // column off of [D, BS]
           for (int d = 0; d < D; ++d) kt[d * BS] = kr[d];
           std::memcpy(vd + ((blk * Hkv + h) * BS + off) * D, vr, D * sizeof(scalar_t));
@@ -1009,7 +1015,9 @@ void paged_attention(at::Tensor out, const at::Tensor& q, const at::Tensor& k,
                      const at::Tensor& block_tables, double scale, int64_t min_long_run) {
   write_kv(k, v, k_cache, v_cache, slots);
   TORCH_CHECK(q.size(2) % 16 == 0, "head_dim must be a multiple of 16");
-  TORCH_CHECK(q.is_contiguous() && out.is_contiguous() && q.dim() == 3, "q/out: [T, H, D]");
+  TORCH_CHECK(q.dim() == 3 && q.stride(2) == 1 && q.stride(1) == q.size(2) &&
+                  out.is_contiguous(),
+              "q/out: [T, H, D], each token's H x D dense (q may be a view into the fused QKV)");
   TORCH_CHECK(q.scalar_type() == k_cache.scalar_type(), "q and cache dtypes differ");
   TORCH_CHECK(cu_q.scalar_type() == at::kInt && ctx_lens.scalar_type() == at::kInt &&
                   block_tables.scalar_type() == at::kInt,
@@ -1025,7 +1033,7 @@ void paged_attention(at::Tensor out, const at::Tensor& q, const at::Tensor& k,
   if (S == 0) return;
   Batch b{cu_q.data_ptr<int32_t>(), ctx_lens.data_ptr<int32_t>(),
           block_tables.data_ptr<int32_t>(), block_tables.size(1), H, Hkv, D,
-          static_cast<float>(scale)};
+          static_cast<float>(scale), q.stride(0)};
   std::vector<uint8_t> long_run(S, 0);
   bool any_long = false;
   for (int64_t s = 0; s < S; ++s) {
@@ -1198,8 +1206,8 @@ std::vector<at::Tensor> decoder_layers(
     at::Tensor k = qkv.narrow(1, H * D, Hkv * D).view({T, Hkv, D});
     const at::Tensor v = qkv.narrow(1, (H + Hkv) * D, Hkv * D).view({T, Hkv, D});
     rope(q, k, positions, cos, sin);
-    paged_attention(o, q.contiguous(), k.contiguous(), v.contiguous(), k_caches[i],
-                    v_caches[i], slots, cu_q, ctx_lens, block_tables, scale, min_long_run);
+    paged_attention(o, q, k, v, k_caches[i], v_caches[i], slots, cu_q, ctx_lens,
+                    block_tables, scale, min_long_run);
     h = packed_linear(o_rows, weights[4 * i + 1], biases[4 * i + 1]);
     fused_add_rms_norm(h, residual, norms[2 * i + 1], eps);
     const at::Tensor gu = packed_linear(h, weights[4 * i + 2], biases[4 * i + 2]);

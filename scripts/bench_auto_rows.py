@@ -22,17 +22,18 @@ import time
 import numpy as np
 
 from fluidserve.engine.llm import LLM
+from fluidserve.model.arch import read_arch
 from fluidserve.model.linear import padded_rows
 from fluidserve.sampling_params import SamplingParams
 
 
-def workload(n: int, seed: int) -> tuple[list[list[int]], list[SamplingParams]]:
+def workload(n: int, seed: int, vocab: int) -> tuple[list[list[int]], list[SamplingParams]]:
     """Log-normal prompt lengths (16-1500 tokens, median ~290), short outputs (8-48)."""
     rng = random.Random(seed)
     prompts, params = [], []
     for _ in range(n):
         length = min(1500, int(rng.lognormvariate(5.6, 0.8)) + 16)
-        prompts.append([rng.randrange(100, 31000) for _ in range(length)])
+        prompts.append([rng.randrange(3, vocab) for _ in range(length)])
         params.append(SamplingParams(max_tokens=rng.randrange(8, 48), ignore_eos=True,
                                      temperature=0))
     return prompts, params
@@ -40,7 +41,7 @@ def workload(n: int, seed: int) -> tuple[list[list[int]], list[SamplingParams]]:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--model", required=True, help="Model directory (bf16 on the CPU).")
+    ap.add_argument("--model", required=True, help="Model directory (on the CPU).")
     ap.add_argument("--tbt-slo", type=float, default=0.2)
     ap.add_argument("--requests", type=int, default=48)
     ap.add_argument("--rounds", type=int, default=8)
@@ -56,7 +57,7 @@ def main() -> None:
         if name == "tokens":
             model.token_rows = lambda n: n
         engines[name] = llm
-    prompts, params = workload(args.requests, args.seed)
+    prompts, params = workload(args.requests, args.seed, read_arch(args.model).vocab_size)
     for llm in engines.values():
         llm.generate(prompts, params)  # warm-up: the online model learns this machine
     rows: dict[str, list[dict]] = {name: [] for name in engines}

@@ -199,6 +199,24 @@ def test_auto_prices_padded_rows_and_fills_them():
     assert raw_filled < 0.5 and rate > 1.05 * raw_rate
 
 
+def test_padded_rows_benchmark_runs_both_pricings(tiny_model_dir):
+    """scripts/bench_auto_rows.py at toy size: a JSON line per round and pricing, then the
+    medians (the numbers themselves are not checked: a benchmark)."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).parent.parent / "scripts" / "bench_auto_rows.py"
+    out = subprocess.run([sys.executable, str(script), "--model", str(tiny_model_dir),
+                          "--requests", "4", "--rounds", "1", "--tbt-slo", "0.5"],
+                         capture_output=True, text=True, check=True, timeout=300)
+    rows = [json.loads(line) for line in out.stdout.splitlines()]
+    assert [(r["round"], r["pricing"]) for r in rows[:2]] == [(0, "padded"), (0, "tokens")]
+    assert set(rows[2]) == {"padded", "tokens"}
+    assert all(r["prefill_tok_s"] > 0 and 0 <= r["on_padded_size"] <= 1 for r in rows[:2])
+
+
 def test_unreachable_slo_degrades_to_small_chunks_and_still_finishes_everything():
     ex = FakeExecutor(per_token=1e-3, base=0.02)  # 30 decodes alone: 0.05 s > 0.03 s
     core = auto_core(ex, 0.03)

@@ -137,11 +137,12 @@ class OnlineIterationModel:
             self.shapes_seen.add(shape)
             self.first_of_shape += 1
             return
-        raw = self._raw(f)
+        x = self._x(f)
+        raw = float(self.coef @ x)
         if raw > 0:
             ratio = min(max(seconds / raw, 0.05), 20.0)
             self.correction = (1 - self.ema) * self.correction + self.ema * ratio
-        self.rows.append(self._x(f))
+        self.rows.append(x)
         self.times.append(seconds)
         self._since_fit += 1
         if self._since_fit >= self.refit_every and len(self.times) >= self.min_fit:

@@ -55,9 +55,13 @@ class ModelConfig:
         " reference code; auto: native on the CPU, triton on CUDA, where each can run.",
         choices=("auto", "native", "triton", "eager"))
     linear_backend: str = knob(
-        "auto", "packed: oneDNN linear layers on weights prepacked at load (CPU); eager:"
-        " F.linear; auto: packed where oneDNN supports the dtype.",
-        choices=("auto", "packed", "eager"))
+        "auto", "packed: oneDNN linear layers on weights prepacked at load (CPU); tiles:"
+        " packed, and batches of up to 64 tokens multiply on a second copy of each bf16"
+        " weight laid out in AMX tiles (decode steps ~20% faster at 32-64 requests; twice the"
+        " linear weights' memory); eager: F.linear; auto: tiles where the CPU has AMX, the"
+        " dtype is bfloat16 and the copy takes at most a quarter of the available memory,"
+        " else packed where oneDNN supports the dtype.",
+        choices=("auto", "tiles", "packed", "eager"))
     enforce_eager: bool = knob(
         False, "CUDA: run every step eagerly, with no CUDA graphs (by default decode-only"
         " batches replay graphs captured at start-up).")

@@ -190,3 +190,68 @@ def test_attention_benchmark_reports_both_cases_per_thread_count():
         ("decode", "3x40", 1), ("prefill", "2x33", 1)]
     assert rows[0]["kernel_kv_gb_s"] > 0 and all(r["kernel_ms"] > 0 for r in rows)
     assert "variant_ms" not in rows[0]
+
+
+AMX = ops is not None and ops.tile_max_rows() > 0
+needs_amx = pytest.mark.skipif(not AMX, reason="the CPU has no AMX tiles")
+
+
+@needs_amx
+@pytest.mark.parametrize("n,k,bias", [(96, 64, False), (100, 96, True), (1536, 1024, False),
+                                      (1024, 2816, True), (40, 32, True)])
+def test_tile_linear_matches_onednn_and_is_the_same_for_every_batch_size(n, k, bias):
+    """The small-batch linear on tile-packed weights: as close to the float32 product as
+    oneDNN on the same bf16 operands (bit-equal up to 16 rows, where both sum in the same
+    order), and each row's result independent of the rows beside it, whatever their number
+    (whole and partial row tiles, one to four of them)."""
+    g = torch.Generator().manual_seed(n + k)
+    w = (torch.randn(n, k, generator=g) * 0.05).bfloat16()
+    b = torch.randn(n, generator=g).bfloat16() if bias else None
+    tiles, packed = ops.tile_pack(w), torch.ops.mkldnn._reorder_linear_weight(w, None)
+    x = torch.randn(64, k, generator=g).bfloat16()
+    full = ops.tile_linear(x, tiles, n, b)
+    for m in (1, 5, 16, 17, 32, 40, 48, 49, 64):
+        y = ops.tile_linear(x[:m], tiles, n, b)
+        assert y.shape == (m, n) and torch.equal(y, full[:m]), m
+        ref = x[:m].float() @ w.float().T + (b.float() if bias else 0)
+        onednn = torch.ops.mkldnn._linear_pointwise(x[:m], packed, b, "none", [], "")
+        assert (y.float() - ref).abs().max() <= (onednn.float() - ref).abs().max() * 1.01 + 1e-6
+        if m <= 16:
+            assert torch.equal(y, onednn), m
+
+
+@needs_amx
+def test_tile_linear_rejects_what_it_cannot_multiply():
+    w = torch.randn(64, 48).bfloat16()
+    with pytest.raises(RuntimeError, match="multiple of 32"):
+        ops.tile_pack(w)
+    tiles = ops.tile_pack(torch.randn(64, 64).bfloat16())
+    with pytest.raises(RuntimeError, match="at most 64 rows"):
+        ops.tile_linear(torch.randn(65, 64).bfloat16(), tiles, 64, None)
+    with pytest.raises(RuntimeError, match="does not match"):
+        ops.tile_linear(torch.randn(4, 96).bfloat16(), tiles, 64, None)
+    with pytest.raises(RuntimeError, match="bf16"):
+        ops.tile_linear(torch.randn(4, 64), tiles, 64, None)
+
+
+def test_linear_backend_tiles_is_chosen_where_it_can_run(tiny_model_dir, monkeypatch):
+    """``auto`` copies bf16 weights into tiles on an AMX CPU while the copy fits a quarter of
+    the available memory; ``tiles`` insists, and says why it cannot where it cannot."""
+    from fluidserve.model import worker as W
+    from fluidserve.model.runner import ModelExecutor
+
+    ex = ModelExecutor(str(tiny_model_dir), dtype="bfloat16", num_blocks=16)
+    assert ex.worker.tile_linear == AMX
+    layer = ex.model.layers[0].mlp.down_proj
+    assert (layer.tiles is not None) == AMX and layer.tile_rows == (64 if AMX else 0)
+    assert not ModelExecutor(str(tiny_model_dir), dtype="bfloat16", num_blocks=16,
+                             linear_backend="packed").worker.tile_linear
+    with pytest.raises(ValueError, match="'tiles' unavailable: needs bfloat16"):
+        ModelExecutor(str(tiny_model_dir), dtype="float32", num_blocks=16,
+                      linear_backend="tiles")
+    monkeypatch.setattr(W, "available_memory", lambda: 1 << 20)  # 1 MB free: no copy
+    assert not ModelExecutor(str(tiny_model_dir), dtype="bfloat16",
+                             num_blocks=16).worker.tile_linear
+    if AMX:  # asked for explicitly, the copy is made whatever the memory
+        assert ModelExecutor(str(tiny_model_dir), dtype="bfloat16", num_blocks=16,
+                             linear_backend="tiles").worker.tile_linear

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from fluidserve.core.scheduler.output import ScheduledChunk, SchedulerOutput
+from fluidserve.kernels import cpu_ops
 from fluidserve.model.runner import ModelExecutor
 from fluidserve.sampling_params import SamplingParams
 
@@ -20,6 +21,11 @@ CUDA = torch.cuda.is_available()
 BACKENDS = [("cpu", "native", "packed"), ("cpu", "eager", "eager"),
             ("cuda" if CUDA else "cpu", "triton", "eager")] + ([("cuda", "eager", "eager")] if CUDA
                                                               else [])
+
+
+def tiles_available() -> bool:
+    ops = cpu_ops()
+    return ops is not None and ops.tile_max_rows() > 0
 
 
 def hf_logits(model_dir, ids: list[int]) -> torch.Tensor:
@@ -80,14 +86,19 @@ def test_chunked_prefill_and_decode_logits_match_transformers(hf_models, arch, b
 
 
 # Triton's interpreter cannot load bfloat16: without a GPU the Triton path is checked in
-# float32 (above) and float16 (in test_triton_kernels.py).
-BF16_BACKENDS = [b for b in BACKENDS if b[1] != "triton" or b[0] == "cuda"]
+# float32 (above) and float16 (in test_triton_kernels.py). bf16 adds the linears on AMX tiles
+# (the 35-token prompt is within their 64 rows, so every linear runs on them), where the CPU
+# has AMX.
+BF16_BACKENDS = [b for b in BACKENDS if b[1] != "triton" or b[0] == "cuda"] + [
+    ("cpu", "native", "tiles")]
 
 
 @pytest.mark.parametrize("backends", BF16_BACKENDS, ids=lambda b: "-".join(b))
 @pytest.mark.parametrize("arch", ARCHS)
 def test_bfloat16_logits_close_to_transformers(hf_models, arch, backends):
     device, attention, linear = backends
+    if linear == "tiles" and not tiles_available():
+        pytest.skip("the CPU has no AMX tiles")
     ex = ModelExecutor(hf_models[arch], dtype="bfloat16", device=device, num_blocks=16,
                        block_size=BS, attention_backend=attention, linear_backend=linear)
     ids = list(range(5, 40))
@@ -95,6 +106,7 @@ def test_bfloat16_logits_close_to_transformers(hf_models, arch, backends):
     with torch.inference_mode():
         got = ex.logits(SchedulerOutput(0, [chunk("a", ids, 0, len(ids), [3, 0, 1])]))[0].cpu()
     assert ex.kv_caches[0][0].dtype == torch.bfloat16
+    assert ex.worker.tile_linear == (linear == "tiles")
     # bf16 keeps ~3 significant digits; compare against the logit scale.
     assert (got - ref).abs().max() <= 0.05 * ref.abs().max()
     assert torch.corrcoef(torch.stack([got, ref]))[0, 1] > 0.999

@@ -253,19 +253,19 @@ class LlamaForCausalLM(nn.Module):
         ops = meta.ops
         if ops is None or not hasattr(ops, "decoder_layers"):
             return None
-        norms, weights, biases = args
+        norms, weights, biases, tiles, out_features = args
         attn = self.layers[0].self_attn
         h, residual = ops.decoder_layers(
             x, positions, self.rotary.cos, self.rotary.sin, norms, weights, biases,
             [kv[0] for kv in kv_caches], [kv[1] for kv in kv_caches], meta.slot_mapping,
             meta.cu_q, meta.ctx_lens, meta.block_tables, attn.h, attn.hkv, attn.d,
-            self.layers[0].input_layernorm.eps, attn.scale, MIN_LONG_RUN)
+            self.layers[0].input_layernorm.eps, attn.scale, MIN_LONG_RUN, tiles, out_features)
         return h, residual
 
     def _collect_fused_args(self) -> tuple | tuple[()]:
         from fluidserve.model.linear import PackedLinear
 
-        norms, weights, biases = [], [], []
+        norms, weights, biases, tiles, out_features = [], [], [], [], []
         for layer in self.layers:
             a, m = layer.self_attn, layer.mlp
             linears = (a.qkv_proj, a.o_proj, m.gate_up_proj, m.down_proj)
@@ -275,7 +275,11 @@ class LlamaForCausalLM(nn.Module):
             norms += [layer.input_layernorm.weight, layer.post_attention_layernorm.weight]
             weights += [x.packed for x in linears]
             biases += [x.bias for x in linears]
-        return norms, weights, biases
+            tiles += [x.tiles for x in linears]
+            out_features += [x.out_features for x in linears]
+        if all(t is None for t in tiles):
+            tiles, out_features = [], []
+        return norms, weights, biases, tiles, out_features
 
     def forward(
         self,

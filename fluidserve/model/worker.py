@@ -9,6 +9,7 @@ stage's first tensor-parallel rank samples.
 
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -24,10 +25,17 @@ from fluidserve.model.attention import (
 )
 from fluidserve.model.host_memory import keep_freed_memory
 from fluidserve.model.inputs import StepInputs
-from fluidserve.model.linear import pack_linear_layers, packed_linear_supported
+from fluidserve.model.linear import (
+    linear_weight_bytes,
+    pack_linear_layers,
+    packed_linear_supported,
+    tiles_supported,
+)
 from fluidserve.model.llama import Shard, TensorParallel
 from fluidserve.model.loader import DTYPES, load_model, resolve_dtype
 from fluidserve.model.sampler import sample
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -101,8 +109,10 @@ class Worker:
                                            spec.max_model_len, shard, tp)
         dtype = DTYPES[spec.dtype]
         self.packed_linear = spec.packed_linear()
+        self.tile_linear = self.packed_linear and choose_tiles(
+            spec.linear_backend, self.model, self.device)
         if self.packed_linear:
-            pack_linear_layers(self.model)
+            pack_linear_layers(self.model, tiles=self.tile_linear)
         hkv = self.arch.num_kv_heads // shard.tp_size
         # One (key, value) pair of caches per layer of this stage (layouts: model/attention.py).
         self.kv_caches = [new_kv_cache(spec.num_blocks, spec.block_size, hkv, self.arch.head_dim,
@@ -197,11 +207,53 @@ def choose_attention(backend: str, block_size: int, head_dim: int, device: torch
     return "eager"
 
 
+# ``auto`` keeps a tile copy of the linear weights only while it takes at most this share of
+# the memory available when the model loads.
+TILE_COPY_MEMORY_SHARE = 0.25
+
+
+def choose_tiles(backend: str, model: torch.nn.Module, device: torch.device) -> bool:
+    """Whether bf16 linears also get a tile copy for small batches (``linear.PackedLinear``):
+    with ``tiles`` wherever it can run (else an error saying why), with ``auto`` where it can
+    and the copy fits in a quarter of the available memory."""
+    if backend not in ("auto", "tiles"):
+        return False
+    weights = [m.weight for m in model.modules() if isinstance(m, torch.nn.Linear)]
+    why = None
+    if device.type != "cpu" or not weights or weights[0].dtype != torch.bfloat16:
+        why = "needs bfloat16 weights on the CPU"
+    elif not any(tiles_supported(w) for w in weights):
+        why = "needs a CPU with AMX and the compiled kernels"
+    if why is None and backend == "auto":
+        extra, available = linear_weight_bytes(model), available_memory()
+        if available is not None and extra > TILE_COPY_MEMORY_SHARE * available:
+            log.info("linear weights not copied into tiles: %.1f GB would exceed %d%% of the"
+                     " %.1f GB available", extra / 1e9, TILE_COPY_MEMORY_SHARE * 100,
+                     available / 1e9)
+            return False
+    if why is not None and backend == "tiles":
+        raise ValueError(f"linear backend 'tiles' unavailable: {why}")
+    return why is None
+
+
+def available_memory() -> int | None:
+    """MemAvailable from /proc/meminfo in bytes (None where there is none)."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
 def choose_linear(backend: str, dtype: torch.dtype, device: torch.device) -> bool:
+    """Whether the linears run prepacked for oneDNN (``tiles`` implies it)."""
     if backend == "eager":
         return False
     supported = packed_linear_supported(dtype, device)
-    if backend == "packed" and not supported:
+    if backend in ("packed", "tiles") and not supported:
         raise ValueError(f"linear backend 'packed' unavailable for {dtype} on {device.type}"
                          " (needs a CPU with oneDNN support for the dtype)")
     return supported

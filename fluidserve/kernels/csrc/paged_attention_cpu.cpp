@@ -923,8 +923,167 @@ bool amx_long_runs(const Batch& b, int64_t S, int BS, const std::vector<uint8_t>
   }
   return true;
 }
+
+// ------------------------------------------------ small-batch linears on AMX tiles (bf16)
+//
+// y = x W^T (+ b) for up to kTileMaxRows rows: the decode steps of a batch, where the product
+// is bound by reading W. oneDNN's kernels read a bf16 weight at ~22 GB/s at 1-16 rows but at
+// ~16 GB/s at 48 (the padded size of 40 decodes), where each weight tile is multiplied by
+// three activation tiles: the weight loads then stall on memory in turn with the products.
+// Here W is copied once into the 1 KB tiles TDPBF16PS reads, two 16-column strips side by
+// side per k-step ([N/32][K/32][2][16 k-pairs][16 columns x 2]), so that one thread reads its
+// share of W as one sequential stream, prefetched into L2 kTilePrefetch k-steps ahead. Each
+// pair of strips meets two row tiles of x at a time (2 x 2 accumulators, every x tile used
+// twice per load); rows beyond the first 32 take a second pass over the pair's tiles, which
+// are still in L2. x's tiles are read in place (row stride K), so K must be a multiple of 32.
+constexpr int64_t kTileMaxRows = 64;
+constexpr int kTilePrefetch = 16;  // k-steps (2 KB each) ahead
+
+at::Tensor tile_pack(const at::Tensor& w) {
+  TORCH_CHECK(w.dim() == 2 && w.scalar_type() == at::kBFloat16,
+              "tile_pack: a [N, K] bf16 weight expected");
+  const int64_t N = w.size(0), K = w.size(1);
+  TORCH_CHECK(K % 32 == 0, "tile_pack: K must be a multiple of 32, got ", K);
+  const at::Tensor wc = w.contiguous();
+  const int64_t pairs = (N + 31) / 32, kt = K / 32;
+  at::Tensor out = at::zeros({pairs, kt, 2, 16, 32}, w.options());
+  const auto* src = reinterpret_cast<const uint16_t*>(wc.data_ptr<at::BFloat16>());
+  auto* dst = reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>());
+  at::parallel_for(0, pairs, 1, [&](int64_t p0, int64_t p1) {
+    for (int64_t p = p0; p < p1; ++p)
+      for (int64_t k = 0; k < kt; ++k)
+        for (int s = 0; s < 2; ++s)
+          for (int c = 0; c < 16; ++c) {
+            const int64_t n = p * 32 + s * 16 + c;
+            if (n >= N) continue;
+            uint16_t* t = dst + ((p * kt + k) * 2 + s) * 512;
+            for (int r = 0; r < 16; ++r) {
+              t[r * 32 + 2 * c] = src[n * K + k * 32 + 2 * r];
+              t[r * 32 + 2 * c + 1] = src[n * K + k * 32 + 2 * r + 1];
+            }
+          }
+  });
+  return out;
+}
+
+// One 16 x 16 float32 accumulator tile (in ``c``) into rows r0.. and columns n0.. of y,
+// plus the bias, rounded to bf16; rows >= M and columns >= N are dropped.
+inline void tile_out(const float* c, uint16_t* y, int64_t ldy, int64_t r0, int64_t M,
+                     int64_t n0, int64_t N, const float* bias) {
+  const int64_t nc = std::min<int64_t>(16, N - n0);
+  if (nc <= 0) return;
+  for (int64_t r = 0; r < 16 && r0 + r < M; ++r) {
+    v16f v = load16(c + r * 16);
+    if (bias) v += load16(bias + n0);
+    alignas(64) c10::BFloat16 tmp[16];
+    store16(tmp, v);
+    std::memcpy(y + (r0 + r) * ldy + n0, tmp, nc * sizeof(uint16_t));
+  }
+}
+
+// Rows 0..m-1 of y = x W^T (+ b); y's rows from m on (x's padding) are zeroed. x's rows are
+// taken 16 at a time, the last tile only as many as remain (a tile register reads as many
+// rows as it is configured for), so no row beyond m is read or multiplied.
+void tile_linear_into(const at::Tensor& x, const at::Tensor& packed, int64_t N,
+                      const std::optional<at::Tensor>& bias, at::Tensor& y, int64_t m) {
+  const int64_t K = x.size(1), kt = K / 32, pairs = packed.size(0);
+  if (m < y.size(0)) y.narrow(0, m, y.size(0) - m).zero_();
+  if (m == 0) return;
+  at::Tensor bf;  // float32, zero up to the packed width (tile_out reads 16 at a time)
+  if (bias && bias->defined()) {
+    bf = at::zeros({pairs * 32}, x.options().dtype(at::kFloat));
+    bf.narrow(0, 0, N).copy_(*bias);
+  }
+  const float* bp = bf.defined() ? bf.data_ptr<float>() : nullptr;
+  const auto* xd = reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>());
+  const auto* wd = reinterpret_cast<const uint16_t*>(packed.data_ptr<at::BFloat16>());
+  auto* yd = reinterpret_cast<uint16_t*>(y.data_ptr<at::BFloat16>());
+  const int64_t ldy = y.stride(0), ldx = K * 2;  // bytes between x's rows
+  // Row tiles and passes over each pair of strips. With whole tiles, each pass takes two
+  // (registers 0, 1, 4 and 2, 3, 5); with a partial last tile, the first pass takes tile 0
+  // and that tile (registers 2, 3, 5 configured for its rows), every further pass one more.
+  const int64_t tiles = (m + 15) / 16, last = m - 16 * (tiles - 1);
+  const bool whole = last == 16;
+  const int64_t passes = whole ? (tiles + 1) / 2 : std::max<int64_t>(1, tiles - 1);
+  TileConfig cfg;
+  for (int t = 0; t < 8; ++t) {
+    cfg.colsb[t] = 64;
+    cfg.rows[t] = 16;
+  }
+  for (int t : {0, 1, 4}) cfg.rows[t] = tiles == 1 ? last : 16;
+  for (int t : {2, 3, 5}) cfg.rows[t] = last;
+  const int threads = static_cast<int>(std::max<int64_t>(
+      1, std::min<int64_t>(at::get_num_threads(), pairs)));
+  const uint16_t* w_end = wd + pairs * kt * 1024;
+  // Every pass over a pair prefetches its share of the stream, so that the reads from memory
+  // go on during the passes that find the pair in L2.
+  const int64_t pf_step = (32 + passes - 1) / passes * 64;
+#pragma omp parallel num_threads(threads)
+  {
+    const int tid = omp_get_thread_num();
+    const int64_t p0 = pairs * tid / threads, p1 = pairs * (tid + 1) / threads;
+    alignas(64) float c[4][256];
+    _tile_loadconfig(&cfg);
+    for (int64_t p = p0; p < p1; ++p) {
+      const uint16_t* w = wd + p * kt * 1024;  // this pair's k-steps, 2 tiles each
+      const char* pf = reinterpret_cast<const char*>(w + kTilePrefetch * 1024);
+      for (int64_t pass = 0; pass < passes; ++pass) {
+        // Row tile t0 in registers 0, 1, 4; with ``two``, tile t1 in 2, 3, 5.
+        const int64_t t0 = whole ? 2 * pass : pass, t1 = whole ? t0 + 1 : tiles - 1;
+        const bool two = whole ? t1 < tiles : pass == 0 && tiles > 1;
+        const char* a0 = reinterpret_cast<const char*>(xd + 16 * t0 * K);
+        const char* a1 = reinterpret_cast<const char*>(xd + 16 * t1 * K);
+        _tile_zero(0);
+        _tile_zero(1);
+        if (two) {
+          _tile_zero(2);
+          _tile_zero(3);
+        }
+        for (int64_t k = 0; k < kt; ++k) {
+          const uint16_t* b = w + k * 1024;
+          if (pf + pf_step <= reinterpret_cast<const char*>(w_end))
+            for (int o = 0; o < pf_step; o += 64) _mm_prefetch(pf + o, _MM_HINT_T1);
+          pf += pf_step;
+          _tile_loadd(6, b, 64);
+          _tile_loadd(7, b + 512, 64);
+          _tile_loadd(4, a0 + k * 64, ldx);
+          _tile_dpbf16ps(0, 4, 6);
+          _tile_dpbf16ps(1, 4, 7);
+          if (two) {
+            _tile_loadd(5, a1 + k * 64, ldx);
+            _tile_dpbf16ps(2, 5, 6);
+            _tile_dpbf16ps(3, 5, 7);
+          }
+        }
+        _tile_stored(0, c[0], 64);
+        _tile_stored(1, c[1], 64);
+        for (int i = 0; i < 2; ++i)
+          tile_out(c[i], yd, ldy, 16 * t0, m, p * 32 + 16 * i, N, bp);
+        if (two) {
+          _tile_stored(2, c[2], 64);
+          _tile_stored(3, c[3], 64);
+          for (int i = 0; i < 2; ++i)
+            tile_out(c[2 + i], yd, ldy, 16 * t1, m, p * 32 + 16 * i, N, bp);
+        }
+      }
+    }
+    _tile_release();
+  }
+}
+
+bool tile_linear_supported() { return amx_permitted(); }
 #else
 bool g_amx_enabled = false;
+
+constexpr int64_t kTileMaxRows = 0;
+at::Tensor tile_pack(const at::Tensor&) {
+  TORCH_CHECK(false, "tile_pack: this build has no AMX");
+}
+void tile_linear_into(const at::Tensor&, const at::Tensor&, int64_t,
+                      const std::optional<at::Tensor>&, at::Tensor&, int64_t) {
+  TORCH_CHECK(false, "tile_linear: this build has no AMX");
+}
+bool tile_linear_supported() { return false; }
 bool amx_long_runs(const Batch&, int64_t, int, const std::vector<uint8_t>&, const at::Tensor&,
                    at::Tensor&, const at::Tensor&, const at::Tensor&) {
   return false;
@@ -1119,6 +1278,22 @@ void silu_and_mul(at::Tensor out, const at::Tensor& x) {
     AT_DISPATCH_CASE(at::kHalf, [&] { silu_mul_impl<scalar_t>(out, x); }));
 }
 
+// y = x W^T (+ b) on a weight packed by ``tile_pack``, for at most ``tile_max_rows()`` rows.
+at::Tensor tile_linear(const at::Tensor& x, const at::Tensor& packed, int64_t N,
+                       const std::optional<at::Tensor>& bias) {
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.scalar_type() == at::kBFloat16,
+              "tile_linear: a contiguous [M, K] bf16 input expected");
+  TORCH_CHECK(x.size(0) <= kTileMaxRows, "tile_linear: at most ", kTileMaxRows, " rows");
+  TORCH_CHECK(packed.dim() == 5 && packed.size(1) * 32 == x.size(1) &&
+                  packed.size(0) * 32 >= N,
+              "tile_linear: the packed weight does not match the input");
+  at::Tensor y = at::empty({x.size(0), N}, x.options());
+  tile_linear_into(x, packed, N, bias, y, x.size(0));
+  return y;
+}
+
+int64_t tile_max_rows() { return tile_linear_supported() ? kTileMaxRows : 0; }
+
 // ---------------------------------------------------------------- a stack of decoder layers
 
 // y = x W^T + b on a weight prepacked by ``mkldnn::_reorder_linear_weight``: PyTorch's own
@@ -1160,8 +1335,10 @@ at::Tensor packed_linear(const at::Tensor& x_in, const at::Tensor& w,
 // kernels and oneDNN calls in the same order, so the result is identical; only the
 // interpreter's share of a decode step (about 0.15 ms per layer) is gone. Per layer: the
 // input and post-attention norm weights (``norms``: 2 per layer), the prepacked QKV, output,
-// gate/up and down weights (``weights``: 4 per layer) and their optional biases. Returns
-// (layer output, residual stream); the model adds them before its final norm.
+// gate/up and down weights (``weights``: 4 per layer) and their optional biases; optionally
+// (``tiles``, empty or 4 per layer, with ``out_features``) their ``tile_pack`` copies, which
+// batches of up to kTileMaxRows tokens multiply on instead. Returns (layer output, residual
+// stream); the model adds them before its final norm.
 //
 // A batch whose token count the linears pad (``padded_rows``) is padded once, here, and the
 // whole stack runs on the padded rows: the row-wise kernels and the linears carry the
@@ -1175,11 +1352,14 @@ std::vector<at::Tensor> decoder_layers(
     const std::vector<std::optional<at::Tensor>>& biases, const std::vector<at::Tensor>& k_caches,
     const std::vector<at::Tensor>& v_caches, const at::Tensor& slots, const at::Tensor& cu_q,
     const at::Tensor& ctx_lens, const at::Tensor& block_tables, int64_t H, int64_t Hkv,
-    int64_t D, double eps, double scale, int64_t min_long_run) {
+    int64_t D, double eps, double scale, int64_t min_long_run,
+    const std::vector<std::optional<at::Tensor>>& tiles, const std::vector<int64_t>& out_features) {
   const size_t L = k_caches.size();
   TORCH_CHECK(v_caches.size() == L && norms.size() == 2 * L && weights.size() == 4 * L &&
                   biases.size() == 4 * L,
               "decoder_layers: per-layer argument lists of the wrong length");
+  TORCH_CHECK(tiles.empty() || (tiles.size() == 4 * L && out_features.size() == 4 * L),
+              "decoder_layers: tile weights and out features must come 4 per layer");
   TORCH_CHECK(h.dim() == 2 && h.is_contiguous(), "decoder_layers: h must be [T, hidden]");
   const int64_t T = h.size(0), rows = padded_rows(T);
   if (rows != T) {
@@ -1187,6 +1367,16 @@ std::vector<at::Tensor> decoder_layers(
     padded.narrow(0, 0, T).copy_(h);
     h = padded;
   }
+  // Linear j of the stack: on its tile copy where it has one and the batch is small enough.
+  const bool small = rows <= kTileMaxRows && tile_linear_supported();
+  auto linear = [&](const at::Tensor& x, size_t j) {
+    if (small && !tiles.empty() && tiles[j]) {  // the padding rows come out zero
+      at::Tensor y = at::empty({x.size(0), out_features[j]}, x.options());
+      tile_linear_into(x, *tiles[j], out_features[j], biases[j], y, T);
+      return y;
+    }
+    return packed_linear(x, weights[j], biases[j]);
+  };
   // The attention output, one buffer for every layer: its padding rows are never written.
   at::Tensor o_rows = rows != T ? at::zeros({rows, H * D}, h.options())
                                 : at::empty({rows, H * D}, h.options());
@@ -1201,19 +1391,19 @@ std::vector<at::Tensor> decoder_layers(
     } else {
       fused_add_rms_norm(h, residual, norms[2 * i], eps);
     }
-    const at::Tensor qkv = packed_linear(h, weights[4 * i], biases[4 * i]).narrow(0, 0, T);
+    const at::Tensor qkv = linear(h, 4 * i).narrow(0, 0, T);
     at::Tensor q = qkv.narrow(1, 0, H * D).view({T, H, D});
     at::Tensor k = qkv.narrow(1, H * D, Hkv * D).view({T, Hkv, D});
     const at::Tensor v = qkv.narrow(1, (H + Hkv) * D, Hkv * D).view({T, Hkv, D});
     rope(q, k, positions, cos, sin);
     paged_attention(o, q, k, v, k_caches[i], v_caches[i], slots, cu_q, ctx_lens,
                     block_tables, scale, min_long_run);
-    h = packed_linear(o_rows, weights[4 * i + 1], biases[4 * i + 1]);
+    h = linear(o_rows, 4 * i + 1);
     fused_add_rms_norm(h, residual, norms[2 * i + 1], eps);
-    const at::Tensor gu = packed_linear(h, weights[4 * i + 2], biases[4 * i + 2]);
+    const at::Tensor gu = linear(h, 4 * i + 2);
     at::Tensor act = at::empty({rows, gu.size(1) / 2}, gu.options());
     silu_and_mul(act, gu);
-    h = packed_linear(act, weights[4 * i + 3], biases[4 * i + 3]);
+    h = linear(act, 4 * i + 3);
   }
   if (rows != T) return {h.narrow(0, 0, T), residual.narrow(0, 0, T)};
   return {h, residual};
@@ -1250,6 +1440,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::call_guard<py::gil_scoped_release>());
   m.def("write_kv", &write_kv, "Scatter new keys/values into the paged cache",
         py::call_guard<py::gil_scoped_release>());
+  m.def("tile_pack", &tile_pack, "A bf16 weight copied into AMX tiles for tile_linear",
+        py::call_guard<py::gil_scoped_release>());
+  m.def("tile_linear", &tile_linear, "x W^T (+ b) for a few rows, on a tile_pack'ed weight",
+        py::call_guard<py::gil_scoped_release>());
+  m.def("tile_max_rows", &tile_max_rows, "Rows tile_linear takes here (0: none)");
   m.def("decoder_layers", &decoder_layers, "A stack of decoder layers for a small batch",
         py::call_guard<py::gil_scoped_release>());
 }

@@ -57,7 +57,7 @@ class ModelConfig:
     linear_backend: str = knob(
         "auto", "packed: oneDNN linear layers on weights prepacked at load (CPU); tiles:"
         " packed, and batches of up to 64 tokens multiply on a second copy of each bf16"
-        " weight laid out in AMX tiles (decode steps ~20% faster at 32-64 requests; twice the"
+        " weight laid out in AMX tiles (their products ~20% faster at 1-64 rows; twice the"
         " linear weights' memory); eager: F.linear; auto: tiles where the CPU has AMX, the"
         " dtype is bfloat16 and the copy takes at most a quarter of the available memory,"
         " else packed where oneDNN supports the dtype.",

@@ -15,8 +15,8 @@ matrix unit (``kernels: tile_pack``), and batches of up to ``tile_max_rows()`` t
 decode steps) multiply on it: the product of a few rows is bound by reading the weight, which
 that kernel streams at the machine's read bandwidth where oneDNN's reads slow down between 16
 and 64 rows. Measured for the 64 decoder linears of the race model (361 MB, 2-core AMX VM,
-three rounds): 17.3-18.6 -> 14.7-17.3 ms at 1 row, 17.7-19.6 -> 15.3-15.7 at 16, 20.9-22.4 ->
-16.0-17.1 at 32, 23.0-26.2 -> 18.4-20.6 at 48, 25.0-26.6 -> 19.8-22.3 at 64.
+three rounds, oneDNN -> tiles): 16.9-17.3 -> 13.1-13.6 ms at 1 row, 17.4-17.7 -> 14.1-14.5 at
+16, 19.9-21.0 -> 15.7-16.8 at 32, 22.6-23.0 -> 18.2-18.6 at 48 (docs/performance.md).
 """
 
 from __future__ import annotations

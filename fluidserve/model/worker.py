@@ -254,6 +254,6 @@ def choose_linear(backend: str, dtype: torch.dtype, device: torch.device) -> boo
         return False
     supported = packed_linear_supported(dtype, device)
     if backend in ("packed", "tiles") and not supported:
-        raise ValueError(f"linear backend 'packed' unavailable for {dtype} on {device.type}"
+        raise ValueError(f"linear backend '{backend}' unavailable for {dtype} on {device.type}"
                          " (needs a CPU with oneDNN support for the dtype)")
     return supported

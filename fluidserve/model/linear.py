@@ -76,13 +76,13 @@ class PackedLinear(nn.Module):
         self.tiles: torch.Tensor | None = None
         self.tile_rows = 0
         if tiles and tiles_supported(weight):
-            ops = cpu_ops()
-            self.tiles, self.tile_rows = ops.tile_pack(weight), ops.tile_max_rows()
+            self._ops = cpu_ops()
+            self.tiles, self.tile_rows = self._ops.tile_pack(weight), self._ops.tile_max_rows()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         m = x.shape[0]
         if self.tiles is not None and m <= self.tile_rows and x.dim() == 2:
-            return cpu_ops().tile_linear(x.contiguous(), self.tiles, self.out_features,
+            return self._ops.tile_linear(x.contiguous(), self.tiles, self.out_features,
                                          self.bias)
         rows = padded_rows(m)
         if rows != m:

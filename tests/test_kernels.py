@@ -192,8 +192,11 @@ def test_attention_benchmark_reports_both_cases_per_thread_count():
     assert "variant_ms" not in rows[0]
 
 
-AMX = ops is not None and ops.tile_max_rows() > 0
+TILE_KIND = ops.tile_kind() if ops is not None else ""
+AMX = TILE_KIND == "amx"
 needs_amx = pytest.mark.skipif(not AMX, reason="the CPU has no AMX tiles")
+needs_avx2_tiles = pytest.mark.skipif(TILE_KIND != "avx2",
+                                      reason="the AVX2 panel kernel is not the one built here")
 
 
 @needs_amx
@@ -236,22 +239,58 @@ def test_tile_linear_rejects_what_it_cannot_multiply():
 
 def test_linear_backend_tiles_is_chosen_where_it_can_run(tiny_model_dir, monkeypatch):
     """``auto`` copies bf16 weights into tiles on an AMX CPU while the copy fits a quarter of
-    the available memory; ``tiles`` insists, and says why it cannot where it cannot."""
+    the available memory, and into AVX2 panels where oneDNN has no bf16 kernels (they take
+    every batch and replace oneDNN's copy, so memory does not matter); ``tiles`` insists,
+    and says why it cannot where it cannot."""
     from fluidserve.model import worker as W
+    from fluidserve.model.linear import ANY_ROWS, widened
     from fluidserve.model.runner import ModelExecutor
 
+    panels = TILE_KIND == "avx2" and widened(torch.bfloat16)
     ex = ModelExecutor(str(tiny_model_dir), dtype="bfloat16", num_blocks=16)
-    assert ex.worker.tile_linear == AMX
+    assert ex.worker.tile_linear == (AMX or panels)
+    assert ex.pads_rows == (not panels)
     layer = ex.model.layers[0].mlp.down_proj
-    assert (layer.tiles is not None) == AMX and layer.tile_rows == (64 if AMX else 0)
-    assert not ModelExecutor(str(tiny_model_dir), dtype="bfloat16", num_blocks=16,
-                             linear_backend="packed").worker.tile_linear
+    assert (layer.tiles is not None) == (AMX or panels)
+    assert layer.tile_rows == (64 if AMX else ANY_ROWS if panels else 0)
+    assert (layer.packed is None) == panels  # panels replace oneDNN's copy
+    packed = ModelExecutor(str(tiny_model_dir), dtype="bfloat16", num_blocks=16,
+                           linear_backend="packed")
+    assert not packed.worker.tile_linear and packed.pads_rows
+    assert packed.model.layers[0].mlp.down_proj.wide == widened(torch.bfloat16)
     with pytest.raises(ValueError, match="'tiles' unavailable: needs bfloat16"):
         ModelExecutor(str(tiny_model_dir), dtype="float32", num_blocks=16,
                       linear_backend="tiles")
-    monkeypatch.setattr(W, "available_memory", lambda: 1 << 20)  # 1 MB free: no copy
-    assert not ModelExecutor(str(tiny_model_dir), dtype="bfloat16",
-                             num_blocks=16).worker.tile_linear
-    if AMX:  # asked for explicitly, the copy is made whatever the memory
+    monkeypatch.setattr(W, "available_memory", lambda: 1 << 20)  # 1 MB free: no extra copy
+    assert ModelExecutor(str(tiny_model_dir), dtype="bfloat16",
+                         num_blocks=16).worker.tile_linear == panels
+    if TILE_KIND:  # asked for explicitly, the copy is made whatever the memory
         assert ModelExecutor(str(tiny_model_dir), dtype="bfloat16", num_blocks=16,
                              linear_backend="tiles").worker.tile_linear
+
+
+@needs_avx2_tiles
+@pytest.mark.parametrize("n,k,bias", [(96, 64, False), (100, 96, True), (1536, 1024, False),
+                                      (1024, 2816, True), (40, 33, True)])
+def test_panel_linear_rounds_the_float32_product_and_is_the_same_for_every_batch(n, k, bias):
+    """The AVX2 kernel on bf16 panels: the float32 product of the bf16 operands, rounded once
+    to bf16 (within a unit in the last place of the exact product's rounding, where float32
+    sums in another order tip it), and each row's result independent of the rows beside it,
+    whatever their number (groups of six rows and partial groups, row blocks of 48)."""
+    g = torch.Generator().manual_seed(n + k)
+    w = (torch.randn(n, k, generator=g) * 0.05).bfloat16()
+    b = torch.randn(n, generator=g).bfloat16() if bias else None
+    panels = ops.tile_pack(w)
+    x = torch.randn(100, k, generator=g).bfloat16()
+    full = ops.tile_linear(x, panels, n, b)
+    ref = x.double() @ w.double().T + (b.double() if bias else 0)
+    ulp = torch.finfo(torch.bfloat16).eps * ref.abs()  # one unit in the last place, ~
+    assert ((full.double() - ref).abs() <= ulp + 1e-6).all()
+    assert (full == ref.bfloat16()).float().mean() > 0.98
+    for m in (1, 2, 5, 6, 7, 17, 40, 48, 49, 97):
+        y = ops.tile_linear(x[:m], panels, n, b)
+        assert y.shape == (m, n) and torch.equal(y, full[:m]), m
+    with pytest.raises(RuntimeError, match="does not match"):
+        ops.tile_linear(torch.randn(4, k + 1).bfloat16(), panels, n, None)
+    with pytest.raises(RuntimeError, match="bf16"):
+        ops.tile_linear(x.float(), panels, n, None)

@@ -86,9 +86,10 @@ def test_chunked_prefill_and_decode_logits_match_transformers(hf_models, arch, b
 
 
 # Triton's interpreter cannot load bfloat16: without a GPU the Triton path is checked in
-# float32 (above) and float16 (in test_triton_kernels.py). bf16 adds the linears on AMX tiles
-# (the 35-token prompt is within their 64 rows, so every linear runs on them), where the CPU
-# has AMX.
+# float32 (above) and float16 (in test_triton_kernels.py). bf16 adds the linears on tile
+# copies, where the CPU has a tile kernel: AMX tiles (the 35-token prompt is within their 64
+# rows, so every linear runs on them) or the AVX2 panels (every batch). On a CPU whose oneDNN
+# has no bf16 kernels, "packed" is oneDNN on weights widened to float32.
 BF16_BACKENDS = [b for b in BACKENDS if b[1] != "triton" or b[0] == "cuda"] + [
     ("cpu", "native", "tiles")]
 
@@ -98,7 +99,7 @@ BF16_BACKENDS = [b for b in BACKENDS if b[1] != "triton" or b[0] == "cuda"] + [
 def test_bfloat16_logits_close_to_transformers(hf_models, arch, backends):
     device, attention, linear = backends
     if linear == "tiles" and not tiles_available():
-        pytest.skip("the CPU has no AMX tiles")
+        pytest.skip("no tile kernel here (needs AMX or AVX2)")
     ex = ModelExecutor(hf_models[arch], dtype="bfloat16", device=device, num_blocks=16,
                        block_size=BS, attention_backend=attention, linear_backend=linear)
     ids = list(range(5, 40))

@@ -69,8 +69,8 @@ def test_greedy_outputs_equal_one_process_for_every_scheduler(tiny_model_dir, re
                                                   pipeline_parallel_size=pp)))
     assert first.executor.depth == pp
     # The ranks run prepacked linears on padded rows, and say so (`auto` prices those rows).
-    assert first.executor.packed_linear is packed_linear_supported(torch.float32,
-                                                                   torch.device("cpu"))
+    assert first.executor.pads_rows is packed_linear_supported(torch.float32,
+                                                               torch.device("cpu"))
     tok = Tokenizer(tiny_model_dir)
     try:
         for policy in SCHEDULERS:

@@ -45,7 +45,7 @@ class Executor(Protocol):
     to ``depth`` batches may be in flight (the pipeline-parallel stages), and results come back
     in submission order. A future that raises ``ExecutorDead`` means the executor is gone.
     An executor whose linears pad a batch's rows (``model.linear.padded_rows``) says so with
-    a true ``packed_linear``; `auto`'s iteration-time model then prices batches on those rows."""
+    a true ``pads_rows``; `auto`'s iteration-time model then prices batches on those rows."""
 
     num_blocks: int
     block_size: int
@@ -123,7 +123,7 @@ class EngineCore:
                 budget_policy, self._budget_model = learned_budget(
                     sc.tbt_slo, sc.budget_margin, sc.tile_size,
                     config.parallel.pipeline_parallel_size,
-                    pads_rows=getattr(executor, "packed_linear", False))
+                    pads_rows=getattr(executor, "pads_rows", False))
             self.budget = budget_policy
             self.scheduler.budget_policy = budget_policy
         # Batches submitted and not yet applied: (plan, future of its RunnerOutput, start).

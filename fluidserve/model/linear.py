@@ -17,6 +17,13 @@ that kernel streams at the machine's read bandwidth where oneDNN's reads slow do
 and 64 rows. Measured for the 64 decoder linears of the race model (361 MB, 2-core AMX VM,
 three rounds, oneDNN -> tiles): 16.9-17.3 -> 13.1-13.6 ms at 1 row, 17.4-17.7 -> 14.1-14.5 at
 16, 19.9-21.0 -> 15.7-16.8 at 32, 22.6-23.0 -> 18.2-18.6 at 48 (docs/performance.md).
+
+On a CPU with AVX2 but neither AMX nor bf16 instructions (AMD Zen 3, for one), oneDNN has no
+bf16 kernels at all. There the compiled kernels' ``tile_linear`` is a float32-FMA kernel on
+bf16 weights copied into 16-column panels, and it takes every batch size, so the panels are
+the only copy of the weights (no oneDNN copy, no padded rows). Measured on a 2-core EPYC for a
+[M, 1024] x [1024, 5632] product, panels against oneDNN on the weight widened to float32:
+0.32 vs 1.03 ms at 1 row, 2.8 vs 4.1 at 40, 154 vs 207 ms at 2048 (bench_linears.py).
 """
 
 from __future__ import annotations
@@ -29,13 +36,27 @@ from fluidserve.kernels import cpu_ops
 
 
 def packed_linear_supported(dtype: torch.dtype, device: torch.device) -> bool:
+    """Whether linears of ``dtype`` can run prepacked: natively, or widened (``widened``)."""
     if device.type != "cpu" or not torch.backends.mkldnn.is_available():
         return False
+    return dtype in (torch.bfloat16, torch.float16, torch.float32)
+
+
+def widened(dtype: torch.dtype) -> bool:
+    """Whether a ``dtype`` weight is prepacked in float32 rather than in its own dtype.
+
+    Where the CPU has no bf16 (fp16) instructions (AVX2, e.g. AMD Zen 3), oneDNN has no
+    bf16 kernels and ``F.linear`` falls back to ATen's scalar loops: 19 GFLOP/s for a
+    [M, 1024] x [1024, 5632] product at any M on a 2-core EPYC, against 95-126 GFLOP/s for
+    oneDNN's float32 kernels from 40 rows up. There the weight is widened once, at load, and
+    each product takes float32 rows and rounds its result back to the model's dtype, which
+    is what a bf16 kernel computes too (float32 accumulation, one rounding of the output).
+    """
     if dtype == torch.bfloat16:
-        return torch.ops.mkldnn._is_mkldnn_bf16_supported()
+        return not torch.ops.mkldnn._is_mkldnn_bf16_supported()
     if dtype == torch.float16:
-        return torch.ops.mkldnn._is_mkldnn_fp16_supported()
-    return dtype == torch.float32
+        return not torch.ops.mkldnn._is_mkldnn_fp16_supported()
+    return False
 
 
 def padded_rows(m: int) -> int:
@@ -53,42 +74,73 @@ def padded_rows(m: int) -> int:
     return -(-m // step) * step
 
 
-def tiles_supported(weight: torch.Tensor) -> bool:
-    """Whether ``weight`` can get a tile copy: bf16, in_features a multiple of 32, on a CPU
-    whose matrix unit the compiled kernels can use."""
-    if weight.dtype != torch.bfloat16 or weight.device.type != "cpu" or weight.shape[1] % 32:
-        return False
+# tile_max_rows() of a tile kernel that takes every batch size (the AVX2 one).
+ANY_ROWS = 2**31 - 1
+
+
+def tile_kind() -> str:
+    """The small-batch kernel the compiled kernels have here: "amx", "avx2" or ""."""
     ops = cpu_ops()
-    return ops is not None and ops.tile_max_rows() > 0
+    return ops.tile_kind() if ops is not None else ""
+
+
+def tiles_cover_every_batch() -> bool:
+    """Whether tile copies take batches of any size here, replacing oneDNN's copy."""
+    ops = cpu_ops()
+    return ops is not None and ops.tile_max_rows() >= ANY_ROWS
+
+
+def tiles_supported(weight: torch.Tensor) -> bool:
+    """Whether ``weight`` can get a tile copy: bf16 on a CPU the compiled kernels have a tile
+    kernel for (AMX tiles also need in_features a multiple of 32)."""
+    if weight.dtype != torch.bfloat16 or weight.device.type != "cpu":
+        return False
+    kind = tile_kind()
+    return kind == "avx2" or (kind == "amx" and weight.shape[1] % 32 == 0)
 
 
 class PackedLinear(nn.Module):
-    """``y = x W^T + b`` with W reordered once into oneDNN's blocked layout, and with
-    ``tiles`` (where ``tiles_supported``) copied into AMX tiles for small batches too."""
+    """``y = x W^T + b`` on weights laid out once for the CPU's kernels: a tile copy
+    (``tiles``, where ``tiles_supported``) for the batches of up to ``tile_rows`` tokens, and
+    for the others W reordered into oneDNN's blocked layout (in float32 where the dtype is
+    ``widened``; ``packed`` is None where the tiles take every batch). ``bias`` is the one
+    the packed weight's product takes (float32 when widened)."""
 
     def __init__(self, linear: nn.Linear, tiles: bool = False) -> None:
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
         weight = linear.weight.detach()
-        with torch.no_grad():
-            self.packed = torch.ops.mkldnn._reorder_linear_weight(weight, None)
-        self.bias = linear.bias
+        self.dtype, self.wide = weight.dtype, widened(weight.dtype)
         self.tiles: torch.Tensor | None = None
         self.tile_rows = 0
         if tiles and tiles_supported(weight):
             self._ops = cpu_ops()
             self.tiles, self.tile_rows = self._ops.tile_pack(weight), self._ops.tile_max_rows()
+        self.packed: torch.Tensor | None = None
+        if self.tile_rows < ANY_ROWS:
+            with torch.no_grad():
+                src = weight.float() if self.wide else weight
+                self.packed = torch.ops.mkldnn._reorder_linear_weight(src, None)
+        else:
+            self.wide = False
+        bias = linear.bias
+        self.bias = bias.detach().float() if self.wide and bias is not None else bias
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dim() != 2:
+            return self(x.reshape(-1, x.shape[-1])).view(*x.shape[:-1], self.out_features)
         m = x.shape[0]
-        if self.tiles is not None and m <= self.tile_rows and x.dim() == 2:
+        if self.tiles is not None and m <= self.tile_rows:
             return self._ops.tile_linear(x.contiguous(), self.tiles, self.out_features,
                                          self.bias)
         rows = padded_rows(m)
+        if self.wide:
+            x = x.float()
         if rows != m:
             x = F.pad(x, (0, 0, 0, rows - m))
         y = torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
-        return y[:m] if rows != m else y
+        y = y[:m] if rows != m else y
+        return y.to(self.dtype) if self.wide else y
 
 
 def linear_weight_bytes(model: nn.Module) -> int:

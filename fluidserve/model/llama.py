@@ -273,7 +273,8 @@ class LlamaForCausalLM(nn.Module):
                     isinstance(x, PackedLinear) for x in linears):
                 return ()
             norms += [layer.input_layernorm.weight, layer.post_attention_layernorm.weight]
-            weights += [x.packed for x in linears]
+            # (a tile copy that takes every batch stands in for oneDNN's, which it replaces)
+            weights += [x.packed if x.packed is not None else x.tiles for x in linears]
             biases += [x.bias for x in linears]
             tiles += [x.tiles for x in linears]
             out_features += [x.out_features for x in linears]

@@ -29,7 +29,10 @@ from fluidserve.model.linear import (
     linear_weight_bytes,
     pack_linear_layers,
     packed_linear_supported,
+    tile_kind,
+    tiles_cover_every_batch,
     tiles_supported,
+    widened,
 )
 from fluidserve.model.llama import Shard, TensorParallel
 from fluidserve.model.loader import DTYPES, load_model, resolve_dtype
@@ -56,6 +59,15 @@ class WorkerSpec:
         """Whether the workers run their linears prepacked (and pad a batch's rows as
         ``linear.padded_rows`` does), as ``Worker`` decides it."""
         return choose_linear(self.linear_backend, DTYPES[self.dtype], torch.device(self.device))
+
+    def pads_rows(self) -> bool:
+        """Whether the workers pad a batch's rows as ``linear.padded_rows`` does: they run
+        prepacked oneDNN linears, unless tile copies take every batch (``choose_tiles``
+        always makes those: they replace oneDNN's copy)."""
+        if not self.packed_linear():
+            return False
+        return not (self.linear_backend in ("auto", "tiles") and self.dtype == "bfloat16"
+                    and self.device == "cpu" and tiles_cover_every_batch())
 
 
 def resolve_max_model_len(arch: ArchConfig, requested: int | None) -> int:
@@ -213,9 +225,10 @@ TILE_COPY_MEMORY_SHARE = 0.25
 
 
 def choose_tiles(backend: str, model: torch.nn.Module, device: torch.device) -> bool:
-    """Whether bf16 linears also get a tile copy for small batches (``linear.PackedLinear``):
-    with ``tiles`` wherever it can run (else an error saying why), with ``auto`` where it can
-    and the copy fits in a quarter of the available memory."""
+    """Whether bf16 linears get a tile copy (``linear.PackedLinear``): with ``tiles`` wherever
+    it can run (else an error saying why); with ``auto`` on an AMX CPU while the copy fits a
+    quarter of the available memory, and on an AVX2 CPU whose oneDNN has no bf16 kernels
+    (there the copy takes every batch and replaces oneDNN's, so it costs no memory)."""
     if backend not in ("auto", "tiles"):
         return False
     weights = [m.weight for m in model.modules() if isinstance(m, torch.nn.Linear)]
@@ -223,8 +236,10 @@ def choose_tiles(backend: str, model: torch.nn.Module, device: torch.device) -> 
     if device.type != "cpu" or not weights or weights[0].dtype != torch.bfloat16:
         why = "needs bfloat16 weights on the CPU"
     elif not any(tiles_supported(w) for w in weights):
-        why = "needs a CPU with AMX and the compiled kernels"
+        why = "needs the compiled kernels on a CPU with AMX or AVX2"
     if why is None and backend == "auto":
+        if tile_kind() == "avx2":
+            return widened(torch.bfloat16)  # else oneDNN's own bf16 kernels
         extra, available = linear_weight_bytes(model), available_memory()
         if available is not None and extra > TILE_COPY_MEMORY_SHARE * available:
             log.info("linear weights not copied into tiles: %.1f GB would exceed %d%% of the"

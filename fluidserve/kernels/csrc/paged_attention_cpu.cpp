@@ -1071,9 +1071,159 @@ void tile_linear_into(const at::Tensor& x, const at::Tensor& packed, int64_t N,
 }
 
 bool tile_linear_supported() { return amx_permitted(); }
+const char* kTileKind = "amx";
+
+bool tile_packed_matches(const at::Tensor& packed, int64_t K, int64_t N) {
+  return packed.dim() == 5 && packed.size(1) * 32 == K && packed.size(0) * 32 >= N;
+}
 #else
 bool g_amx_enabled = false;
+bool amx_long_runs(const Batch&, int64_t, int, const std::vector<uint8_t>&, const at::Tensor&,
+                   at::Tensor&, const at::Tensor&, const at::Tensor&) {
+  return false;
+}
+#if defined(__AVX2__) && defined(__FMA__)
+// ------------------------------------------- linears on bf16 weights with AVX2 (no AMX)
+//
+// Where the CPU has neither AMX nor bf16 instructions (AVX2: AMD Zen 3, older Xeons), oneDNN
+// has no bf16 kernels and would need the weights widened to float32 (model/linear.py), twice
+// the bytes a decode step reads. Here W stays bf16, copied once into panels of 16 output
+// columns, [ceil(N/16)][K][16], each one sequential stream. A bf16 value is the top half of
+// a float32, so widening 16 of them is two unpacks against zero; the columns are stored in
+// the order those unpacks produce within each 128-bit lane, so that the two float32 halves
+// are columns 0-7 and 8-15. x is widened once per call; rows are taken up to kPanelRows at a
+// time against a panel (2 x kPanelRows float32 accumulators in registers), and a panel is
+// re-read from L1/L2 for each further group of rows of a kRowBlock-row block.
+constexpr int64_t kTileMaxRows = std::numeric_limits<int32_t>::max();
+constexpr int kPanelRows = 6;
+constexpr int64_t kRowBlock = 48;
 
+// Stored position of column c (0-15) of a panel: see above.
+inline int panel_pos(int c) { return c < 4 || c >= 12 ? c : c < 8 ? c + 4 : c - 4; }
+
+at::Tensor tile_pack(const at::Tensor& w) {
+  TORCH_CHECK(w.dim() == 2 && w.scalar_type() == at::kBFloat16,
+              "tile_pack: a [N, K] bf16 weight expected");
+  const int64_t N = w.size(0), K = w.size(1), panels = (N + 15) / 16;
+  const at::Tensor wc = w.contiguous();
+  at::Tensor out = at::zeros({panels, K, 16}, w.options());
+  const auto* src = reinterpret_cast<const uint16_t*>(wc.data_ptr<at::BFloat16>());
+  auto* dst = reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>());
+  at::parallel_for(0, panels, 1, [&](int64_t p0, int64_t p1) {
+    for (int64_t p = p0; p < p1; ++p)
+      for (int c = 0; c < 16 && p * 16 + c < N; ++c) {
+        const uint16_t* row = src + (p * 16 + c) * K;
+        uint16_t* col = dst + p * K * 16 + panel_pos(c);
+        for (int64_t k = 0; k < K; ++k) col[k * 16] = row[k];
+      }
+  });
+  return out;
+}
+
+// acc[r] = x[r, :] . W_panel for R rows (x float32, row stride ldx), k in order whatever R,
+// so that a row's result does not depend on the rows beside it. One FMA chain per row and
+// half (2R chains) keeps the FMA units busy from R = 4 up (latency 4 x 2 units); below that
+// the weight stream from memory, not the chains, is the bound.
+template <int R>
+inline void panel_rows(const float* x, int64_t ldx, const uint16_t* w, int64_t K,
+                       __m256 acc[R][2]) {
+  // Named accumulators, not an array: GCC keeps an array of them in memory, storing all
+  // 2R every step (half the speed).
+  __m256 c0a = _mm256_setzero_ps(), c0b = c0a, c1a = c0a, c1b = c0a, c2a = c0a, c2b = c0a,
+         c3a = c0a, c3b = c0a, c4a = c0a, c4b = c0a, c5a = c0a, c5b = c0a;
+  const __m256i zero = _mm256_setzero_si256();
+  const float* x0 = x;
+#define FS_ROW(i, A, B)                                         \
+  if constexpr (R > i) {                                        \
+    const __m256 xb = _mm256_broadcast_ss(x0 + i * ldx + k);    \
+    A = _mm256_fmadd_ps(xb, lo, A);                             \
+    B = _mm256_fmadd_ps(xb, hi, B);                             \
+  }
+  for (int64_t k = 0; k < K; ++k) {
+    const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + k * 16));
+    const __m256 lo = _mm256_castsi256_ps(_mm256_unpacklo_epi16(zero, v));
+    const __m256 hi = _mm256_castsi256_ps(_mm256_unpackhi_epi16(zero, v));
+    FS_ROW(0, c0a, c0b)
+    FS_ROW(1, c1a, c1b)
+    FS_ROW(2, c2a, c2b)
+    FS_ROW(3, c3a, c3b)
+    FS_ROW(4, c4a, c4b)
+    FS_ROW(5, c5a, c5b)
+  }
+#undef FS_ROW
+  const __m256 out[6][2] = {{c0a, c0b}, {c1a, c1b}, {c2a, c2b},
+                            {c3a, c3b}, {c4a, c4b}, {c5a, c5b}};
+  for (int r = 0; r < R; ++r) acc[r][0] = out[r][0], acc[r][1] = out[r][1];
+}
+
+// Rows r0..r0+R of y, columns n0..n0+16 (fewer at the end of N), from one panel.
+template <int R, typename T>
+void panel_block(const float* x, int64_t ldx, const uint16_t* w, int64_t K, T* y, int64_t ldy,
+                 int64_t n0, int64_t N, const float* bias) {
+  __m256 acc[R][2];
+  panel_rows<R>(x, ldx, w, K, acc);
+  const int64_t nc = std::min<int64_t>(16, N - n0);
+  for (int r = 0; r < R; ++r) {
+    v16f v;
+    std::memcpy(&v, &acc[r][0], 32);
+    std::memcpy(reinterpret_cast<float*>(&v) + 8, &acc[r][1], 32);
+    if (bias) v += load16(bias + n0);
+    alignas(64) T tmp[16];
+    store16(tmp, v);
+    std::memcpy(y + r * ldy + n0, tmp, nc * sizeof(T));
+  }
+}
+
+template <typename T>
+void panel_group(int rows, const float* x, int64_t ldx, const uint16_t* w, int64_t K, T* y,
+                 int64_t ldy, int64_t n0, int64_t N, const float* bias) {
+  switch (rows) {
+    case 1: return panel_block<1>(x, ldx, w, K, y, ldy, n0, N, bias);
+    case 2: return panel_block<2>(x, ldx, w, K, y, ldy, n0, N, bias);
+    case 3: return panel_block<3>(x, ldx, w, K, y, ldy, n0, N, bias);
+    case 4: return panel_block<4>(x, ldx, w, K, y, ldy, n0, N, bias);
+    case 5: return panel_block<5>(x, ldx, w, K, y, ldy, n0, N, bias);
+    default: return panel_block<6>(x, ldx, w, K, y, ldy, n0, N, bias);
+  }
+}
+
+void tile_linear_into(const at::Tensor& x_in, const at::Tensor& packed, int64_t N,
+                      const std::optional<at::Tensor>& bias, at::Tensor& y) {
+  const int64_t m = x_in.size(0), K = x_in.size(1), panels = packed.size(0);
+  if (m == 0) return;
+  const at::Tensor x = x_in.scalar_type() == at::kFloat ? x_in.contiguous()
+                                                         : x_in.to(at::kFloat).contiguous();
+  at::Tensor bf;  // float32, zero up to the packed width (read 16 at a time)
+  if (bias && bias->defined()) {
+    bf = at::zeros({panels * 16}, x.options());
+    bf.narrow(0, 0, N).copy_(*bias);
+  }
+  const float* bp = bf.defined() ? bf.data_ptr<float>() : nullptr;
+  const float* xd = x.data_ptr<float>();
+  const auto* wd = reinterpret_cast<const uint16_t*>(packed.data_ptr<at::BFloat16>());
+  const int64_t ldy = y.stride(0);
+  AT_DISPATCH_SWITCH(y.scalar_type(), "tile_linear",
+    AT_DISPATCH_CASE(at::kBFloat16, [&] {
+      auto* yd = y.data_ptr<scalar_t>();
+      at::parallel_for(0, panels, 1, [&](int64_t p0, int64_t p1) {
+        for (int64_t b0 = 0; b0 < m; b0 += kRowBlock)
+          for (int64_t p = p0; p < p1; ++p)
+            for (int64_t r0 = b0; r0 < std::min(m, b0 + kRowBlock); r0 += kPanelRows)
+              panel_group(static_cast<int>(std::min<int64_t>(kPanelRows, m - r0)),
+                          xd + r0 * K, K, wd + p * K * 16, K, yd + r0 * ldy, ldy, p * 16, N,
+                          bp);
+      });
+    }));
+}
+
+bool tile_linear_supported() { return true; }
+const char* kTileKind = "avx2";
+
+bool tile_packed_matches(const at::Tensor& packed, int64_t K, int64_t N) {
+  return packed.dim() == 3 && packed.size(1) == K && packed.size(2) == 16 &&
+         packed.size(0) * 16 >= N;
+}
+#else
 constexpr int64_t kTileMaxRows = 0;
 at::Tensor tile_pack(const at::Tensor&) {
   TORCH_CHECK(false, "tile_pack: this build has no AMX");
@@ -1083,10 +1233,9 @@ void tile_linear_into(const at::Tensor&, const at::Tensor&, int64_t,
   TORCH_CHECK(false, "tile_linear: this build has no AMX");
 }
 bool tile_linear_supported() { return false; }
-bool amx_long_runs(const Batch&, int64_t, int, const std::vector<uint8_t>&, const at::Tensor&,
-                   at::Tensor&, const at::Tensor&, const at::Tensor&) {
-  return false;
-}
+const char* kTileKind = "";
+bool tile_packed_matches(const at::Tensor&, int64_t, int64_t) { return false; }
+#endif
 #endif
 
 void check_common(const at::Tensor& k_cache, const at::Tensor& v_cache) {
@@ -1283,8 +1432,7 @@ at::Tensor tile_linear(const at::Tensor& x, const at::Tensor& packed, int64_t N,
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.scalar_type() == at::kBFloat16,
               "tile_linear: a contiguous [M, K] bf16 input expected");
   TORCH_CHECK(x.size(0) <= kTileMaxRows, "tile_linear: at most ", kTileMaxRows, " rows");
-  TORCH_CHECK(packed.dim() == 5 && packed.size(1) * 32 == x.size(1) &&
-                  packed.size(0) * 32 >= N,
+  TORCH_CHECK(tile_packed_matches(packed, x.size(1), N),
               "tile_linear: the packed weight does not match the input");
   at::Tensor y = at::empty({x.size(0), N}, x.options());
   tile_linear_into(x, packed, N, bias, y);
@@ -1292,6 +1440,7 @@ at::Tensor tile_linear(const at::Tensor& x, const at::Tensor& packed, int64_t N,
 }
 
 int64_t tile_max_rows() { return tile_linear_supported() ? kTileMaxRows : 0; }
+std::string tile_kind() { return tile_linear_supported() ? kTileKind : ""; }
 
 // ---------------------------------------------------------------- a stack of decoder layers
 
@@ -1306,12 +1455,15 @@ int64_t padded_rows(int64_t m) {
   return (m + step - 1) / step * step;
 }
 
+// A weight prepacked in float32 for a bf16/fp16 model (``linear.widened``: CPUs whose oneDNN
+// has no kernels for the model's dtype) takes float32 rows, and its output is rounded back.
 at::Tensor packed_linear(const at::Tensor& x_in, const at::Tensor& w,
                          const std::optional<at::Tensor>& b) {
   const int64_t m = x_in.size(0), rows = padded_rows(m);
-  at::Tensor x = x_in;
+  const bool wide = w.scalar_type() == at::kFloat && x_in.scalar_type() != at::kFloat;
+  at::Tensor x = wide && rows == m ? x_in.to(at::kFloat) : x_in;
   if (rows != m) {  // as PackedLinear.forward: zero rows appended, then cut off the output
-    x = at::zeros({rows, x_in.size(1)}, x_in.options());
+    x = at::zeros({rows, x_in.size(1)}, x_in.options().dtype(w.scalar_type()));
     x.narrow(0, 0, m).copy_(x_in);
   }
   static const c10::OperatorHandle op =
@@ -1326,7 +1478,8 @@ at::Tensor packed_linear(const at::Tensor& x_in, const at::Tensor& w,
   stack.emplace_back(c10::IValue());
   op.callBoxed(&stack);
   at::Tensor y = stack[0].toTensor();
-  return rows != m ? y.narrow(0, 0, m) : y;
+  if (rows != m) y = y.narrow(0, 0, m);
+  return wide ? y.to(x_in.scalar_type()) : y;
 }
 
 // The model's decoder layers (or a pipeline stage's) for one batch, exactly as
@@ -1443,11 +1596,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::call_guard<py::gil_scoped_release>());
   m.def("write_kv", &write_kv, "Scatter new keys/values into the paged cache",
         py::call_guard<py::gil_scoped_release>());
-  m.def("tile_pack", &tile_pack, "A bf16 weight copied into AMX tiles for tile_linear",
+  m.def("tile_pack", &tile_pack, "A bf16 weight copied into the layout tile_linear reads",
         py::call_guard<py::gil_scoped_release>());
-  m.def("tile_linear", &tile_linear, "x W^T (+ b) for a few rows, on a tile_pack'ed weight",
+  m.def("tile_linear", &tile_linear, "x W^T (+ b) on a tile_pack'ed weight",
         py::call_guard<py::gil_scoped_release>());
   m.def("tile_max_rows", &tile_max_rows, "Rows tile_linear takes here (0: none)");
+  m.def("tile_kind", &tile_kind, "The tile_linear kernel built here: amx, avx2 or ''");
   m.def("decoder_layers", &decoder_layers, "A stack of decoder layers for a small batch",
         py::call_guard<py::gil_scoped_release>());
 }

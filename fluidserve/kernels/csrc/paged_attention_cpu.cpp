@@ -248,124 +248,15 @@ void attend(const WorkItem& w, const Batch& b, const T* q, T* out, const T* k_ca
   }
 }
 
-// A decode item: one query token, query heads head0 .. head0 + heads - 1 (whole groups of
-// kv heads). Blocks are visited once, all the item's kv heads together (contiguous in the
-// cache), with the blocks kAhead ahead prefetched (the first ones before the pass starts, and
-// the value pass's first ones during the score pass's last blocks); the score and value
-// passes are the ones of ``attend``.
-template <typename T, int BS>
-void attend_decode(const WorkItem& w, const Batch& b, const T* q, T* out, const T* k_cache,
-                   const T* v_cache, std::vector<float>& scores) {
-  constexpr int NV = BS / 16;
-  const int G = b.H / b.Hkv, D = b.D;
-  const int R = w.heads, h0 = w.head0, kv0 = h0 / G, nkv = R / G;
-  const int q0 = b.cu_q[w.run];
-  const int ctx = b.ctx_lens[w.run];
-  const int32_t* table = b.tables + w.run * b.table_stride;
-  const int num_blocks = (ctx - 1) / BS + 1;
-  const int width = num_blocks * BS;
-  const int64_t kv_stride = static_cast<int64_t>(b.Hkv) * BS * D;
-  const int64_t off = static_cast<int64_t>(kv0) * BS * D;
-  const int span = nkv * BS * D * static_cast<int>(sizeof(T));  // bytes read per block
-
-  alignas(64) float qf[kMaxRows][kMaxHeadDim];
-  alignas(64) float acc[kMaxRows][kMaxHeadDim];
-  for (int r = 0; r < R; ++r) {
-    const T* qr = q + static_cast<int64_t>(q0) * b.q_row + static_cast<int64_t>(h0 + r) * D;
-    for (int d = 0; d < D; ++d) qf[r][d] = static_cast<float>(qr[d]) * b.scale;
-    std::fill(acc[r], acc[r] + D, 0.0f);
-  }
-  scores.resize(static_cast<size_t>(R) * width);
-  float* sc = scores.data();
-  for (int blk = 0; blk < std::min(kAhead, num_blocks); ++blk)
-    prefetch(k_cache + table[blk] * kv_stride + off, span);
-  for (int blk = 0; blk < num_blocks; ++blk) {  // pass 1: scores
-    if (blk + kAhead < num_blocks)
-      prefetch(k_cache + table[blk + kAhead] * kv_stride + off, span);
-    else if (blk + kAhead - num_blocks < num_blocks)  // the value pass's first blocks
-      prefetch(v_cache + table[blk + kAhead - num_blocks] * kv_stride + off, span);
-    const T* kb = k_cache + table[blk] * kv_stride + off;
-    for (int k = 0; k < nkv; ++k) {
-      const T* kt = kb + k * BS * D;  // [D, BS]
-      for (int r0 = k * G; r0 < (k + 1) * G; r0 += 4) {
-        const int nr = std::min(4, (k + 1) * G - r0);
-        if (nr == 4) {  // the common case, with every accumulator in a register
-          v16f s[4][NV] = {};
-          for (int d = 0; d < D; ++d)
-            for (int c = 0; c < NV; ++c) {
-              const v16f kv = load16(kt + d * BS + 16 * c);
-              for (int rr = 0; rr < 4; ++rr) s[rr][c] += qf[r0 + rr][d] * kv;
-            }
-          for (int rr = 0; rr < 4; ++rr)
-            for (int c = 0; c < NV; ++c)
-              store16(sc + (r0 + rr) * width + blk * BS + 16 * c, s[rr][c]);
-          continue;
-        }
-        for (int rr = 0; rr < nr; ++rr) {
-          v16f s1[NV] = {};
-          for (int d = 0; d < D; ++d)
-            for (int c = 0; c < NV; ++c) s1[c] += qf[r0 + rr][d] * load16(kt + d * BS + 16 * c);
-          for (int c = 0; c < NV; ++c) store16(sc + (r0 + rr) * width + blk * BS + 16 * c, s1[c]);
-        }
-      }
-    }
-  }
-  float inv_sum[kMaxRows];
-  for (int r = 0; r < R; ++r)  // pass 2: softmax over the ctx visible keys
-    inv_sum[r] = softmax_row(sc + r * width, ctx, width);
-  for (int blk = 0; blk < num_blocks; ++blk) {  // pass 3: probability-weighted values
-    if (blk + kAhead < num_blocks) prefetch(v_cache + table[blk + kAhead] * kv_stride + off, span);
-    const T* vb = v_cache + table[blk] * kv_stride + off;
-    const int nj = std::min(BS, ctx - blk * BS);
-    for (int k = 0; k < nkv; ++k) {
-      const T* vh = vb + k * BS * D;  // [BS, D]
-      for (int r0 = k * G; r0 < (k + 1) * G; r0 += 4) {
-        const int nr = std::min(4, (k + 1) * G - r0);
-        const float* p0 = sc + r0 * width + blk * BS;
-        if (nr == 4 && D % (16 * kValueChunks) == 0) {  // the common case, in registers
-          for (int d0 = 0; d0 < D; d0 += 16 * kValueChunks) {
-            v16f a[4][kValueChunks];
-            for (int rr = 0; rr < 4; ++rr)
-              for (int c = 0; c < kValueChunks; ++c)
-                a[rr][c] = load16(&acc[r0 + rr][d0 + 16 * c]);
-            for (int j = 0; j < nj; ++j) {
-              v16f v[kValueChunks];
-              for (int c = 0; c < kValueChunks; ++c) v[c] = load16(vh + j * D + d0 + 16 * c);
-              for (int rr = 0; rr < 4; ++rr) {
-                const float pr = p0[rr * width + j];
-                for (int c = 0; c < kValueChunks; ++c) a[rr][c] += pr * v[c];
-              }
-            }
-            for (int rr = 0; rr < 4; ++rr)
-              for (int c = 0; c < kValueChunks; ++c)
-                store16(&acc[r0 + rr][d0 + 16 * c], a[rr][c]);
-          }
-          continue;
-        }
-        for (int rr = 0; rr < nr; ++rr)
-          for (int d0 = 0; d0 < D; d0 += 16) {
-            v16f a = load16(&acc[r0 + rr][d0]);
-            for (int j = 0; j < nj; ++j) a += p0[rr * width + j] * load16(vh + j * D + d0);
-            store16(&acc[r0 + rr][d0], a);
-          }
-      }
-    }
-  }
-  for (int r = 0; r < R; ++r) {
-    T* o = out + (static_cast<int64_t>(q0) * b.H + h0 + r) * D;
-    for (int d = 0; d < D; ++d) o[d] = static_cast<T>(acc[r][d] * inv_sum[r]);
-  }
-}
-
 #if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
-// ------------------------------------------------ decode attention with AVX2 (bf16, 16-key blocks)
+// ---------------------------------- decode attention's inner loops with AVX2 (bf16, 16-key blocks)
 //
 // Without AVX-512 GCC has no register mode for the 16-lane vectors above: it keeps every
 // v16f in memory and converts bf16 piece by piece through the stack, which made the decode
-// item above a third of a batch-40 decode step on a 2-core EPYC (Zen 3). The same three
-// passes, on named __m256 registers: a key block row (16 keys, transposed) is two 8-key
-// halves; a value row chunk of 16 channels is two halves; up to four query rows of a kv head
-// share every load.
+// item below a third of a batch-40 decode step on a 2-core EPYC (Zen 3). Its score, softmax
+// and value loops have versions on named __m256 registers for bf16 caches with 16-key
+// blocks: a key block row (16 keys, transposed) is two 8-key halves, a value row chunk of
+// 16 channels two halves, and up to four query rows of a kv head share every load.
 inline void bf16x16(const c10::BFloat16* p, __m256& lo, __m256& hi) {
   const auto* h = reinterpret_cast<const __m128i*>(p);
   lo = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128(h)), 16));
@@ -378,8 +269,9 @@ inline __m256 exp8(__m256 x) {
   x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.0f)), _mm256_set1_ps(88.0f));
   const __m256 t = _mm256_fmadd_ps(x, _mm256_set1_ps(1.44269504088896341f), _mm256_set1_ps(0.5f));
   const __m256 n = _mm256_floor_ps(t);
-  const __m256 r = _mm256_sub_ps(_mm256_sub_ps(x, _mm256_mul_ps(n, _mm256_set1_ps(0.693145751953125f))),
-                                 _mm256_mul_ps(n, _mm256_set1_ps(1.428606765330187e-06f)));
+  const __m256 r =
+      _mm256_sub_ps(_mm256_sub_ps(x, _mm256_mul_ps(n, _mm256_set1_ps(0.693145751953125f))),
+                    _mm256_mul_ps(n, _mm256_set1_ps(1.428606765330187e-06f)));
   __m256 y = _mm256_set1_ps(1.0f / 720.0f);
   for (float c : {1.0f / 120.0f, 1.0f / 24.0f, 1.0f / 6.0f, 0.5f, 1.0f, 1.0f})
     y = _mm256_add_ps(_mm256_mul_ps(y, r), _mm256_set1_ps(c));
@@ -484,11 +376,27 @@ inline void values_of_group(int nr, const float* p, int width, const c10::BFloat
   if constexpr (NR > 1) values_of_group<NR - 1>(nr, p, width, vh, nj, D, acc);
 }
 
-// attend_decode<bf16, 16> (same items, same passes, same prefetches) on the helpers above.
-void attend_decode_avx2(const WorkItem& w, const Batch& b, const c10::BFloat16* q,
-                        c10::BFloat16* out, const c10::BFloat16* k_cache,
-                        const c10::BFloat16* v_cache, std::vector<float>& scores) {
-  constexpr int BS = 16;
+constexpr bool kDecodeAvx2 = true;
+#else
+constexpr bool kDecodeAvx2 = false;
+template <int NR>  // never called: the decode item's AVX2 branches are discarded here
+inline void rows_of_group(int, const float*, const c10::BFloat16*, int, float*, int) {}
+template <int NR>
+inline void values_of_group(int, const float*, int, const c10::BFloat16*, int, int, float*) {}
+inline float softmax_row8(float*, int, int) { return 0.0f; }
+#endif
+
+// A decode item: one query token, query heads head0 .. head0 + heads - 1 (whole groups of
+// kv heads). Blocks are visited once, all the item's kv heads together (contiguous in the
+// cache), with the blocks kAhead ahead prefetched (the first ones before the pass starts, and
+// the value pass's first ones during the score pass's last blocks); the score and value
+// passes are the ones of ``attend``.
+template <typename T, int BS>
+void attend_decode(const WorkItem& w, const Batch& b, const T* q, T* out, const T* k_cache,
+                   const T* v_cache, std::vector<float>& scores) {
+  constexpr int NV = BS / 16;
+  // The inner loops on AVX2 registers (above); head_dim is a multiple of 16 (native_supported).
+  constexpr bool kAvx2Item = kDecodeAvx2 && std::is_same_v<T, c10::BFloat16> && BS == 16;
   const int G = b.H / b.Hkv, D = b.D;
   const int R = w.heads, h0 = w.head0, kv0 = h0 / G, nkv = R / G;
   const int q0 = b.cu_q[w.run];
@@ -498,13 +406,12 @@ void attend_decode_avx2(const WorkItem& w, const Batch& b, const c10::BFloat16* 
   const int width = num_blocks * BS;
   const int64_t kv_stride = static_cast<int64_t>(b.Hkv) * BS * D;
   const int64_t off = static_cast<int64_t>(kv0) * BS * D;
-  const int span = nkv * BS * D * static_cast<int>(sizeof(c10::BFloat16));
+  const int span = nkv * BS * D * static_cast<int>(sizeof(T));  // bytes read per block
 
   alignas(64) float qf[kMaxRows][kMaxHeadDim];
   alignas(64) float acc[kMaxRows][kMaxHeadDim];
   for (int r = 0; r < R; ++r) {
-    const c10::BFloat16* qr = q + static_cast<int64_t>(q0) * b.q_row +
-                              static_cast<int64_t>(h0 + r) * D;
+    const T* qr = q + static_cast<int64_t>(q0) * b.q_row + static_cast<int64_t>(h0 + r) * D;
     for (int d = 0; d < D; ++d) qf[r][d] = static_cast<float>(qr[d]) * b.scale;
     std::fill(acc[r], acc[r] + D, 0.0f);
   }
@@ -515,36 +422,89 @@ void attend_decode_avx2(const WorkItem& w, const Batch& b, const c10::BFloat16* 
   for (int blk = 0; blk < num_blocks; ++blk) {  // pass 1: scores
     if (blk + kAhead < num_blocks)
       prefetch(k_cache + table[blk + kAhead] * kv_stride + off, span);
-    else if (blk + kAhead - num_blocks < num_blocks)
+    else if (blk + kAhead - num_blocks < num_blocks)  // the value pass's first blocks
       prefetch(v_cache + table[blk + kAhead - num_blocks] * kv_stride + off, span);
-    const c10::BFloat16* kb = k_cache + table[blk] * kv_stride + off;
-    for (int k = 0; k < nkv; ++k)
-      for (int r0 = k * G; r0 < (k + 1) * G; r0 += 4)
-        rows_of_group<4>(std::min(4, (k + 1) * G - r0), qf[r0], kb + k * BS * D, D,
-                         sc + r0 * width + blk * BS, width);
+    const T* kb = k_cache + table[blk] * kv_stride + off;
+    for (int k = 0; k < nkv; ++k) {
+      const T* kt = kb + k * BS * D;  // [D, BS]
+      for (int r0 = k * G; r0 < (k + 1) * G; r0 += 4) {
+        const int nr = std::min(4, (k + 1) * G - r0);
+        if constexpr (kAvx2Item) {
+          rows_of_group<4>(nr, qf[r0], kt, D, sc + r0 * width + blk * BS, width);
+          continue;
+        }
+        if (nr == 4) {  // the common case, with every accumulator in a register
+          v16f s[4][NV] = {};
+          for (int d = 0; d < D; ++d)
+            for (int c = 0; c < NV; ++c) {
+              const v16f kv = load16(kt + d * BS + 16 * c);
+              for (int rr = 0; rr < 4; ++rr) s[rr][c] += qf[r0 + rr][d] * kv;
+            }
+          for (int rr = 0; rr < 4; ++rr)
+            for (int c = 0; c < NV; ++c)
+              store16(sc + (r0 + rr) * width + blk * BS + 16 * c, s[rr][c]);
+          continue;
+        }
+        for (int rr = 0; rr < nr; ++rr) {
+          v16f s1[NV] = {};
+          for (int d = 0; d < D; ++d)
+            for (int c = 0; c < NV; ++c) s1[c] += qf[r0 + rr][d] * load16(kt + d * BS + 16 * c);
+          for (int c = 0; c < NV; ++c) store16(sc + (r0 + rr) * width + blk * BS + 16 * c, s1[c]);
+        }
+      }
+    }
   }
   float inv_sum[kMaxRows];
-  for (int r = 0; r < R; ++r) inv_sum[r] = softmax_row8(sc + r * width, ctx, width);
+  for (int r = 0; r < R; ++r)  // pass 2: softmax over the ctx visible keys
+    inv_sum[r] = kAvx2Item ? softmax_row8(sc + r * width, ctx, width)
+                           : softmax_row(sc + r * width, ctx, width);
   for (int blk = 0; blk < num_blocks; ++blk) {  // pass 3: probability-weighted values
     if (blk + kAhead < num_blocks) prefetch(v_cache + table[blk + kAhead] * kv_stride + off, span);
-    const c10::BFloat16* vb = v_cache + table[blk] * kv_stride + off;
+    const T* vb = v_cache + table[blk] * kv_stride + off;
     const int nj = std::min(BS, ctx - blk * BS);
-    for (int k = 0; k < nkv; ++k)
-      for (int r0 = k * G; r0 < (k + 1) * G; r0 += 4)
-        values_of_group<4>(std::min(4, (k + 1) * G - r0), sc + r0 * width + blk * BS, width,
-                           vb + k * BS * D, nj, D, acc[r0]);
+    for (int k = 0; k < nkv; ++k) {
+      const T* vh = vb + k * BS * D;  // [BS, D]
+      for (int r0 = k * G; r0 < (k + 1) * G; r0 += 4) {
+        const int nr = std::min(4, (k + 1) * G - r0);
+        const float* p0 = sc + r0 * width + blk * BS;
+        if constexpr (kAvx2Item) {
+          values_of_group<4>(nr, p0, width, vh, nj, D, acc[r0]);
+          continue;
+        }
+        if (nr == 4 && D % (16 * kValueChunks) == 0) {  // the common case, in registers
+          for (int d0 = 0; d0 < D; d0 += 16 * kValueChunks) {
+            v16f a[4][kValueChunks];
+            for (int rr = 0; rr < 4; ++rr)
+              for (int c = 0; c < kValueChunks; ++c)
+                a[rr][c] = load16(&acc[r0 + rr][d0 + 16 * c]);
+            for (int j = 0; j < nj; ++j) {
+              v16f v[kValueChunks];
+              for (int c = 0; c < kValueChunks; ++c) v[c] = load16(vh + j * D + d0 + 16 * c);
+              for (int rr = 0; rr < 4; ++rr) {
+                const float pr = p0[rr * width + j];
+                for (int c = 0; c < kValueChunks; ++c) a[rr][c] += pr * v[c];
+              }
+            }
+            for (int rr = 0; rr < 4; ++rr)
+              for (int c = 0; c < kValueChunks; ++c)
+                store16(&acc[r0 + rr][d0 + 16 * c], a[rr][c]);
+          }
+          continue;
+        }
+        for (int rr = 0; rr < nr; ++rr)
+          for (int d0 = 0; d0 < D; d0 += 16) {
+            v16f a = load16(&acc[r0 + rr][d0]);
+            for (int j = 0; j < nj; ++j) a += p0[rr * width + j] * load16(vh + j * D + d0);
+            store16(&acc[r0 + rr][d0], a);
+          }
+      }
+    }
   }
   for (int r = 0; r < R; ++r) {
-    c10::BFloat16* o = out + (static_cast<int64_t>(q0) * b.H + h0 + r) * D;
-    for (int d = 0; d < D; ++d) o[d] = static_cast<c10::BFloat16>(acc[r][d] * inv_sum[r]);
+    T* o = out + (static_cast<int64_t>(q0) * b.H + h0 + r) * D;
+    for (int d = 0; d < D; ++d) o[d] = static_cast<T>(acc[r][d] * inv_sum[r]);
   }
 }
-constexpr bool kDecodeAvx2 = true;
-#else
-constexpr bool kDecodeAvx2 = false;
-void attend_decode_avx2(const WorkItem&, const Batch&, const c10::BFloat16*, c10::BFloat16*,
-                        const c10::BFloat16*, const c10::BFloat16*, std::vector<float>&) {}
-#endif
 
 std::vector<WorkItem> make_items(const Batch& b, int64_t num_runs, int block_size,
                                  const std::vector<uint8_t>& skip) {
@@ -582,12 +542,8 @@ std::vector<WorkItem> make_items(const Batch& b, int64_t num_runs, int block_siz
 template <typename T, int BS>
 inline void attend_item(const WorkItem& w, const Batch& b, const T* q, T* out, const T* kc,
                         const T* vc, std::vector<float>& scores) {
-  if (w.all_heads) {
-    if constexpr (kDecodeAvx2 && std::is_same_v<T, c10::BFloat16> && BS == 16) {
-      if (b.D % 16 == 0) return attend_decode_avx2(w, b, q, out, kc, vc, scores);
-    }
+  if (w.all_heads)
     attend_decode<T, BS>(w, b, q, out, kc, vc, scores);
-  }
   else
     attend<T, BS>(w, b, q, out, kc, vc, scores);
 }

@@ -23,7 +23,7 @@ bf16 kernels at all. There the compiled kernels' ``tile_linear`` is a float32-FM
 bf16 weights copied into 16-column panels, and it takes every batch size, so the panels are
 the only copy of the weights (no oneDNN copy, no padded rows). Measured on a 2-core EPYC for a
 [M, 1024] x [1024, 5632] product, panels against oneDNN on the weight widened to float32:
-0.32 vs 1.03 ms at 1 row, 2.8 vs 4.1 at 40, 154 vs 207 ms at 2048 (bench_linears.py).
+0.32 vs 1.03 ms at 1 row, 2.8 vs 4.1 at 40, 154 vs 207 ms at 2048 (docs/performance.md).
 """
 
 from __future__ import annotations

@@ -66,8 +66,10 @@ class WorkerSpec:
         always makes those: they replace oneDNN's copy)."""
         if not self.packed_linear():
             return False
-        return not (self.linear_backend in ("auto", "tiles") and self.dtype == "bfloat16"
-                    and self.device == "cpu" and tiles_cover_every_batch())
+        panels = self.linear_backend == "tiles" or (
+            self.linear_backend == "auto" and widened(torch.bfloat16))  # as choose_tiles
+        return not (panels and self.dtype == "bfloat16" and self.device == "cpu"
+                    and tiles_cover_every_batch())
 
 
 def resolve_max_model_len(arch: ArchConfig, requested: int | None) -> int:

@@ -7,10 +7,12 @@ median over both): a 512-token prefill, and a decode at batch 1 and at batch 40 
 300). Prints JSON.
 
     python scripts/bench_backends.py
+    python scripts/bench_backends.py --pairs native/auto,native/packed,eager/eager --rounds 1
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import statistics
 import time
@@ -47,12 +49,20 @@ def measure(model: str, attention: str, linear: str) -> dict[str, float]:
 
 
 def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--pairs", default=",".join(f"{a}/{b}" for a, b in PAIRS),
+                    help="ATTENTION/LINEAR backend pairs, comma-separated.")
+    ap.add_argument("--rounds", type=int, default=2, help="Interleaved rounds.")
+    args = ap.parse_args()
+    pairs = [tuple(p.split("/")) for p in args.pairs.split(",")]
+    if any(len(p) != 2 for p in pairs):
+        ap.error("--pairs: ATTENTION/LINEAR,...")
     model = cache_root() / "models" / "race-200m-gqa-bf16"
     if not (model / "config.json").exists():
         build_model_dir(model, "200m-gqa", dtype="bfloat16")
-    runs: dict[str, list[dict]] = {f"{a}/{b}": [] for a, b in PAIRS}
-    for _ in range(2):  # interleaved rounds: drift hits every pair alike
-        for a, b in PAIRS:
+    runs: dict[str, list[dict]] = {f"{a}/{b}": [] for a, b in pairs}
+    for _ in range(args.rounds):  # interleaved rounds: drift hits every pair alike
+        for a, b in pairs:
             runs[f"{a}/{b}"].append(measure(str(model), a, b))
     cpu = next((ln.split(":", 1)[1].strip() for ln in open("/proc/cpuinfo")
                 if ln.startswith("model name")), "?")

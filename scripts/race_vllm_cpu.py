@@ -22,6 +22,7 @@ import argparse
 import json
 import os
 import platform
+import re
 import shlex
 import shutil
 import signal
@@ -61,8 +62,6 @@ WORKLOADS = {
 
 def parse_sizes(spec: str) -> dict[str, dict]:
     """'WORKLOAD=NxIN/OUT[@RATE][*REPEAT];...' -> WORKLOADS entries to update."""
-    import re
-
     sizes = {}
     pat = re.compile(r"(\d+)x(\d+)/(\d+)(?:@([\d.]+|inf))?(?:\*(\d+))?$")
     for item in filter(None, (x.strip() for x in spec.split(";"))):

@@ -248,6 +248,20 @@ void attend(const WorkItem& w, const Batch& b, const T* q, T* out, const T* k_ca
   }
 }
 
+#if defined(__AVX2__) && defined(__FMA__)
+// Row I of an NR-row group (when the group has it): A += x * lo, B += x * hi for x = *src
+// broadcast; lo and hi are the two halves of 16 columns. Named accumulators, not an array:
+// GCC keeps an array of them in memory and stores every one at every step (half the speed).
+template <int I, int NR>
+inline void fma_row(const float* src, __m256 lo, __m256 hi, __m256& A, __m256& B) {
+  if constexpr (NR > I) {
+    const __m256 x = _mm256_broadcast_ss(src);
+    A = _mm256_fmadd_ps(x, lo, A);
+    B = _mm256_fmadd_ps(x, hi, B);
+  }
+}
+#endif
+
 #if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
 // ---------------------------------- decode attention's inner loops with AVX2 (bf16, 16-key blocks)
 //
@@ -309,18 +323,14 @@ template <int NR>
 inline void scores16(const float* qf, const c10::BFloat16* kt, int D, float* sc, int width) {
   __m256 s0a = _mm256_setzero_ps(), s0b = s0a, s1a = s0a, s1b = s0a, s2a = s0a, s2b = s0a,
          s3a = s0a, s3b = s0a;
-#define FS_ROW(i, A, B)                                                        \
-  if constexpr (NR > i) {                                                      \
-    const __m256 qb = _mm256_broadcast_ss(qf + i * kMaxHeadDim + d);           \
-    A = _mm256_fmadd_ps(qb, lo, A);                                            \
-    B = _mm256_fmadd_ps(qb, hi, B);                                            \
-  }
   for (int d = 0; d < D; ++d) {
     __m256 lo, hi;
     bf16x16(kt + d * 16, lo, hi);
-    FS_ROW(0, s0a, s0b) FS_ROW(1, s1a, s1b) FS_ROW(2, s2a, s2b) FS_ROW(3, s3a, s3b)
+    fma_row<0, NR>(qf + d, lo, hi, s0a, s0b);
+    fma_row<1, NR>(qf + kMaxHeadDim + d, lo, hi, s1a, s1b);
+    fma_row<2, NR>(qf + 2 * kMaxHeadDim + d, lo, hi, s2a, s2b);
+    fma_row<3, NR>(qf + 3 * kMaxHeadDim + d, lo, hi, s3a, s3b);
   }
-#undef FS_ROW
   const __m256 out[4][2] = {{s0a, s0b}, {s1a, s1b}, {s2a, s2b}, {s3a, s3b}};
   for (int r = 0; r < NR; ++r) {
     _mm256_storeu_ps(sc + r * width, out[r][0]);
@@ -343,18 +353,14 @@ inline void values16(const float* p, int width, const c10::BFloat16* vh, int nj,
     if constexpr (NR > 1) a1a = a[1][0], a1b = a[1][1];
     if constexpr (NR > 2) a2a = a[2][0], a2b = a[2][1];
     if constexpr (NR > 3) a3a = a[3][0], a3b = a[3][1];
-#define FS_ROW(i, A, B)                                                        \
-  if constexpr (NR > i) {                                                      \
-    const __m256 pb = _mm256_broadcast_ss(p + i * width + j);                  \
-    A = _mm256_fmadd_ps(pb, lo, A);                                            \
-    B = _mm256_fmadd_ps(pb, hi, B);                                            \
-  }
     for (int j = 0; j < nj; ++j) {
       __m256 lo, hi;
       bf16x16(vh + j * D + d0, lo, hi);
-      FS_ROW(0, a0a, a0b) FS_ROW(1, a1a, a1b) FS_ROW(2, a2a, a2b) FS_ROW(3, a3a, a3b)
+      fma_row<0, NR>(p + j, lo, hi, a0a, a0b);
+      fma_row<1, NR>(p + width + j, lo, hi, a1a, a1b);
+      fma_row<2, NR>(p + 2 * width + j, lo, hi, a2a, a2b);
+      fma_row<3, NR>(p + 3 * width + j, lo, hi, a3a, a3b);
     }
-#undef FS_ROW
     const __m256 out[4][2] = {{a0a, a0b}, {a1a, a1b}, {a2a, a2b}, {a3a, a3b}};
     for (int r = 0; r < NR; ++r) {
       _mm256_storeu_ps(acc + r * kMaxHeadDim + d0, out[r][0]);
@@ -1286,30 +1292,20 @@ at::Tensor tile_pack(const at::Tensor& w) {
 template <int R>
 inline void panel_rows(const float* x, int64_t ldx, const uint16_t* w, int64_t K,
                        __m256 acc[R][2]) {
-  // Named accumulators, not an array: GCC keeps an array of them in memory, storing all
-  // 2R every step (half the speed).
   __m256 c0a = _mm256_setzero_ps(), c0b = c0a, c1a = c0a, c1b = c0a, c2a = c0a, c2b = c0a,
          c3a = c0a, c3b = c0a, c4a = c0a, c4b = c0a, c5a = c0a, c5b = c0a;
   const __m256i zero = _mm256_setzero_si256();
-  const float* x0 = x;
-#define FS_ROW(i, A, B)                                         \
-  if constexpr (R > i) {                                        \
-    const __m256 xb = _mm256_broadcast_ss(x0 + i * ldx + k);    \
-    A = _mm256_fmadd_ps(xb, lo, A);                             \
-    B = _mm256_fmadd_ps(xb, hi, B);                             \
-  }
   for (int64_t k = 0; k < K; ++k) {
     const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + k * 16));
     const __m256 lo = _mm256_castsi256_ps(_mm256_unpacklo_epi16(zero, v));
     const __m256 hi = _mm256_castsi256_ps(_mm256_unpackhi_epi16(zero, v));
-    FS_ROW(0, c0a, c0b)
-    FS_ROW(1, c1a, c1b)
-    FS_ROW(2, c2a, c2b)
-    FS_ROW(3, c3a, c3b)
-    FS_ROW(4, c4a, c4b)
-    FS_ROW(5, c5a, c5b)
+    fma_row<0, R>(x + k, lo, hi, c0a, c0b);
+    fma_row<1, R>(x + ldx + k, lo, hi, c1a, c1b);
+    fma_row<2, R>(x + 2 * ldx + k, lo, hi, c2a, c2b);
+    fma_row<3, R>(x + 3 * ldx + k, lo, hi, c3a, c3b);
+    fma_row<4, R>(x + 4 * ldx + k, lo, hi, c4a, c4b);
+    fma_row<5, R>(x + 5 * ldx + k, lo, hi, c5a, c5b);
   }
-#undef FS_ROW
   const __m256 out[6][2] = {{c0a, c0b}, {c1a, c1b}, {c2a, c2b},
                             {c3a, c3b}, {c4a, c4b}, {c5a, c5b}};
   for (int r = 0; r < R; ++r) acc[r][0] = out[r][0], acc[r][1] = out[r][1];

@@ -153,7 +153,7 @@ class MultiprocExecutor(FailsInFlightOnDeath):
         self.spec, self.parallel = spec, parallel
         self.num_blocks, self.block_size = spec.num_blocks, spec.block_size
         self.max_model_len = spec.max_model_len
-        self.packed_linear, self.pads_rows = spec.packed_linear(), spec.pads_rows()
+        self.pads_rows = spec.pads_rows()
         self.depth = parallel.pipeline_parallel_size
         world, tp = parallel.world_size, parallel.tensor_parallel_size
         self.sampler_rank = world - tp  # last stage, tensor-parallel rank 0

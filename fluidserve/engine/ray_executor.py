@@ -106,7 +106,7 @@ class RayExecutor(FailsInFlightOnDeath):
         self.ray = ray
         self.num_blocks, self.block_size = spec.num_blocks, spec.block_size
         self.max_model_len = spec.max_model_len
-        self.packed_linear, self.pads_rows = spec.packed_linear(), spec.pads_rows()
+        self.pads_rows = spec.pads_rows()
         self.depth = parallel.pipeline_parallel_size
         self.sampler_rank = world - tp
         self.pg = placement_group([{"CPU": threads}] * world, strategy="PACK")

@@ -56,7 +56,6 @@ class ModelExecutor:
         self.arch, self.model = self.worker.arch, self.worker.model
         self.kv_caches, self.device = self.worker.kv_caches, self.worker.device
         self.attention = self.worker.attention
-        self.packed_linear = self.worker.packed_linear
         self.pads_rows = spec.pads_rows()
         self.num_blocks, self.block_size = blocks, block_size
         self.max_model_len = spec.max_model_len

@@ -21,9 +21,10 @@ three rounds, oneDNN -> tiles): 16.9-17.3 -> 13.1-13.6 ms at 1 row, 17.4-17.7 ->
 On a CPU with AVX2 but neither AMX nor bf16 instructions (AMD Zen 3, for one), oneDNN has no
 bf16 kernels at all. There the compiled kernels' ``tile_linear`` is a float32-FMA kernel on
 bf16 weights copied into 16-column panels, and it takes every batch size, so the panels are
-the only copy of the weights (no oneDNN copy, no padded rows). Measured on a 2-core EPYC for a
-[M, 1024] x [1024, 5632] product, panels against oneDNN on the weight widened to float32:
-0.32 vs 1.03 ms at 1 row, 2.8 vs 4.1 at 40, 154 vs 207 ms at 2048 (docs/performance.md).
+the only copy of the weights (no oneDNN copy, no padded rows). Measured on a 2-core EPYC (Zen
+3) for a [M, 1024] x [1024, 5632] product, panels against oneDNN on the weight widened to
+float32, alternated in one process: 0.34 vs 0.85 ms at 1 row, 3.75 vs 4.99 at 40, 21.6 vs
+24.0 at 256, 194 vs 208 ms at 2048 (docs/performance.md).
 """
 
 from __future__ import annotations

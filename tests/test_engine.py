@@ -149,6 +149,11 @@ def test_telemetry_records_tokens_and_iterations(tiny_model_dir, tmp_path):
     # cost-model features: chunks attend to themselves and (after the first) to their prefix
     assert all(r.sq_work <= r.num_prefill_tokens**2 for r in tel.iterations)
     assert any(r.sq_work for r in tel.iterations) and any(r.prefix_work for r in tel.iterations)
+    # one-token runs: their count, longest and summed context (prompts of different lengths)
+    assert any(r.num_single > 1 for r in tel.iterations)
+    for r in tel.iterations:
+        assert r.single_ctx_max <= r.single_ctx_sum <= r.num_single * r.single_ctx_max
+    assert any(r.single_ctx_sum < r.num_single * r.single_ctx_max for r in tel.iterations)
     for o in outs:
         m = o.metrics
         assert m.ttft > 0 and len(m.tbt) == len(o.token_ids) - 1 and m.scheduling_delay >= 0

@@ -204,20 +204,24 @@ def test_cpu_cost_model_reproduces_its_profile():
         assert total == pytest.approx(p["time_s"], rel=0.15)
 
 
-def _served(base: CPUCostModel, noise=lambda shape, rng: 1.0, n: int = 300) -> list[dict]:
+def _served(base: CPUCostModel, noise=lambda shape, rng: 1.0, n: int = 300,
+            spread: bool = True) -> list[dict]:
     """Telemetry of iterations that took twice the profile's prices plus 4 ms per request,
-    times ``noise``; every other record lacks sq_work, as older telemetry files do."""
+    times ``noise``, decodes at contexts of their own (``spread``; else one per iteration);
+    every other record lacks sq_work, as older telemetry files do."""
     rng = np.random.default_rng(0)
     its, t = [], 0.0
     for i in range(n):
         pre = int(rng.choice([0, 0, 0, 40, 200, 700]))
         dec = int(rng.integers(0 if pre else 1, 24))
-        ctx = int(rng.integers(20, 900))
-        shape = PlanShape(pre + dec, ((pre, 0),) if pre else (), (ctx,) * dec, dec + bool(pre))
+        ctx = tuple(int(c) for c in rng.integers(20, 900, dec if spread else 1)) * \
+            (1 if spread else dec)
+        shape = PlanShape(pre + dec, ((pre, 0),) if pre else (), ctx, dec + bool(pre))
         dur = (2 * base.stage_times(shape)[0] + 0.004 * shape_requests(shape)) * noise(shape, rng)
         rec = {"start": t, "duration": dur, "num_prefill_tokens": pre, "num_decode_tokens": dec,
                "num_requests": dec + bool(pre), "num_prefill_requests": int(bool(pre)),
-               "prefix_work": 0, "num_single": dec, "single_ctx_max": ctx if dec else 0}
+               "prefix_work": 0, "num_single": dec, "single_ctx_max": max(ctx, default=0),
+               "single_ctx_sum": sum(ctx)}
         if i % 2:
             rec["sq_work"] = pre * pre
         its.append(rec)
@@ -244,7 +248,7 @@ def test_cpu_jitter_replays_served_variability_by_batch_group():
     base = CPUCostModel(load_cpu_profile(None))
     m = CPUCostModel(load_cpu_profile(None))
     m.calibrate([_served(base, lambda s, rng: rng.choice([0.5, 1.5]) if
-                          shape_requests(s) >= 12 else 1.0, n=600)])
+                          shape_requests(s) >= 12 else 1.0, n=600, spread=False)])
     big, small = PlanShape(16, (), (300,) * 16, 16), PlanShape(4, (), (300,) * 4, 4)
     mean_big = m.stage_times(big)[0]
     m.reseed(0)  # jitter off: reseeding changes nothing

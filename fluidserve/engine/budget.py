@@ -60,27 +60,25 @@ GAP_QUANTILE = 0.995
 EFFICIENT_STEP = 64
 
 
-def plan_features(plan: SchedulerOutput) -> tuple[int, int, int, int, int, int]:
-    """(tokens, sum q^2, sum q x cached, one-token runs, their longest context, requests)."""
-    sq = prefix = singles = ctx_max = 0
+def plan_features(plan: SchedulerOutput) -> tuple[int, int, int, int, int]:
+    """(tokens, sum q^2, sum q x cached, sum of the one-token runs' contexts, requests)."""
+    sq = prefix = ctx_sum = 0
     for c in plan.chunks:
         n = len(c.token_ids)
         if n == 1:
-            singles += 1
-            ctx_max = max(ctx_max, c.start + 1)
+            ctx_sum += c.start + 1
         else:
             sq += n * n
             prefix += n * c.start
-    return plan.num_tokens, sq, prefix, singles, ctx_max, len(plan.chunks)
+    return plan.num_tokens, sq, prefix, ctx_sum, len(plan.chunks)
 
 
 def candidate_features(decode_ctxs: list[int], chunk: int, prefix: int
-                       ) -> tuple[int, int, int, int, int, int]:
-    d = len(decode_ctxs)
-    ctx_max = max(decode_ctxs, default=0)
+                       ) -> tuple[int, int, int, int, int]:
+    d, ctx_sum = len(decode_ctxs), sum(decode_ctxs)
     if chunk == 1:
-        return d + 1, 0, 0, d + 1, max(ctx_max, prefix + 1), d + 1
-    return d + chunk, chunk * chunk, chunk * prefix, d, ctx_max, d + (chunk > 0)
+        return d + 1, 0, 0, ctx_sum + prefix + 1, d + 1
+    return d + chunk, chunk * chunk, chunk * prefix, ctx_sum, d + (chunk > 0)
 
 
 class OnlineIterationModel:
@@ -140,7 +138,10 @@ class OnlineIterationModel:
         x = self._x(f)
         raw = float(self.coef @ x)
         if raw > 0:
-            ratio = min(max(seconds / raw, 0.05), 20.0)
+            # Wide bounds: the shipped prior is one CPU's profile, and the machine serving
+            # may be 10-100x faster (a GPU) or slower; until the first refit the correction
+            # alone carries the scale.
+            ratio = min(max(seconds / raw, 0.01), 100.0)
             self.correction = (1 - self.ema) * self.correction + self.ema * ratio
         self.rows.append(x)
         self.times.append(seconds)

@@ -23,13 +23,14 @@ class IterationRecord:
     num_prefill_requests: int
     num_preempted: int
     # Attention work, for fitting cost models: sums over multi-token chunks of chunk length x
-    # tokens already cached and of chunk length squared, and the one-token runs' count and
-    # longest context.
+    # tokens already cached and of chunk length squared, and the one-token runs' count,
+    # longest context and sum of contexts.
     prefix_work: int = 0
     num_single: int = 0
     single_ctx_max: int = 0
     sq_work: int = 0
     token_budget: int | None = None
+    single_ctx_sum: int = 0
 
 
 @dataclass(frozen=True)
@@ -65,20 +66,21 @@ class Telemetry:
     def record_iteration(self, plan: SchedulerOutput, start: float, duration: float) -> None:
         if self.iterations.maxlen == 0:
             return
-        prefill_reqs = prefix = sq = singles = ctx_max = 0
+        prefill_reqs = prefix = sq = singles = ctx_max = ctx_sum = 0
         for c in plan.chunks:
             n = len(c.token_ids)
             prefill_reqs += not c.is_decode
             if n == 1:
                 singles += 1
                 ctx_max = max(ctx_max, c.start + 1)
+                ctx_sum += c.start + 1
             else:
                 prefix += n * c.start
                 sq += n * n
         rec = IterationRecord(
             plan.iteration, start, duration, plan.num_prefill_tokens, plan.num_decode_tokens,
             len(plan.chunks), prefill_reqs, len(plan.preempted), prefix, singles, ctx_max, sq,
-            plan.token_budget,
+            plan.token_budget, ctx_sum,
         )  # fmt: skip
         self.iterations.append(rec)
 

@@ -209,14 +209,15 @@ def _dedup(xs: list[float], ys: list[float]) -> tuple[np.ndarray, np.ndarray]:
 
 # ----------------------------------------------------------------------------- CPU
 class CPUCostModel(CostModel):
-    """time = c . (1, max(0, T - k) for k in KNOTS, sum q^2, sum q x cached, singles x ctx, reqs)
+    """time = c . (1, max(0, T - k) for k in KNOTS, sum q^2, sum q x cached, sum ctx, reqs)
 
     T is the batch's token count, so the first terms are a convex piecewise-linear curve in
     T (flat while streaming the weights dominates, steeper once the matmuls are compute
     bound), with knots where the profile bends. Attention adds each
     multi-token chunk's work against itself (q^2) and against its cached prefix (q x
-    cached), and the one-token runs' cost, which the executor pays as every run's KV
-    gathered to the longest context; the last term is per-request engine work.
+    cached), and the one-token runs' reads of their own contexts (the paged decode kernel
+    reads each run's blocks in place; telemetry older than ``single_ctx_sum`` gives count x
+    longest context instead); the last term is per-request engine work.
 
     Coefficients are non-negative and fitted to relative error, first on the points of a
     `fluidserve profile` run, then (``calibrate``) on engine telemetry of served runs, which
@@ -243,15 +244,15 @@ class CPUCostModel(CostModel):
         rows, ys = [], []
         for p in profile["iteration_time"]:  # one fresh prompt of n tokens
             n = p["tokens"]
-            rows.append(self.features(n, n * n if n > 1 else 0, 0, int(n == 1), int(n == 1), 1))
+            rows.append(self.features(n, n * n if n > 1 else 0, 0, int(n == 1), 1))
             ys.append(p["time_s"])
         for p in profile["decode"]:  # b one-token runs at one context
             b = p["batch_size"]
-            rows.append(self.features(b, 0, 0, b, p["context"] + 1, b))
+            rows.append(self.features(b, 0, 0, b * (p["context"] + 1), b))
             ys.append(p["time_s"])
         for p in profile["chunked_prefill"]:  # a prompt in k chunks, timed in total
             c, k = p["chunk_size"], p["prompt"] // p["chunk_size"]
-            rows.append(sum(self.features(c, c * c, c * c * i, 0, 0, 1) for i in range(k)))
+            rows.append(sum(self.features(c, c * c, c * c * i, 0, 1) for i in range(k)))
             ys.append(p["time_s"])
         self._fit(np.array(rows), np.array(ys))
         self.note = f"cpu profile of {profile.get('model', '?')} ({profile.get('dtype', '?')})"
@@ -259,10 +260,10 @@ class CPUCostModel(CostModel):
             self.note += f"; {pp} pipeline stages of 1/{pp} of the layers each"
 
     @classmethod
-    def features(cls, tokens: int, sq_work: float, prefix_work: float, singles: int,
-                 ctx_max: int, requests: int) -> np.ndarray:
+    def features(cls, tokens: int, sq_work: float, prefix_work: float, single_ctx: int,
+                 requests: int) -> np.ndarray:
         hinges = [max(0, tokens - k) for k in cls.KNOTS]
-        return np.array([1.0, *hinges, sq_work, prefix_work, singles * ctx_max, requests], float)
+        return np.array([1.0, *hinges, sq_work, prefix_work, single_ctx, requests], float)
 
     def _fit(self, x: np.ndarray, y: np.ndarray) -> None:
         """Non-negative least squares on relative error (columns scaled for conditioning)."""
@@ -284,9 +285,9 @@ class CPUCostModel(CostModel):
             pre, npre = a["num_prefill_tokens"], a["num_prefill_requests"]
             # Older telemetry lacks sum q^2: one prompt per prefill request is the estimate.
             sq = a.get("sq_work", pre * pre / npre if npre else 0)
+            ctx = a.get("single_ctx_sum", a.get("num_single", 0) * a.get("single_ctx_max", 0))
             rows.append(self.features(pre + a["num_decode_tokens"], sq, a.get("prefix_work", 0),
-                                      a.get("num_single", 0), a.get("single_ctx_max", 0),
-                                      a["num_requests"]))
+                                      ctx, a["num_requests"]))
             ys.append(gap)
             groups.append(self._group(a["num_requests"] > a.get("num_single", 0),
                                       a["num_requests"]))
@@ -314,8 +315,8 @@ class CPUCostModel(CostModel):
 
     def stage_times(self, s: PlanShape) -> list[float]:
         f = self.features(s.num_tokens, sum(q * q for q, _ in s.prefills),
-                          sum(q * start for q, start in s.prefills), len(s.decode_ctx),
-                          max(s.decode_ctx, default=0), len(s.prefills) + len(s.decode_ctx))
+                          sum(q * start for q, start in s.prefills), sum(s.decode_ctx),
+                          len(s.prefills) + len(s.decode_ctx))
         t = float(self.coef @ f)
         if self._rng is not None:
             g = self._group(bool(s.prefills), len(s.prefills) + len(s.decode_ctx))

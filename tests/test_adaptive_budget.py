@@ -118,12 +118,14 @@ def test_learned_budget_keeps_iterations_within_the_slo_and_follows_a_slowdown()
     ex = FakeExecutor(per_token=1e-4)  # 0.1 ms per token: 0.05 s SLO allows ~450 tokens
     core = auto_core(ex, 0.05)
     times = run(core, ex, n=60, slow_at=150, out=100)
-    before = [t for i, t in times if 30 <= i < 150]
+    before = [t for i, t in times if 40 <= i < 150]
     after = [t for i, t in times if i >= 160]
     assert sum(t <= 0.05 for t in before) / len(before) >= 0.95
     assert sum(t <= 0.05 for t in after) / len(after) >= 0.95
     budgets = [r.token_budget for r in core.telemetry.iterations]
-    assert min(budgets[30:150]) > 350  # used most of the room before the slow-down
+    # The shipped prior (a 2-core AVX2 CPU) is ~40x slower than this device: ~35 iterations
+    # of warm-up, then most of the room is used before the slow-down.
+    assert min(budgets[40:150]) > 350
     after_budgets = sorted(budgets[160:])
     assert after_budgets[len(after_budgets) // 2] < 150  # and a third of it after
     assert not core.has_unfinished()
@@ -156,7 +158,7 @@ def test_first_batches_of_a_shape_do_not_shrink_the_learned_budget():
     assert model.first_of_shape == len(ex.seen) > 10
     assert model.scatter < 1.2 and 0.8 < model.correction < 1.25
     budgets = [r.token_budget for r in core.telemetry.iterations]
-    assert min(budgets[30:150]) > 350  # as much room as on a machine without the setup cost
+    assert min(budgets[40:150]) > 350  # as much room as on a machine without the setup cost
 
 
 class PaddedRowsExecutor(FakeExecutor):

@@ -404,7 +404,8 @@ class BenchConfig:
     endpoint: str = knob("/v1/completions", "API route: /v1/completions or /v1/chat/completions.")
     model: str | None = knob(None, "Model name to send (default: the server's first model).")
     tokenizer: str | None = knob(
-        None, "Tokenizer directory used to build prompts (default: the embedded model's)."
+        None, "Tokenizer directory used to build prompts (default: the directory the server"
+        " reports as its model's root when it has tokenizer files, else the embedded model's)."
     )
     api_key: str | None = knob(None, "Bearer token for the server.")
     dataset_name: str = knob(

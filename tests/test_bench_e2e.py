@@ -93,3 +93,28 @@ def test_capacity_against_a_running_endpoint(srv, tmp_path, capsys):
     # A rerun answers from the probe cache (no new run directories are needed).
     assert main(args) == 0
     assert last_json(capsys)["capacity_qps"] == 4.0
+
+
+def test_bench_counts_prompts_with_the_served_models_tokenizer(srv, tmp_path, capsys):
+    """Without --tokenizer the bench builds prompts with the tokenizer in the directory the
+    server reports as its model's root, so the lengths it reports are the lengths served; with
+    a different tokenizer the mismatch is measured and warned about, not hidden."""
+    common = ["bench", "--base-url", srv.url, "--num-prompts", "4", "--input-len", "60",
+              "--output-len", "2", "--request-rate", "inf", "--no-plots"]
+    assert main([*common, "--output-dir", str(tmp_path / "auto")]) == 0
+    summary = last_json(capsys)
+    assert summary["tokenizer"] == str(srv.engine.config.model.model)
+    assert summary["server_prompt_tokens_ratio"] == 1.0
+    records = [json.loads(x) for x in (tmp_path / "auto" / "requests.jsonl").read_text()
+               .splitlines()]
+    assert all(r["server_prompt_tokens"] == r["prompt_len"] == 60 for r in records)
+
+    from fluidserve.model.builder import default_model_dir
+
+    assert main([*common, "--tokenizer", str(default_model_dir()),
+                 "--output-dir", str(tmp_path / "other")]) == 0
+    out = capsys.readouterr()
+    summary = json.loads(out.out.strip().splitlines()[-1])
+    assert summary["tokenizer"] == str(default_model_dir())
+    assert abs(summary["server_prompt_tokens_ratio"] - 1) > 0.02
+    assert "pass the server's tokenizer with --tokenizer" in out.err

@@ -27,6 +27,7 @@ from fluidserve.bench.workload import WorkloadRequest, WorkloadSpec, build_workl
 from fluidserve.config import BenchConfig
 
 PREFILL_PROFILE_POINTS = 8
+PROMPT_TOKENS_TOLERANCE = 0.02  # server/built prompt-token ratio beyond which the run warns
 
 
 def workload_spec(cfg: BenchConfig, **override) -> WorkloadSpec:
@@ -43,14 +44,23 @@ def workload_spec(cfg: BenchConfig, **override) -> WorkloadSpec:
     return dataclasses.replace(spec, **override)
 
 
-def load_tokenizer(cfg: BenchConfig):
+def load_tokenizer(cfg: BenchConfig, server_root: str | None = None) -> tuple[object, str]:
+    """(tokenizer, where from) that prompts are built with: ``--tokenizer``, else the one in
+    the directory the server reports as its model's ``root`` (a server on this machine), else
+    the embedded model's, which only counts right for a server of the embedded model."""
     from fluidserve.model.builder import default_model_dir
     from fluidserve.model.tokenizer import Tokenizer
 
-    return Tokenizer(cfg.tokenizer or default_model_dir())
+    if cfg.tokenizer:
+        return Tokenizer(cfg.tokenizer), cfg.tokenizer
+    if server_root and any((Path(server_root) / f).is_file()
+                           for f in ("tokenizer.json", "tokenizer.model")):
+        return Tokenizer(server_root), server_root
+    return Tokenizer(default_model_dir()), f"{default_model_dir()} (embedded model)"
 
 
-def server_model(cfg: BenchConfig) -> str:
+def server_model(cfg: BenchConfig) -> tuple[str, str | None]:
+    """(the model name to send, the server's model directory if it reports one)."""
     headers = {"Authorization": f"Bearer {cfg.api_key}"} if cfg.api_key else {}
     try:
         r = httpx.get(cfg.base_url.rstrip("/") + "/v1/models", headers=headers, timeout=30)
@@ -59,11 +69,13 @@ def server_model(cfg: BenchConfig) -> str:
     if r.status_code != 200:
         raise ValueError(f"{cfg.base_url}/v1/models answered HTTP {r.status_code}: {r.text[:200]}")
     data = r.json().get("data") or []
+    card = next((m for m in data if m.get("id") == cfg.model), None) if cfg.model else \
+        (data[0] if data else None)
     if cfg.model:
-        return cfg.model
-    if not data:
+        return cfg.model, (card or {}).get("root")
+    if card is None:
         raise ValueError(f"{cfg.base_url} lists no models; pass --model")
-    return data[0]["id"]
+    return card["id"], card.get("root")
 
 
 class Bench:
@@ -72,8 +84,12 @@ class Bench:
     def __init__(self, cfg: BenchConfig, tokenizer=None, quiet: bool = False) -> None:
         self.cfg = cfg
         self.quiet = quiet
-        self.tokenizer = tokenizer or load_tokenizer(cfg)
-        self.model = server_model(cfg)
+        self.model, root = server_model(cfg)
+        if tokenizer is None:
+            tokenizer, self.tokenizer_source = load_tokenizer(cfg, root)
+        else:
+            self.tokenizer_source = "given"
+        self.tokenizer = tokenizer
         text, self.corpus_source = load_corpus()
         chat = "chat" in cfg.endpoint
         self.builder = PromptBuilder(self.tokenizer, text, cfg.seed, add_special_tokens=not chat)
@@ -137,19 +153,35 @@ class Bench:
             "model": self.model, "request_rate": rate, "wall_time_s": wall,
             "lengths": self.length_source, "corpus": self.corpus_source,
             "prompts_inexact_length": self.builder.inexact,
+            "tokenizer": self.tokenizer_source,
+            "server_prompt_tokens_ratio": prompt_token_ratio(records),
             "ttft_deadline_s": self.cfg.ttft_deadline if self.prefill_fit is None else None,
             "prefill_fit": self.prefill_fit,
             "config": {k: (None if isinstance(v, float) and math.isinf(v) else v)
                        for k, v in dataclasses.asdict(self.cfg).items() if k != "api_key"},
         }
+        ratio = summary["server_prompt_tokens_ratio"]
+        if ratio is not None and abs(ratio - 1) > PROMPT_TOKENS_TOLERANCE:
+            self.log(f"warning: the server counts {ratio:.2f}x the prompt tokens built with"
+                     f" {self.tokenizer_source}: the lengths in this report are not the"
+                     " lengths served; pass the server's tokenizer with --tokenizer")
         return records, summary
+
+
+def prompt_token_ratio(records: list[RequestRecord]) -> float | None:
+    """Median of (prompt tokens the server reported) / (tokens the prompt was built with), over
+    the requests whose usage reported them; None when none did."""
+    pairs = [r.server_prompt_tokens / r.prompt_len for r in records
+             if r.server_prompt_tokens and r.prompt_len]
+    return float(np.median(pairs)) if pairs else None
 
 
 def run_bench(cfg: BenchConfig) -> int:
     out = Path(cfg.output_dir or f"runs/bench-{time.strftime('%Y%m%d-%H%M%S')}")
     bench = Bench(cfg)
     bench.log(f"{len(bench.work)} requests ({bench.length_source}) against {cfg.base_url}"
-              f"{cfg.endpoint}, model {bench.model}")
+              f"{cfg.endpoint}, model {bench.model}, prompts built with the tokenizer of"
+              f" {bench.tokenizer_source}")
     bench.warmup()
     if cfg.profile_prefill:
         bench.profile_prefill()

@@ -139,6 +139,7 @@ class ModelCard(BaseModel):
     created: int
     owned_by: str
     max_model_len: int
+    root: str | None = None
 
 
 class ModelList(BaseModel):

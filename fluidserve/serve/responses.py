@@ -133,7 +133,9 @@ def full_response(ctx: Context) -> dict:
     return _envelope(ctx, "text_completion", [choice], u)
 
 
-def model_list(name: str, max_model_len: int) -> dict:
+def model_list(name: str, max_model_len: int, root: str | None = None) -> dict:
+    """The one served model; ``root`` is its directory (as vLLM reports it), which lets a
+    client on the same machine find the tokenizer the server counts tokens with."""
     return {
         "object": "list",
         "data": [
@@ -143,6 +145,7 @@ def model_list(name: str, max_model_len: int) -> dict:
                 "created": now(),
                 "owned_by": "fluidserve",
                 "max_model_len": max_model_len,
+                "root": root,
             }
         ],
     }

@@ -44,6 +44,7 @@ def build_app(engine: AsyncEngine, config: ServerConfig, model_name: str) -> Fas
     prompts = PromptTokenizer(engine.tokenizer)
     state = ServerState(engine, engine.metrics, config, model_name, prompts)
     info = engine.info
+    model_root = str(Path(engine.config.model.model).resolve())
     room = info.max_model_len - 1
     completion_model, chat_model = request_models(
         Limits(info.max_model_len, info.vocab_size, prompts.max_chars(room)))
@@ -78,7 +79,7 @@ def build_app(engine: AsyncEngine, config: ServerConfig, model_name: str) -> Fas
 
     @app.get("/v1/models", responses=api.other_responses(api.ModelList, protected))
     async def models() -> Response:
-        return JSONResponse(R.model_list(model_name, state.max_model_len))
+        return JSONResponse(R.model_list(model_name, state.max_model_len, model_root))
 
     @app.post("/v1/completions", openapi_extra=api.request_body("CompletionRequest"),
               responses=api.generate_responses(api.CompletionResponse,

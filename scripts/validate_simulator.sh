@@ -55,19 +55,35 @@ done
 python - "$OUT" <<'PY'
 import json, sys
 out = sys.argv[1]
-rows = {"P50 TTFT (s)": lambda s: s["ttft_s"]["p50"], "P99 TBT (s)": lambda s: s["tbt_s"]["p99"],
-        "output tokens/s": lambda s: s["output_token_throughput"]}
+
+
+def stalled(run: str) -> float:
+    """Share of token gaps over 0.5 s: where a P99 lands when ~1% of gaps are stalls."""
+    gaps = [g for line in open(f"{out}/{run}/requests.jsonl")
+            for g in json.loads(line)["gaps"][1:]]
+    return sum(g > 0.5 for g in gaps) / max(1, len(gaps))
+
+
+rows = {"P50 TTFT (s)": lambda s, run: s["ttft_s"]["p50"],
+        "P99 TBT (s)": lambda s, run: s["tbt_s"]["p99"],
+        "TBT > 0.5 s (share)": lambda s, run: stalled(run),
+        "output tokens/s": lambda s, run: s["output_token_throughput"]}
 result = {}
+for name in ("sarathi", "vllm"):
+    ratio = json.load(open(f"{out}/measured-{name}/summary.json")).get("server_prompt_tokens_ratio")
+    if ratio is not None and abs(ratio - 1) > 0.02:
+        print(f"warning: the {name} server counted {ratio:.2f}x the workload's prompt tokens")
 for protocol in ("heldout", "insample"):
     print(f"calibration: {protocol}")
     for name in ("sarathi", "vllm"):
         m = json.load(open(f"{out}/measured-{name}/summary.json"))
         s = json.load(open(f"{out}/sim-{name}-{protocol}/summary.json"))
         for metric, f in rows.items():
-            err = (f(s) - f(m)) / f(m)
+            fm, fs = f(m, f"measured-{name}"), f(s, f"sim-{name}-{protocol}")
+            err = (fs - fm) / fm if fm else float("nan")
             result.setdefault(protocol, {}).setdefault(name, {})[metric] = {
-                "measured": f(m), "simulated": f(s), "error": err}
-            print(f"  {name:8s} {metric:16s} measured {f(m):8.4f}  simulated {f(s):8.4f}"
+                "measured": fm, "simulated": fs, "error": err}
+            print(f"  {name:8s} {metric:20s} measured {fm:8.4f}  simulated {fs:8.4f}"
                   f"  ({err:+.1%})")
 json.dump(result, open(f"{out}/validation.json", "w"), indent=1)
 PY

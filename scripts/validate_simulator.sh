@@ -3,7 +3,8 @@
 # of one seeded workload (seed 1 at CAL_RATE, default RATE), then predicts a held-out
 # workload (seed 0 at RATE) that is also measured with `fluidserve bench` against `fluidserve serve`;
 # it is also simulated calibrated on its own served telemetry. The script prints measured vs
-# simulated P50 TTFT, P99 TBT and throughput for both schedulers and both calibrations.
+# simulated P50 TTFT, P99 TBT, the share of stalled gaps and throughput for both schedulers and
+# both calibrations, with a bootstrap interval of each measured figure over its requests.
 # Results: runs/sim-validation/ (validation.json).
 set -euo pipefail
 OUT=${OUT:-runs/sim-validation}
@@ -54,36 +55,52 @@ for name in sarathi vllm; do
 done
 python - "$OUT" <<'PY'
 import json, sys
+
+import numpy as np
+
 out = sys.argv[1]
 
 
-def stalled(run: str) -> float:
-    """Share of token gaps over 0.5 s: where a P99 lands when ~1% of gaps are stalls."""
-    gaps = [g for line in open(f"{out}/{run}/requests.jsonl")
-            for g in json.loads(line)["gaps"][1:]]
-    return sum(g > 0.5 for g in gaps) / max(1, len(gaps))
+def gaps(run: str) -> list[list[float]]:
+    return [json.loads(line)["gaps"] for line in open(f"{out}/{run}/requests.jsonl")]
 
 
-rows = {"P50 TTFT (s)": lambda s, run: s["ttft_s"]["p50"],
-        "P99 TBT (s)": lambda s, run: s["tbt_s"]["p99"],
-        "TBT > 0.5 s (share)": lambda s, run: stalled(run),
-        "output tokens/s": lambda s, run: s["output_token_throughput"]}
+def p50_ttft(g): return float(np.median([r[0] for r in g if r]))
+def p99_tbt(g): return float(np.percentile([x for r in g for x in r[1:]], 99))
+# Share of token gaps over 0.5 s: a P99 lands among them when ~1% of gaps are stalls.
+def stalled(g): return float(np.mean([x > 0.5 for r in g for x in r[1:]]))
+
+
+def interval(g, f, n=1000):
+    """90% bootstrap interval of f over the run's requests (resampled with replacement)."""
+    rng = np.random.default_rng(0)
+    vals = [f([g[i] for i in rng.integers(len(g), size=len(g))]) for _ in range(n)]
+    return [float(v) for v in np.percentile(vals, [5, 95])]
+
+
+rows = {"P50 TTFT (s)": p50_ttft, "P99 TBT (s)": p99_tbt, "TBT > 0.5 s (share)": stalled}
 result = {}
 for name in ("sarathi", "vllm"):
     ratio = json.load(open(f"{out}/measured-{name}/summary.json")).get("server_prompt_tokens_ratio")
     if ratio is not None and abs(ratio - 1) > 0.02:
         print(f"warning: the {name} server counted {ratio:.2f}x the workload's prompt tokens")
+measured = {name: gaps(f"measured-{name}") for name in ("sarathi", "vllm")}
 for protocol in ("heldout", "insample"):
-    print(f"calibration: {protocol}")
+    print(f"calibration: {protocol}  (measured value [90% bootstrap interval over requests])")
     for name in ("sarathi", "vllm"):
-        m = json.load(open(f"{out}/measured-{name}/summary.json"))
-        s = json.load(open(f"{out}/sim-{name}-{protocol}/summary.json"))
-        for metric, f in rows.items():
-            fm, fs = f(m, f"measured-{name}"), f(s, f"sim-{name}-{protocol}")
+        m, s = measured[name], gaps(f"sim-{name}-{protocol}")
+        cells = [(metric, f(m), f(s), interval(m, f)) for metric, f in rows.items()]
+        tput = [json.load(open(f"{out}/{run}/summary.json"))["output_token_throughput"]
+                for run in (f"measured-{name}", f"sim-{name}-{protocol}")]
+        cells.append(("output tokens/s", *tput, None))
+        for metric, fm, fs, ci in cells:
             err = (fs - fm) / fm if fm else float("nan")
+            inside = ci is not None and ci[0] <= fs <= ci[1]
             result.setdefault(protocol, {}).setdefault(name, {})[metric] = {
-                "measured": fm, "simulated": fs, "error": err}
-            print(f"  {name:8s} {metric:20s} measured {fm:8.4f}  simulated {fs:8.4f}"
+                "measured": fm, "simulated": fs, "error": err, "measured_interval_90": ci,
+                "simulated_inside_interval": inside if ci else None}
+            span = f"[{ci[0]:7.3f}, {ci[1]:7.3f}]{' inside' if inside else ''}" if ci else ""
+            print(f"  {name:8s} {metric:20s} measured {fm:8.4f} {span:26s} simulated {fs:8.4f}"
                   f"  ({err:+.1%})")
 json.dump(result, open(f"{out}/validation.json", "w"), indent=1)
 PY

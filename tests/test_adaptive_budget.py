@@ -363,3 +363,25 @@ def test_learned_budget_plans_for_the_scatter_of_measured_iteration_times():
     # The noisy engine plans its iterations shorter by that factor.
     assert noisy.budget.target == pytest.approx(quiet.budget.target / noisy._budget_model.scatter,
                                                 rel=0.01)
+
+
+@pytest.mark.parametrize("chunk", [0, 1, 16])
+def test_candidate_and_executed_plan_are_priced_alike(chunk):
+    """The budget plans with candidate_features and learns from the executed plan's
+    plan_features (the same sums telemetry records): one batch must give one feature row."""
+    from fluidserve.core.scheduler.output import ScheduledChunk, SchedulerOutput
+    from fluidserve.engine.budget import candidate_features, plan_features
+
+    params = SamplingParams(max_tokens=4)
+
+    def run(rid, start, n, is_decode):
+        return ScheduledChunk(rid, start, (7,) * n, (0,), True, params, 0, 0, is_decode)
+
+    ctxs, prefix = [5, 9, 20], 32
+    plan = SchedulerOutput(1, [run(f"d{i}", c - 1, 1, True) for i, c in enumerate(ctxs)])
+    if chunk:
+        plan.chunks.append(run("p", prefix, chunk, False))
+    assert plan_features(plan) == candidate_features(ctxs, chunk, prefix)
+    singles = ctxs + ([prefix + 1] if chunk == 1 else [])
+    w = plan.attention_work
+    assert (w.num_single, w.single_ctx_max) == (len(singles), max(singles))

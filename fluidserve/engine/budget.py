@@ -62,15 +62,8 @@ EFFICIENT_STEP = 64
 
 def plan_features(plan: SchedulerOutput) -> tuple[int, int, int, int, int]:
     """(tokens, sum q^2, sum q x cached, sum of the one-token runs' contexts, requests)."""
-    sq = prefix = ctx_sum = 0
-    for c in plan.chunks:
-        n = len(c.token_ids)
-        if n == 1:
-            ctx_sum += c.start + 1
-        else:
-            sq += n * n
-            prefix += n * c.start
-    return plan.num_tokens, sq, prefix, ctx_sum, len(plan.chunks)
+    w = plan.attention_work
+    return plan.num_tokens, w.sq, w.prefix, w.single_ctx_sum, len(plan.chunks)
 
 
 def candidate_features(decode_ctxs: list[int], chunk: int, prefix: int

@@ -66,21 +66,12 @@ class Telemetry:
     def record_iteration(self, plan: SchedulerOutput, start: float, duration: float) -> None:
         if self.iterations.maxlen == 0:
             return
-        prefill_reqs = prefix = sq = singles = ctx_max = ctx_sum = 0
-        for c in plan.chunks:
-            n = len(c.token_ids)
-            prefill_reqs += not c.is_decode
-            if n == 1:
-                singles += 1
-                ctx_max = max(ctx_max, c.start + 1)
-                ctx_sum += c.start + 1
-            else:
-                prefix += n * c.start
-                sq += n * n
+        w = plan.attention_work
+        prefill_reqs = len(plan.chunks) - plan.num_decode_tokens
         rec = IterationRecord(
             plan.iteration, start, duration, plan.num_prefill_tokens, plan.num_decode_tokens,
-            len(plan.chunks), prefill_reqs, len(plan.preempted), prefix, singles, ctx_max, sq,
-            plan.token_budget, ctx_sum,
+            len(plan.chunks), prefill_reqs, len(plan.preempted), w.prefix, w.num_single,
+            w.single_ctx_max, w.sq, plan.token_budget, w.single_ctx_sum,
         )  # fmt: skip
         self.iterations.append(rec)
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from functools import cached_property
+from typing import NamedTuple
 
 from fluidserve.sampling_params import SamplingParams
 
@@ -37,6 +38,18 @@ class ScheduledChunk:
         return self.start + len(self.token_ids)
 
 
+class AttentionWork(NamedTuple):
+    """A batch's attention work, as cost models and telemetry price it: each multi-token
+    chunk against itself (sum q^2) and its cached prefix (sum q x cached), and the one-token
+    runs' reads of their own contexts (summed, and the longest)."""
+
+    sq: int = 0
+    prefix: int = 0
+    single_ctx_sum: int = 0
+    single_ctx_max: int = 0
+    num_single: int = 0
+
+
 @dataclass
 class SchedulerOutput:
     """One hybrid batch: prefill chunks and decodes travel together, decodes first."""
@@ -54,6 +67,20 @@ class SchedulerOutput:
     @cached_property
     def num_decode_tokens(self) -> int:
         return sum(1 for c in self.chunks if c.is_decode)
+
+    @cached_property
+    def attention_work(self) -> AttentionWork:
+        sq = prefix = ctx_sum = ctx_max = singles = 0
+        for c in self.chunks:
+            n = len(c.token_ids)
+            if n == 1:
+                singles += 1
+                ctx_sum += c.start + 1
+                ctx_max = max(ctx_max, c.start + 1)
+            else:
+                sq += n * n
+                prefix += n * c.start
+        return AttentionWork(sq, prefix, ctx_sum, ctx_max, singles)
 
     @property
     def num_prefill_tokens(self) -> int:

@@ -511,6 +511,9 @@ class SimConfig:
                             " served/fitted time ratio of the calibration, drawn with --seed,"
                             " so tails include the machine's variability (--no-cpu-jitter: the"
                             " mean time).")
+    cpu_jitter_seed: int | None = knob(
+        None, "Seed of the --cpu-jitter draws (default: --seed): the same workload with other"
+        " draws, to see how much of a simulated tail is the draw.")
     gpu_memory_utilization: float = knob(0.9, "Fraction of GPU memory for weights + KV cache.")
     max_model_len: int = knob(16384, "Context window of the simulated engine (tokens).")
     capacity: bool = knob(False, "Search the capacity (max QPS meeting the SLO) instead.")

@@ -4,13 +4,15 @@
 # workload (seed 0 at RATE) that is also measured with `fluidserve bench` against `fluidserve serve`;
 # it is also simulated calibrated on its own served telemetry. The script prints measured vs
 # simulated P50 TTFT, P99 TBT, the share of stalled gaps and throughput for both schedulers and
-# both calibrations, with a bootstrap interval of each measured figure over its requests.
+# both calibrations, with a bootstrap interval of each measured figure over its requests and the
+# median and range of DRAWS simulations that differ only in their --cpu-jitter-seed.
 # Results: runs/sim-validation/ (validation.json).
 set -euo pipefail
 OUT=${OUT:-runs/sim-validation}
 RATE=${RATE:-0.4}
 CAL_RATE=${CAL_RATE:-$RATE}
 N=${N:-200}
+DRAWS=${DRAWS:-5}  # simulations per calibration, each with its own --cpu-jitter-seed
 MODEL=${MODEL:-$(python -c 'from fluidserve.model.builder import cached_model_dir; print(cached_model_dir("250m", "bfloat16"))')}
 LENGTHS=(--dataset-name sharegpt --prompt-scale 0.25 --output-scale 0.1 --max-prompt-len 1024
          --max-output-len 128 --tbt-deadline 0.25 --ttft-deadline 5)
@@ -46,15 +48,18 @@ for name in sarathi vllm; do
   # run's own telemetry (what remains is the simulator, not the machine's drift between runs)
   for protocol in heldout insample; do
     c=$cal; [ "$protocol" = insample ] && c="$OUT/measured-$name.jsonl"
-    # shellcheck disable=SC2086
-    fluidserve simulate --cost-model cpu --cpu-calibration "$c" "${LENGTHS[@]}" --seed 0 \
-      --num-prompts "$N" --request-rate "$RATE" --max-model-len 2048 --kv-cache-memory-gb 2 \
-      ${SCHED[$name]} --label "sim-$name-$protocol" --output-dir "$OUT/sim-$name-$protocol" \
-      > /dev/null
+    for ((draw = 0; draw < DRAWS; draw++)); do
+      dir="$OUT/sim-$name-$protocol"; [ "$draw" = 0 ] || dir="$dir-draw$draw"
+      # shellcheck disable=SC2086
+      fluidserve simulate --cost-model cpu --cpu-calibration "$c" "${LENGTHS[@]}" --seed 0 \
+        --cpu-jitter-seed "$draw" --num-prompts "$N" --request-rate "$RATE" \
+        --max-model-len 2048 --kv-cache-memory-gb 2 ${SCHED[$name]} \
+        --label "sim-$name-$protocol" --output-dir "$dir" > /dev/null 2>&1
+    done
   done
 done
 python - "$OUT" <<'PY'
-import json, sys
+import glob, json, os, sys
 
 import numpy as np
 
@@ -86,21 +91,27 @@ for name in ("sarathi", "vllm"):
         print(f"warning: the {name} server counted {ratio:.2f}x the workload's prompt tokens")
 measured = {name: gaps(f"measured-{name}") for name in ("sarathi", "vllm")}
 for protocol in ("heldout", "insample"):
-    print(f"calibration: {protocol}  (measured value [90% bootstrap interval over requests])")
+    print(f"calibration: {protocol}  (measured [90% bootstrap interval over requests];"
+          f" simulated: median [range] of the jitter draws)")
     for name in ("sarathi", "vllm"):
-        m, s = measured[name], gaps(f"sim-{name}-{protocol}")
-        cells = [(metric, f(m), f(s), interval(m, f)) for metric, f in rows.items()]
-        tput = [json.load(open(f"{out}/{run}/summary.json"))["output_token_throughput"]
-                for run in (f"measured-{name}", f"sim-{name}-{protocol}")]
-        cells.append(("output tokens/s", *tput, None))
-        for metric, fm, fs, ci in cells:
+        m = measured[name]
+        sims = sorted(glob.glob(f"{out}/sim-{name}-{protocol}*/requests.jsonl"))
+        runs = [os.path.basename(os.path.dirname(p)) for p in sims]
+        cells = [(metric, f(m), [f(gaps(r)) for r in runs], interval(m, f))
+                 for metric, f in rows.items()]
+        tput = [json.load(open(f"{out}/{r}/summary.json"))["output_token_throughput"]
+                for r in (f"measured-{name}", *runs)]
+        cells.append(("output tokens/s", tput[0], tput[1:], None))
+        for metric, fm, draws, ci in cells:
+            fs = float(np.median(draws))
             err = (fs - fm) / fm if fm else float("nan")
             inside = ci is not None and ci[0] <= fs <= ci[1]
             result.setdefault(protocol, {}).setdefault(name, {})[metric] = {
-                "measured": fm, "simulated": fs, "error": err, "measured_interval_90": ci,
+                "measured": fm, "measured_interval_90": ci, "simulated": fs,
+                "simulated_draws": draws, "error": err,
                 "simulated_inside_interval": inside if ci else None}
             span = f"[{ci[0]:7.3f}, {ci[1]:7.3f}]{' inside' if inside else ''}" if ci else ""
             print(f"  {name:8s} {metric:20s} measured {fm:8.4f} {span:26s} simulated {fs:8.4f}"
-                  f"  ({err:+.1%})")
+                  f" [{min(draws):8.4f}, {max(draws):8.4f}]  ({err:+.1%})")
 json.dump(result, open(f"{out}/validation.json", "w"), indent=1)
 PY

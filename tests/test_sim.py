@@ -317,3 +317,28 @@ def test_find_token_budget_reports_an_unreachable_slo(capsys):
                  "--budget-decodes", "8", "--budget-context", "512"]) == 0
     ok = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert ok["token_budget"] > 8 and ok["iteration_time_s"] <= 0.2 and ok["error"] is None
+
+
+def test_cpu_jitter_seed_redraws_iteration_times_of_the_same_workload(tmp_path, capsys):
+    """--cpu-jitter-seed (default --seed) draws other served/fitted ratios for the same
+    requests: same lengths and arrivals, other token gaps; the same seed repeats exactly."""
+    base = CPUCostModel(load_cpu_profile(None))
+    tel = tmp_path / "served.jsonl"
+    noisy = _served(base, lambda s, rng: rng.choice([0.6, 1.4]), n=400)
+    tel.write_text("".join(json.dumps({"type": "iteration", **r}) + "\n" for r in noisy))
+    args = ["simulate", "--cost-model", "cpu", "--cpu-calibration", str(tel), "--dataset-name",
+            "uniform", "--input-len", "64", "--output-len", "8", "--num-prompts", "12",
+            "--request-rate", "2", "--seed", "3", "--no-plots"]
+
+    def run(name, *extra):
+        assert main([*args, *extra, "--output-dir", str(tmp_path / name)]) == 0
+        capsys.readouterr()
+        return [json.loads(x) for x in (tmp_path / name / "requests.jsonl").read_text()
+                .splitlines()]
+
+    default, same, other = run("default"), run("same", "--cpu-jitter-seed", "3"), \
+        run("other", "--cpu-jitter-seed", "4")
+    assert default == same
+    key = [(r["prompt_len"], r["output_len"], r["scheduled"]) for r in default]
+    assert key == [(r["prompt_len"], r["output_len"], r["scheduled"]) for r in other]
+    assert [r["gaps"] for r in default] != [r["gaps"] for r in other]

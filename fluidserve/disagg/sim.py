@@ -40,7 +40,8 @@ def send_recv_bandwidth_gbps(device: str, same_node: bool = True) -> float:
 
 
 def simulate_disaggregated(work: list[WorkloadRequest], eng: EngineConfig, sim: SimConfig,
-                           seed: int = 0) -> tuple[list[RequestRecord], ClusterResult]:
+                           seed: int = 0, jitter_seed: int | None = None
+                           ) -> tuple[list[RequestRecord], ClusterResult]:
     from fluidserve.sim.run import make_cost_model, make_executor
     from fluidserve.sim.simulate import _record
 
@@ -48,7 +49,7 @@ def simulate_disaggregated(work: list[WorkloadRequest], eng: EngineConfig, sim: 
 
     def executor(clock):
         ex = make_executor(sim, eng, make_cost_model(sim, par))
-        ex.cost.reseed(seed)
+        ex.cost.reseed(seed if jitter_seed is None else jitter_seed)
         ex.clock = clock
         return ex
 

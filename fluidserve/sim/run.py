@@ -82,11 +82,12 @@ def run_once(sim: SimConfig, eng: EngineConfig, bench: BenchConfig, rate: float 
     cost = cost or make_cost_model(sim, eng.parallel)
     spec = workload_spec(bench, **({"request_rate": rate} if rate is not None else {}))
     work, source = build_workload(spec)
+    jitter_seed = spec.seed if sim.cpu_jitter_seed is None else sim.cpu_jitter_seed
     t0 = time.perf_counter()
     if eng.disagg.disaggregate:
-        return _run_disaggregated(work, source, spec, sim, eng, bench, t0)
+        return _run_disaggregated(work, source, spec, sim, eng, bench, t0, jitter_seed)
     ex = make_executor(sim, eng, cost)
-    cost.reseed(spec.seed)
+    cost.reseed(jitter_seed)
     res = simulate(work, eng, ex)
     score_fluidity(res.records, constant_deadline(bench.ttft_deadline), bench.tbt_deadline)
     summary = summarize_run(res.records, bench.tbt_deadline)
@@ -107,10 +108,11 @@ def run_once(sim: SimConfig, eng: EngineConfig, bench: BenchConfig, rate: float 
     return res.records, summary
 
 
-def _run_disaggregated(work, source, spec, sim, eng, bench, t0) -> tuple[list, dict]:
+def _run_disaggregated(work, source, spec, sim, eng, bench, t0, jitter_seed
+                       ) -> tuple[list, dict]:
     from fluidserve.disagg.sim import cluster_summary, simulate_disaggregated
 
-    records, res = simulate_disaggregated(work, eng, sim, spec.seed)
+    records, res = simulate_disaggregated(work, eng, sim, spec.seed, jitter_seed)
     score_fluidity(records, constant_deadline(bench.ttft_deadline), bench.tbt_deadline)
     summary = summarize_run(records, bench.tbt_deadline)
     summary |= {

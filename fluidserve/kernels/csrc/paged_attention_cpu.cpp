@@ -749,6 +749,45 @@ void rope_impl(at::Tensor& q, at::Tensor& k, const at::Tensor& positions, const 
   });
 }
 
+#if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
+// SiLU-and-mul of bf16 on eight lanes of named registers: on AVX2 the 16-lane version below
+// keeps its vectors on the stack (5 ns an element, 6% of a batch-40 decode step on a Zen 3).
+// Same arithmetic: exp8 is vexp's polynomial; bf16 rounding to nearest-even, NaN kept.
+inline __m256 round8_bf16(__m256 v) {
+  const __m256i b = _mm256_castps_si256(v);
+  const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(b, 16), _mm256_set1_epi32(1));
+  const __m256i r = _mm256_and_si256(
+      _mm256_add_epi32(_mm256_add_epi32(b, _mm256_set1_epi32(0x7fff)), lsb),
+      _mm256_set1_epi32(static_cast<int>(0xffff0000u)));
+  return _mm256_blendv_ps(_mm256_castsi256_ps(r), v, _mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+}
+// Stores a vector already rounded to bf16 (low halves zero; a NaN stored as 0x7fc0).
+inline void store8_rounded_bf16(c10::BFloat16* p, __m256 v) {
+  __m256i h = _mm256_srli_epi32(_mm256_castps_si256(v), 16);
+  h = _mm256_blendv_epi8(h, _mm256_set1_epi32(0x7fc0),
+                         _mm256_castps_si256(_mm256_cmp_ps(v, v, _CMP_UNORD_Q)));
+  const __m256i packed = _mm256_permute4x64_epi64(_mm256_packus_epi32(h, h), 0xD8);
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm256_castsi256_si128(packed));
+}
+inline __m256 bf16x8(const c10::BFloat16* p) {
+  const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+inline int64_t silu_mul8(c10::BFloat16* o, const c10::BFloat16* g, const c10::BFloat16* u,
+                         int64_t I) {
+  const __m256 one = _mm256_set1_ps(1.0f);
+  const __m256 sign = _mm256_set1_ps(-0.0f);
+  int64_t i = 0;
+  for (; i + 8 <= I; i += 8) {
+    const __m256 gv = bf16x8(g + i);
+    const __m256 act = round8_bf16(
+        _mm256_div_ps(gv, _mm256_add_ps(one, exp8(_mm256_xor_ps(gv, sign)))));  // F.silu
+    store8_rounded_bf16(o + i, round8_bf16(_mm256_mul_ps(act, bf16x8(u + i))));
+  }
+  return i;
+}
+#endif
+
 template <typename T>
 void silu_mul_impl(at::Tensor& out, const at::Tensor& x) {
   const int64_t T_ = x.size(0), I = x.size(1) / 2;
@@ -760,6 +799,9 @@ void silu_mul_impl(at::Tensor& out, const at::Tensor& x) {
       const T* u = g + I;
       T* o = od + t * I;
       int64_t i = 0;
+#if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
+      if constexpr (std::is_same_v<T, c10::BFloat16>) i = silu_mul8(o, g, u, I);
+#endif
       for (; i + 16 <= I; i += 16) {
         const v16f gv = load16(g + i);
         const v16f act = round16<T>(gv / (1.0f + vexp(-gv)));  // F.silu

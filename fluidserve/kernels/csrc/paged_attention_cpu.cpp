@@ -33,6 +33,12 @@
 #include <type_traits>
 #include <vector>
 
+// AVX2 without AVX-512: GCC then has no register mode for the 16-lane vectors below and keeps
+// them on the stack, so the hot loops have versions on eight named __m256 lanes.
+#if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
+#define FLUIDSERVE_AVX2_LANES 1
+#endif
+
 namespace {
 
 constexpr int kMaxRows = 16;
@@ -262,7 +268,7 @@ inline void fma_row(const float* src, __m256 lo, __m256 hi, __m256& A, __m256& B
 }
 #endif
 
-#if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
+#ifdef FLUIDSERVE_AVX2_LANES
 // ---------------------------------- decode attention's inner loops with AVX2 (bf16, 16-key blocks)
 //
 // Without AVX-512 GCC has no register mode for the 16-lane vectors above: it keeps every
@@ -645,7 +651,7 @@ inline v16f round16(v16f v) {
   }
 }
 
-#if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
+#ifdef FLUIDSERVE_AVX2_LANES
 // The elementwise kernels of bf16 on eight lanes of named registers: on AVX2 their 16-lane
 // versions below keep every vector on the stack (on a Zen 3, SiLU-and-mul took 5 ns an
 // element, 4% of a batch-40 decode step, and RMSNorm 1.6 ns). Same arithmetic in the same
@@ -706,7 +712,7 @@ template <typename T>
 void norm_row(T* out, const T* x, const T* w, int64_t n, double eps) {
   int64_t i = 0;
   float ss;
-#if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
+#ifdef FLUIDSERVE_AVX2_LANES
   if constexpr (std::is_same_v<T, c10::BFloat16>) {
     ss = sum_squares8(x, n, i);
   } else
@@ -730,7 +736,7 @@ void norm_row(T* out, const T* x, const T* w, int64_t n, double eps) {
   }
   const float inv = 1.0f / std::sqrt(ss / static_cast<float>(n) + static_cast<float>(eps));
   i = 0;
-#if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
+#ifdef FLUIDSERVE_AVX2_LANES
   if constexpr (std::is_same_v<T, c10::BFloat16>) {
     const __m256 vinv = _mm256_set1_ps(inv);
     for (; i + 8 <= n; i += 8)
@@ -757,7 +763,7 @@ void add_norm_impl(at::Tensor& x, at::Tensor& residual, const at::Tensor& weight
       T* xr = xd + t * Hd;
       T* rr = rd + t * Hd;
       int64_t i = 0;
-#if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
+#ifdef FLUIDSERVE_AVX2_LANES
       if constexpr (std::is_same_v<T, c10::BFloat16>)
         for (; i + 8 <= Hd; i += 8)
           store8_rounded_bf16(rr + i, round8_bf16(_mm256_add_ps(bf16x8(rr + i), bf16x8(xr + i))));
@@ -824,7 +830,7 @@ void rope_impl(at::Tensor& q, at::Tensor& k, const at::Tensor& positions, const 
   });
 }
 
-#if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
+#ifdef FLUIDSERVE_AVX2_LANES
 // SiLU-and-mul of bf16 on eight lanes (exp8 is vexp's polynomial).
 inline int64_t silu_mul8(c10::BFloat16* o, const c10::BFloat16* g, const c10::BFloat16* u,
                          int64_t I) {
@@ -852,7 +858,7 @@ void silu_mul_impl(at::Tensor& out, const at::Tensor& x) {
       const T* u = g + I;
       T* o = od + t * I;
       int64_t i = 0;
-#if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
+#ifdef FLUIDSERVE_AVX2_LANES
       if constexpr (std::is_same_v<T, c10::BFloat16>) i = silu_mul8(o, g, u, I);
 #endif
       for (; i + 16 <= I; i += 16) {

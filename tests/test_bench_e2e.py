@@ -118,3 +118,19 @@ def test_bench_counts_prompts_with_the_served_models_tokenizer(srv, tmp_path, ca
     assert summary["tokenizer"] == str(default_model_dir())
     assert abs(summary["server_prompt_tokens_ratio"] - 1) > 0.02
     assert "pass the server's tokenizer with --tokenizer" in out.err
+
+
+def test_bench_names_a_server_model_directory_it_cannot_read(tmp_path):
+    """A remote server's model directory is not on this machine: the bench falls back to the
+    embedded model's tokenizer and says so where it names the tokenizer (the run's first line
+    and the summary), instead of silently building prompts of other lengths."""
+    from fluidserve.bench.run import load_tokenizer
+    from fluidserve.config import BenchConfig
+    from fluidserve.model.builder import default_model_dir
+
+    remote = str(tmp_path / "elsewhere" / "llama")
+    _, source = load_tokenizer(BenchConfig(), remote)
+    assert source.startswith(str(default_model_dir()))
+    assert remote in source and "--tokenizer" in source
+    _, source = load_tokenizer(BenchConfig(), None)
+    assert source == f"{default_model_dir()} (embedded model)"

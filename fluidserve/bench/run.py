@@ -56,7 +56,9 @@ def load_tokenizer(cfg: BenchConfig, server_root: str | None = None) -> tuple[ob
     if server_root and any((Path(server_root) / f).is_file()
                            for f in ("tokenizer.json", "tokenizer.model")):
         return Tokenizer(server_root), server_root
-    return Tokenizer(default_model_dir()), f"{default_model_dir()} (embedded model)"
+    why = f"; the server's model directory {server_root} has no tokenizer on this machine," \
+        " pass --tokenizer" if server_root else ""
+    return Tokenizer(default_model_dir()), f"{default_model_dir()} (embedded model{why})"
 
 
 def server_model(cfg: BenchConfig) -> tuple[str, str | None]:

@@ -277,10 +277,14 @@ inline void fma_row(const float* src, __m256 lo, __m256 hi, __m256& A, __m256& B
 // and value loops have versions on named __m256 registers for bf16 caches with 16-key
 // blocks: a key block row (16 keys, transposed) is two 8-key halves, a value row chunk of
 // 16 channels two halves, and up to four query rows of a kv head share every load.
+// Eight (sixteen) bf16 values widened to float32: each is the top half of its float.
+inline __m256 bf16x8(const c10::BFloat16* p) {
+  const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
 inline void bf16x16(const c10::BFloat16* p, __m256& lo, __m256& hi) {
-  const auto* h = reinterpret_cast<const __m128i*>(p);
-  lo = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128(h)), 16));
-  hi = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128(h + 1)), 16));
+  lo = bf16x8(p);
+  hi = bf16x8(p + 8);
 }
 
 // vexp on eight lanes (the same polynomial, so the same results).
@@ -671,10 +675,6 @@ inline void store8_rounded_bf16(c10::BFloat16* p, __m256 v) {
                          _mm256_castps_si256(_mm256_cmp_ps(v, v, _CMP_UNORD_Q)));
   const __m256i packed = _mm256_permute4x64_epi64(_mm256_packus_epi32(h, h), 0xD8);
   _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm256_castsi256_si128(packed));
-}
-inline __m256 bf16x8(const c10::BFloat16* p) {
-  const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
-  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
 }
 
 // norm_row's sum of squares in the same order: a[2j] and a[2j + 1] are the low and high

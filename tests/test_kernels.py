@@ -25,20 +25,21 @@ pytestmark = pytest.mark.skipif(ops is None, reason=f"no compiled kernels: {buil
                          ids=lambda s: "h{}-kv{}-d{}-bs{}".format(*s))
 @pytest.mark.parametrize("min_long_run", [1, A.MIN_LONG_RUN, 10**9],
                          ids=["all-flash", "default", "all-kernel"])
-@pytest.mark.parametrize("amx", [True, False], ids=["amx", "aten"])
-def test_native_attention_matches_reference(dtype, shape, min_long_run, amx):
-    """Long runs take the AMX kernel (bf16, head_dim a multiple of 32, where the CPU has
-    AMX) or ATen's flash attention; short ones and decodes this file's other kernel."""
+@pytest.mark.parametrize("prefill", [True, False], ids=["prefill-kernel", "aten"])
+def test_native_attention_matches_reference(dtype, shape, min_long_run, prefill):
+    """Long runs take the prefill kernel (bf16; AMX tiles with head_dim a multiple of 32, or
+    the AVX2 panels, where the CPU has them) or ATen's flash attention; short ones and
+    decodes this file's other kernel."""
     h, hkv, d, bs = shape
     q, k, v, k_cache, v_cache, meta, tables = batch(h, hkv, d, bs, dtype)
     kc, vc = k_cache.clone(), v_cache.clone()
     out = torch.empty_like(q)
-    before = ops.use_amx(amx)
+    before = ops.use_prefill_kernel(prefill)
     try:
         ops.paged_attention(out, q, k, v, kc, vc, meta.slot_mapping, meta.cu_q, meta.ctx_lens,
                             meta.block_tables, d**-0.5, min_long_run)
     finally:
-        ops.use_amx(before)
+        ops.use_prefill_kernel(before)
     # The kernel wrote the new keys and values where the eager writer puts them.
     A.write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
     assert torch.equal(kc, k_cache) and torch.equal(vc, v_cache)
@@ -51,11 +52,11 @@ def test_native_attention_matches_reference(dtype, shape, min_long_run, amx):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("min_long_run", [1, A.MIN_LONG_RUN, 10**9],
                          ids=["all-flash", "default", "all-kernel"])
-@pytest.mark.parametrize("amx", [True, False], ids=["amx", "aten"])
+@pytest.mark.parametrize("prefill", [True, False], ids=["prefill-kernel", "aten"])
 def test_attention_reads_queries_keys_and_values_through_their_strides(dtype, min_long_run,
-                                                                       amx):
+                                                                       prefill):
     """The model hands the kernel views into its fused QKV output (no copies): every path
-    (decodes, short runs, AMX or ATen long runs, the cache write) gives exactly what it
+    (decodes, short runs, the prefill kernel's or ATen's long runs, the cache write) gives exactly what it
     gives on dense tensors."""
     h, hkv, d, bs = 16, 4, 64, 16
     q, k, v, k_cache, v_cache, meta, _ = batch(h, hkv, d, bs, dtype, seed=3)
@@ -67,36 +68,46 @@ def test_attention_reads_queries_keys_and_values_through_their_strides(dtype, mi
     results = []
     for q_, k_, v_ in ((q, k, v), views):
         out, kc, vc = torch.empty_like(q), k_cache.clone(), v_cache.clone()
-        before = ops.use_amx(amx)
+        before = ops.use_prefill_kernel(prefill)
         try:
             ops.paged_attention(out, q_, k_, v_, kc, vc, meta.slot_mapping, meta.cu_q,
                                 meta.ctx_lens, meta.block_tables, d**-0.5, min_long_run)
         finally:
-            ops.use_amx(before)
+            ops.use_prefill_kernel(before)
         results.append((out, kc, vc))
     assert all(torch.equal(a, b) for a, b in zip(*results, strict=True))
 
 
-def test_long_runs_take_the_amx_kernel_where_the_cpu_has_it():
+def test_long_runs_take_the_prefill_kernel_the_cpu_has():
     q, k, v, k_cache, v_cache, meta, tables = batch(16, 4, 64, 16, torch.bfloat16, seed=2)
     outs = []
-    for amx in (True, False):
+    for prefill in (True, False):
         out = torch.empty_like(q)
-        before = ops.use_amx(amx)
+        before = ops.use_prefill_kernel(prefill)
         try:
             ops.paged_attention(out, q, k, v, k_cache.clone(), v_cache.clone(),
                                 meta.slot_mapping, meta.cu_q, meta.ctx_lens, meta.block_tables,
                                 0.125, A.MIN_LONG_RUN)
         finally:
-            ops.use_amx(before)
+            ops.use_prefill_kernel(before)
         outs.append(out)
-    flags = open("/proc/cpuinfo").read() if os.path.exists("/proc/cpuinfo") else ""
-    has_amx = " amx_bf16" in flags and " amx_tile" in flags
-    # Kernels are built with -march=native: where the CPU has AMX, so does the build.
-    assert ops.amx_available() == has_amx
-    # The two paths round differently (P in bf16 on the tiles), so the outputs differ
-    # exactly when the AMX kernel ran.
-    assert torch.equal(outs[0], outs[1]) != has_amx
+    flags = set()
+    if os.path.exists("/proc/cpuinfo"):
+        for line in open("/proc/cpuinfo"):
+            if line.startswith("flags"):
+                flags = set(line.split(":", 1)[1].split())
+                break
+    # Kernels are built with -march=native: what the CPU has, the build has.
+    if {"amx_bf16", "amx_tile"} <= flags:
+        expected = "amx"
+    elif {"avx2", "fma"} <= flags and "avx512f" not in flags:
+        expected = "avx2"
+    else:
+        expected = ""
+    assert ops.prefill_kernel() == expected
+    # The two paths round differently (P in bf16 in the kernels), so the outputs differ
+    # exactly when a prefill kernel ran; both are checked against the reference above.
+    assert torch.equal(outs[0], outs[1]) != bool(expected)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

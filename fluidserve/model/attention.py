@@ -29,8 +29,9 @@ from types import ModuleType
 import torch
 import torch.nn.functional as F
 
-# Runs of at least this many query tokens use ATen's flash attention inside the compiled
-# kernel (faster once a run has many queries; measured on this CPU at 16 queries and up).
+# Runs of at least this many query tokens take the compiled kernel's prefill path (bf16 on
+# AMX tiles or AVX2 panels where the CPU has them, else ATen's flash attention): faster than
+# the per-token work items once a run has many queries (measured at 16 queries and up).
 MIN_LONG_RUN = 16
 
 

@@ -56,8 +56,8 @@ def test_native_attention_matches_reference(dtype, shape, min_long_run, prefill)
 def test_attention_reads_queries_keys_and_values_through_their_strides(dtype, min_long_run,
                                                                        prefill):
     """The model hands the kernel views into its fused QKV output (no copies): every path
-    (decodes, short runs, the prefill kernel's or ATen's long runs, the cache write) gives exactly what it
-    gives on dense tensors."""
+    (decodes, short runs, the prefill kernel's or ATen's long runs, the cache write) gives
+    exactly what it gives on dense tensors."""
     h, hkv, d, bs = 16, 4, 64, 16
     q, k, v, k_cache, v_cache, meta, _ = batch(h, hkv, d, bs, dtype, seed=3)
     qkv = torch.cat([q.flatten(1), k.flatten(1), v.flatten(1)], dim=1)

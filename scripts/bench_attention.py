@@ -5,16 +5,20 @@ The race model's attention shape (16 query heads, 4 kv heads, head_dim 64, bf16,
 engine's does (one cache reused would sit in the CPU's caches and flatter the kernel):
 
   decode   N requests of one query token over C tokens of context, blocks scattered
-  prefill  S prompts of P tokens, each attending causally to itself (the AMX path where the
-           CPU has it)
+  prefill  S runs of P tokens (``SxP``), each attending causally to itself, or the last P
+           tokens of S prompts of C + P tokens over the C cached before them (``SxP@C``:
+           a prompt's later chunk); the prefill kernel's path where the CPU has one
 
 For each: the median time of the sixteen layers and, for decode, the KV bytes read per
 second. ``--against FILE`` builds a second variant of the kernel source and times both in
 the same rounds, interleaved, with the largest difference of their outputs: how a kernel
-change is judged on a machine whose speed drifts by more than the change. Prints JSON lines.
+change is judged on a machine whose speed drifts by more than the change. ``--min-long-run``
+times the kernel at several thresholds of the prefill path the same way (default: the
+engine's for bf16 here). Prints JSON lines.
 
     python scripts/bench_attention.py
     python scripts/bench_attention.py --against /tmp/variant.cpp --threads 2
+    python scripts/bench_attention.py --prefill 4x8@512 --min-long-run 2 1000000000
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ from pathlib import Path
 import torch
 
 from fluidserve.kernels import _CFLAGS, build_error, cpu_ops
+from fluidserve.model.attention import min_long_run
 
 H, HKV, D, BS, LAYERS = 16, 4, 64, 16, 16
 
@@ -46,16 +51,17 @@ def decode_case(n: int, ctx: int, gen: torch.Generator) -> tuple:
     return caches, meta, qkv, n * ctx * HKV * D * 2 * 2 * LAYERS
 
 
-def prefill_case(s: int, p: int, gen: torch.Generator) -> tuple:
-    per = -(-p // BS)
+def prefill_case(s: int, p: int, gen: torch.Generator, cached: int = 0) -> tuple:
+    ctx = cached + p
+    per = -(-ctx // BS)
     blocks = s * per + 1
-    caches = [(torch.zeros(blocks, HKV, D, BS, dtype=torch.bfloat16),
-               torch.zeros(blocks, HKV, BS, D, dtype=torch.bfloat16)) for _ in range(LAYERS)]
+    caches = [(torch.randn(blocks, HKV, D, BS, generator=gen).bfloat16(),
+               torch.randn(blocks, HKV, BS, D, generator=gen).bfloat16()) for _ in range(LAYERS)]
     tables = (torch.randperm(blocks - 1, generator=gen)[: s * per].int() + 1).view(s, per)
-    pos = torch.arange(p)
+    pos = torch.arange(cached, ctx)
     slots = (tables[:, pos // BS].long() * BS + pos % BS).reshape(-1).contiguous()
     meta = (slots, torch.arange(s + 1, dtype=torch.int32) * p,
-            torch.full((s,), p, dtype=torch.int32), tables.contiguous())
+            torch.full((s,), ctx, dtype=torch.int32), tables.contiguous())
     qkv = [torch.randn(s * p, h, D, generator=gen).bfloat16() for h in (H, HKV, HKV)]
     return caches, meta, qkv, 0
 
@@ -71,10 +77,13 @@ def variant(path: Path):
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--decode", default="40x290", help="requests x context (default 40x290)")
-    ap.add_argument("--prefill", default="8x256", help="prompts x tokens (default 8x256)")
+    ap.add_argument("--prefill", default="8x256",
+                    help="runs x tokens[@cached context] (default 8x256)")
     ap.add_argument("--threads", type=int, nargs="*", default=[2, 1])
     ap.add_argument("--rounds", type=int, default=9)
     ap.add_argument("--against", type=Path, help="a variant of the kernel source to time beside")
+    ap.add_argument("--min-long-run", type=int, nargs="*",
+                    help="thresholds (query tokens) of the prefill path to time side by side")
     args = ap.parse_args()
     ops = cpu_ops()
     if ops is None:
@@ -84,20 +93,25 @@ def main() -> None:
         kernels["variant"] = variant(args.against)
     gen = torch.Generator().manual_seed(0)
     dn, dc = (int(x) for x in args.decode.split("x"))
-    pn, pp = (int(x) for x in args.prefill.split("x"))
-    cases = {"decode": decode_case(dn, dc, gen), "prefill": prefill_case(pn, pp, gen)}
+    runs, _, cached = args.prefill.partition("@")
+    pn, pp = (int(x) for x in runs.split("x"))
+    cases = {"decode": decode_case(dn, dc, gen),
+             "prefill": prefill_case(pn, pp, gen, int(cached or 0))}
+    thresholds = args.min_long_run or [min_long_run(ops, torch.bfloat16)]
+    variants = {(f"{label}@{t}" if len(thresholds) > 1 else label): (mod, t)
+                for label, mod in kernels.items() for t in thresholds}
     for name, (caches, (slots, cu_q, ctx, tables), (q, k, v), kv_bytes) in cases.items():
         for threads in args.threads:
             torch.set_num_threads(threads)
-            times = {label: [] for label in kernels}
+            times = {label: [] for label in variants}
             outs = {}
             for _ in range(args.rounds + 1):  # the first round warms up
-                for label, mod in kernels.items():
+                for label, (mod, threshold) in variants.items():
                     out = torch.empty_like(q)
                     t0 = time.perf_counter()
                     for kc, vc in caches:
                         mod.paged_attention(out, q, k, v, kc, vc, slots, cu_q, ctx, tables,
-                                            D**-0.5, 16)
+                                            D**-0.5, threshold)
                     times[label].append(time.perf_counter() - t0)
                     outs[label] = out
             row = {"case": name, "shape": args.decode if name == "decode" else args.prefill,
@@ -107,9 +121,10 @@ def main() -> None:
                 row[f"{label}_ms"] = round(t * 1e3, 2)
                 if kv_bytes:
                     row[f"{label}_kv_gb_s"] = round(kv_bytes / t / 1e9, 1)
-            if "variant" in outs:
-                diff = outs["kernel"].float() - outs["variant"].float()
-                row["max_abs_diff"] = diff.abs().max().item()
+            if len(outs) > 1:
+                first, *others = outs.values()
+                row["max_abs_diff"] = max((first.float() - o.float()).abs().max().item()
+                                          for o in others)
             print(json.dumps(row), flush=True)
 
 

@@ -201,6 +201,13 @@ def test_attention_benchmark_reports_both_cases_per_thread_count():
         ("decode", "3x40", 1), ("prefill", "2x33", 1)]
     assert rows[0]["kernel_kv_gb_s"] > 0 and all(r["kernel_ms"] > 0 for r in rows)
     assert "variant_ms" not in rows[0]
+    # A later chunk of a prompt (5 tokens after 20 cached), at two thresholds side by side.
+    out = subprocess.run([sys.executable, script, "--decode", "1x16", "--prefill", "2x5@20",
+                          "--min-long-run", "2", "16", "--threads", "1", "--rounds", "1"],
+                         capture_output=True, text=True, check=True, timeout=300)
+    row = json.loads(out.stdout.splitlines()[-1])
+    assert row["shape"] == "2x5@20" and row["kernel@2_ms"] > 0 and row["kernel@16_ms"] > 0
+    assert row["max_abs_diff"] < 0.05  # the prefill path against the per-token items
 
 
 TILE_KIND = ops.tile_kind() if ops is not None else ""

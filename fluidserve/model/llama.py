@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from fluidserve.model.arch import ArchConfig
-from fluidserve.model.attention import MIN_LONG_RUN, AttentionMetadata, paged_attention
+from fluidserve.model.attention import AttentionMetadata, min_long_run, paged_attention
 
 
 class RMSNorm(nn.Module):
@@ -259,7 +259,8 @@ class LlamaForCausalLM(nn.Module):
             x, positions, self.rotary.cos, self.rotary.sin, norms, weights, biases,
             [kv[0] for kv in kv_caches], [kv[1] for kv in kv_caches], meta.slot_mapping,
             meta.cu_q, meta.ctx_lens, meta.block_tables, attn.h, attn.hkv, attn.d,
-            self.layers[0].input_layernorm.eps, attn.scale, MIN_LONG_RUN, tiles, out_features)
+            self.layers[0].input_layernorm.eps, attn.scale, min_long_run(ops, x.dtype), tiles,
+            out_features)
         return h, residual
 
     def _collect_fused_args(self) -> tuple | tuple[()]:

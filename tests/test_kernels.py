@@ -78,6 +78,31 @@ def test_attention_reads_queries_keys_and_values_through_their_strides(dtype, mi
     assert all(torch.equal(a, b) for a, b in zip(*results, strict=True))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_lone_decode_split_over_threads_matches_reference(dtype):
+    """A batch of fewer decodes than threads splits each decode's heads over the threads
+    (whole kv-head groups): the output is the one of a single item, exactly."""
+    q, k, v, k_cache, v_cache, meta, tables = batch(16, 4, 64, 16, dtype, seed=4,
+                                                    lengths=[(1, 300)])
+    outs = []
+    before = torch.get_num_threads()
+    try:
+        for threads in (1, 2, 3):
+            torch.set_num_threads(threads)
+            out = torch.empty_like(q)
+            ops.paged_attention(out, q, k, v, k_cache.clone(), v_cache.clone(),
+                                meta.slot_mapping, meta.cu_q, meta.ctx_lens, meta.block_tables,
+                                0.125, A.MIN_LONG_RUN)
+            outs.append(out)
+    finally:
+        torch.set_num_threads(before)
+    A.write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+    ref = reference(q, k_cache, v_cache, meta.runs, tables, 0.125)
+    assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[2])
+    assert (outs[0].float() - ref.float()).abs().max() <= (1e-5 if dtype == torch.float32
+                                                            else 4e-3)
+
+
 def test_long_runs_take_the_prefill_kernel_the_cpu_has():
     q, k, v, k_cache, v_cache, meta, tables = batch(16, 4, 64, 16, torch.bfloat16, seed=2)
     outs = []

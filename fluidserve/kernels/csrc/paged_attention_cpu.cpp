@@ -523,10 +523,21 @@ void attend_decode(const WorkItem& w, const Batch& b, const T* q, T* out, const 
 }
 
 std::vector<WorkItem> make_items(const Batch& b, int64_t num_runs, int block_size,
-                                 const std::vector<uint8_t>& skip) {
+                                 const std::vector<uint8_t>& skip, int threads) {
   const int G = b.H / b.Hkv;
   const int heads = std::min(G, kMaxRows);
   const int toks = std::max(1, kMaxRows / heads);
+  // A decode item takes whole kv-head groups, up to kMaxRows query heads. When a batch has
+  // only decodes and fewer of them than threads (batch 1), each is split into as many items
+  // as there are threads per decode (whole groups still), so that no thread waits.
+  int decodes = 0, others = 0;
+  for (int32_t s = 0; s < num_runs; ++s)
+    if (!skip[s]) (b.cu_q[s + 1] - b.cu_q[s] == 1 ? decodes : others)++;
+  int per_decode = std::min(b.H, kMaxRows);
+  if (others == 0 && decodes > 0 && decodes < threads) {
+    const int split = (threads + decodes - 1) / decodes;
+    per_decode = std::max(G, per_decode / split / G * G);
+  }
   std::vector<WorkItem> items;
   for (int32_t s = 0; s < num_runs; ++s) {
     if (skip[s]) continue;
@@ -535,7 +546,7 @@ std::vector<WorkItem> make_items(const Batch& b, int64_t num_runs, int block_siz
     if (q_len == 1 && G <= kMaxRows && kMaxRows % G == 0) {
       // A decode: whole kv-head groups per item, so each block's keys and values of those
       // heads are read as one contiguous stretch.
-      const int per_item = std::min(b.H, kMaxRows);
+      const int per_item = per_decode;
       const int64_t blocks = (b.ctx_lens[s] - 1) / block_size + 1;
       for (int h0 = 0; h0 < b.H; h0 += per_item)
         items.push_back({s, 1, h0 / G, h0, std::min(per_item, b.H - h0), 0, 1,
@@ -1906,7 +1917,7 @@ void paged_attention(at::Tensor out, const at::Tensor& q, const at::Tensor& k,
         long_run_attention(out, q, k, v, k_cache, v_cache, block_tables, s, b.cu_q[s],
                            b.cu_q[s + 1] - b.cu_q[s], b.ctx_lens[s], scale);
   }
-  const auto items = make_items(b, S, BS, long_run);
+  const auto items = make_items(b, S, BS, long_run, at::get_num_threads());
   AT_DISPATCH_SWITCH(q.scalar_type(), "paged_attention",
     AT_DISPATCH_CASE(at::kFloat, [&] { run<scalar_t>(BS, items, b, q, out, k_cache, v_cache); })
     AT_DISPATCH_CASE(at::kBFloat16, [&] { run<scalar_t>(BS, items, b, q, out, k_cache, v_cache); })

@@ -888,6 +888,16 @@ void silu_mul_impl(at::Tensor& out, const at::Tensor& x) {
 
 // ------------------------------------------------ prefill attention on AMX tiles (bf16)
 //
+// Whether long runs may take this file's prefill kernel (AMX tiles, or the AVX2 panels below)
+// where it is built: off with FLUIDSERVE_NO_PREFILL_KERNEL set, and then ATen's flash
+// attention takes them.
+bool g_prefill_kernel = std::getenv("FLUIDSERVE_NO_PREFILL_KERNEL") == nullptr;
+
+// 2^f for |f| <= 1/2 as a degree-4 polynomial, highest power first (relative error < 5e-5,
+// well below the bf16 rounding of P): the prefill kernels' softmax, on AMX and on AVX2.
+constexpr float kExp2Poly[5] = {9.6181291e-3f, 5.5504109e-2f, 2.4022651e-1f, 6.9314718e-1f,
+                                1.0f};
+
 // A long run (a prefill chunk) attends to its paged context with both products on the
 // CPU's matrix unit: bf16 dot products into 16 x 16 float32 tiles (TDPBF16PS, 8192
 // multiply-adds per instruction), flash-attention style with an online softmax between them.
@@ -902,11 +912,6 @@ void silu_mul_impl(at::Tensor& out, const at::Tensor& x) {
 // the group and each 32-key chunk up to the tile's last position: S^T (two tiles), mask and
 // scale, running max and sum per query, P rounded to bf16 (as flash attention on GPUs does),
 // O^T = O^T * alpha + V^T P^T.
-// Whether long runs may take this file's prefill kernel (AMX tiles, or the AVX2 panels below)
-// where it is built: off with FLUIDSERVE_NO_PREFILL_KERNEL set, and then ATen's flash
-// attention takes them.
-bool g_prefill_kernel = std::getenv("FLUIDSERVE_NO_PREFILL_KERNEL") == nullptr;
-
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BW__)
 constexpr int kAmxQ = 64;  // query tokens per work item
 
@@ -926,19 +931,15 @@ bool amx_permitted() {
   return ok;
 }
 
-// 2^t for t <= 0 on 16 lanes: 2^round(t) times a degree-4 polynomial for 2^f, |f| <= 1/2
-// (relative error < 5e-5, well below the bf16 rounding of P). With ``clamp``, -inf (a masked
+// 2^t for t <= 0 on 16 lanes: 2^round(t) times kExp2Poly(t - round(t)). With ``clamp``, -inf (a masked
 // score) gives 0; without, t must be finite.
 template <bool clamp>
 inline __m512 exp2_neg(__m512 t) {
   if constexpr (clamp) t = _mm512_max_ps(t, _mm512_set1_ps(-126.0f));
   const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
   const __m512 f = _mm512_sub_ps(t, n);
-  __m512 y = _mm512_set1_ps(9.6181291e-3f);
-  y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(5.5504109e-2f));
-  y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(2.4022651e-1f));
-  y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(6.9314718e-1f));
-  y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(1.0f));
+  __m512 y = _mm512_set1_ps(kExp2Poly[0]);
+  for (int i = 1; i < 5; ++i) y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(kExp2Poly[i]));
   return _mm512_scalef_ps(y, n);
 }
 
@@ -1589,18 +1590,14 @@ void long_pack(const Batch& b, const LongRun& r, int g, int BS, const uint16_t* 
   }
 }
 
-// 2^t for t <= 0 (or -inf) on eight lanes: 2^round(t) times a degree-4 polynomial for 2^f,
-// |f| <= 1/2 (relative error < 5e-5, well below the bf16 rounding of P); t <= -127 gives
-// exactly 0 (the exponent field of 2^-127 is zero), which masked scores need.
+// 2^t for t <= 0 (or -inf) on eight lanes: 2^round(t) times kExp2Poly(t - round(t)); t <= -127
+// gives exactly 0 (the exponent field of 2^-127 is zero), which masked scores need.
 inline __m256 exp2_neg8(__m256 t) {
   t = _mm256_max_ps(t, _mm256_set1_ps(-127.0f));
   const __m256 n = _mm256_round_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
   const __m256 f = _mm256_sub_ps(t, n);
-  __m256 y = _mm256_set1_ps(9.6181291e-3f);
-  y = _mm256_fmadd_ps(y, f, _mm256_set1_ps(5.5504109e-2f));
-  y = _mm256_fmadd_ps(y, f, _mm256_set1_ps(2.4022651e-1f));
-  y = _mm256_fmadd_ps(y, f, _mm256_set1_ps(6.9314718e-1f));
-  y = _mm256_fmadd_ps(y, f, _mm256_set1_ps(1.0f));
+  __m256 y = _mm256_set1_ps(kExp2Poly[0]);
+  for (int i = 1; i < 5; ++i) y = _mm256_fmadd_ps(y, f, _mm256_set1_ps(kExp2Poly[i]));
   const __m256i e = _mm256_slli_epi32(
       _mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
   return _mm256_mul_ps(y, _mm256_castsi256_ps(e));

@@ -130,6 +130,15 @@ def test_long_runs_take_the_prefill_kernel_the_cpu_has():
     else:
         expected = ""
     assert ops.prefill_kernel() == expected
+    before = ops.use_prefill_kernel(False)
+    try:  # switched off, it is ATen's, and the engine gives it no short runs
+        assert ops.prefill_kernel() == ""
+        assert A.min_long_run(ops, torch.bfloat16) == A.MIN_LONG_RUN
+    finally:
+        ops.use_prefill_kernel(before)
+    assert A.min_long_run(ops, torch.bfloat16) == (A.MIN_LONG_RUN_AVX2 if expected == "avx2"
+                                                   else A.MIN_LONG_RUN)
+    assert A.min_long_run(ops, torch.float32) == A.MIN_LONG_RUN
     # The two paths round differently (P in bf16 in the kernels), so the outputs differ
     # exactly when a prefill kernel ran; both are checked against the reference above.
     assert torch.equal(outs[0], outs[1]) != bool(expected)

@@ -22,7 +22,6 @@ reference and the fallback where neither can run.
 
 from __future__ import annotations
 
-import functools
 import os
 from dataclasses import dataclass
 from types import ModuleType
@@ -40,17 +39,11 @@ MIN_LONG_RUN = 16
 MIN_LONG_RUN_AVX2 = 2
 
 
-@functools.cache
-def _prefill_kernel(ops: ModuleType) -> str:
-    return ops.prefill_kernel() if hasattr(ops, "prefill_kernel") else ""
-
-
 def min_long_run(ops: ModuleType, dtype: torch.dtype) -> int:
     """The shortest run (in query tokens) that the compiled CPU kernel ``ops`` gives to its
-    prefill path for a ``dtype`` model."""
-    if dtype == torch.bfloat16 and _prefill_kernel(ops) == "avx2":
-        return MIN_LONG_RUN_AVX2
-    return MIN_LONG_RUN
+    prefill path for a ``dtype`` model (asked each step: the kernel can be switched off)."""
+    kernel = ops.prefill_kernel() if hasattr(ops, "prefill_kernel") else ""
+    return MIN_LONG_RUN_AVX2 if dtype == torch.bfloat16 and kernel == "avx2" else MIN_LONG_RUN
 
 
 @dataclass

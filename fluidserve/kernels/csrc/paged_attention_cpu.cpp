@@ -2134,8 +2134,9 @@ bool use_prefill_kernel(bool enabled) {
 }
 
 // The prefill kernel that long bf16 runs take here: "amx", "avx2" or "" (ATen's flash
-// attention).
+// attention: none built, or switched off).
 std::string prefill_kernel() {
+  if (!g_prefill_kernel) return "";
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BW__)
   return amx_permitted() ? "amx" : "";
 #elif defined(FLUIDSERVE_AVX2_LANES)
@@ -2149,7 +2150,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("use_prefill_kernel", &use_prefill_kernel,
         "Allow (or not) the prefill attention kernel; returns the old value");
   m.def("prefill_kernel", &prefill_kernel,
-        "The prefill attention kernel of long bf16 runs here: amx, avx2 or ''");
+        "The prefill attention kernel of long bf16 runs here: amx, avx2 or '' (none, or off)");
   m.def("fused_add_rms_norm", &fused_add_rms_norm, "residual += x; x = rmsnorm(residual) * w",
         py::call_guard<py::gil_scoped_release>());
   m.def("rms_norm", &rms_norm, "out = rmsnorm(x) * w", py::call_guard<py::gil_scoped_release>());

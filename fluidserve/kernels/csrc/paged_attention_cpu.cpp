@@ -931,8 +931,8 @@ bool amx_permitted() {
   return ok;
 }
 
-// 2^t for t <= 0 on 16 lanes: 2^round(t) times kExp2Poly(t - round(t)). With ``clamp``, -inf (a masked
-// score) gives 0; without, t must be finite.
+// 2^t for t <= 0 on 16 lanes: 2^round(t) times kExp2Poly(t - round(t)). With ``clamp``,
+// -inf (a masked score) gives 0; without, t must be finite.
 template <bool clamp>
 inline __m512 exp2_neg(__m512 t) {
   if constexpr (clamp) t = _mm512_max_ps(t, _mm512_set1_ps(-126.0f));
@@ -1643,7 +1643,8 @@ void long_item(const LongItem& w, const std::vector<LongRun>& runs, const Batch&
       const int col = panel_pos(t);
       const uint16_t* qr =
           q + static_cast<int64_t>(q0 + t0 + t) * b.q_row + static_cast<int64_t>(h) * D;
-      for (int d = 0; d < D; ++d) qt[(static_cast<size_t>(pr) * D + d) * 16 + col] = t < nt ? qr[d] : 0;
+      uint16_t* qp = qt.data() + static_cast<size_t>(pr) * D * 16 + col;
+      for (int d = 0; d < D; ++d) qp[d * 16] = t < nt ? qr[d] : 0;
     }
     std::fill(ml.begin() + pr * 32, ml.begin() + pr * 32 + 16, kNegInf);
     std::fill(ml.begin() + pr * 32 + 16, ml.begin() + pr * 32 + 32, 0.0f);
@@ -1660,7 +1661,8 @@ void long_item(const LongItem& w, const std::vector<LongRun>& runs, const Batch&
       const __m256i pos_lo = _mm256_load_si256(reinterpret_cast<const __m256i*>(pos));
       const __m256i pos_hi = _mm256_load_si256(reinterpret_cast<const __m256i*>(pos + 8));
       const uint16_t* qp = qt.data() + static_cast<size_t>(pr) * D * 16;
-      float (*op)[16] = reinterpret_cast<float (*)[16]>(ot.data() + static_cast<size_t>(pr) * D * 16);
+      float(*op)[16] =
+          reinterpret_cast<float(*)[16]>(ot.data() + static_cast<size_t>(pr) * D * 16);
       float* mlp = ml.data() + pr * 32;
       const int nk = std::min(kLongChunk, max_pos + 1 - key0);
       for (int j = 0; j < nk; j += kPanelRows)  // S^T, kPanelRows keys at a time

@@ -912,6 +912,33 @@ constexpr float kExp2Poly[5] = {9.6181291e-3f, 5.5504109e-2f, 2.4022651e-1f, 6.9
 // the group and each 32-key chunk up to the tile's last position: S^T (two tiles), mask and
 // scale, running max and sum per query, P rounded to bf16 (as flash attention on GPUs does),
 // O^T = O^T * alpha + V^T P^T.
+// A prefill kernel's work item: query tokens tok0 .. tok0 + toks - 1 of long run run_index
+// (an index into the kernel's own list of runs) against kv head kv_head.
+struct LongItem {
+  int32_t run_index, kv_head, tok0, toks;
+};
+
+// The items of ``runs`` (each with the batch run ``run`` and the ``keys`` it sees), per_item
+// query tokens at a time: later query ranges see more keys, so the longest go first, as for
+// the per-token kernel's items.
+template <typename Run>
+std::vector<LongItem> long_items(const Batch& b, const std::vector<Run>& runs, int per_item) {
+  std::vector<LongItem> items;
+  for (int i = 0; i < static_cast<int>(runs.size()); ++i) {
+    const int q_len = b.cu_q[runs[i].run + 1] - b.cu_q[runs[i].run];
+    for (int g = 0; g < b.Hkv; ++g)
+      for (int t0 = 0; t0 < q_len; t0 += per_item)
+        items.push_back({i, g, t0, std::min(per_item, q_len - t0)});
+  }
+  auto reach = [&](const LongItem& x) {
+    const Run& r = runs[x.run_index];
+    return r.keys - (b.cu_q[r.run + 1] - b.cu_q[r.run]) + x.tok0;
+  };
+  std::sort(items.begin(), items.end(),
+            [&](const LongItem& x, const LongItem& y) { return reach(x) > reach(y); });
+  return items;
+}
+
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BW__)
 constexpr int kAmxQ = 64;  // query tokens per work item
 
@@ -1016,11 +1043,7 @@ void amx_pack(const Batch& b, const AmxRun& r, int g, int BS, const uint16_t* kc
     std::memset(vt + static_cast<int64_t>(d) * r.padded + r.keys, 0, (r.padded - r.keys) * 2);
 }
 
-struct AmxItem {
-  int32_t run_index, kv_head, tok0, toks;
-};
-
-void amx_item(const AmxItem& w, const std::vector<AmxRun>& runs, const Batch& b,
+void amx_item(const LongItem& w, const std::vector<AmxRun>& runs, const Batch& b,
               const uint16_t* q, uint16_t* out, const uint16_t* packed) {
   const AmxRun& r = runs[w.run_index];
   const int D = b.D, G = b.H / b.Hkv, DC = D / 32, DB = D / 16;
@@ -1159,20 +1182,7 @@ bool kernel_long_runs(const Batch& b, int64_t S, int BS, const std::vector<uint8
     runs.push_back({s, keys, padded, total});
     total += static_cast<int64_t>(b.Hkv) * 2 * padded * b.D;
   }
-  std::vector<AmxItem> items;
-  for (int i = 0; i < static_cast<int>(runs.size()); ++i) {
-    const int q_len = b.cu_q[runs[i].run + 1] - b.cu_q[runs[i].run];
-    for (int g = 0; g < b.Hkv; ++g)
-      for (int t0 = 0; t0 < q_len; t0 += kAmxQ)
-        items.push_back({i, g, t0, std::min(kAmxQ, q_len - t0)});
-  }
-  // Later query ranges see more keys: longest first, as for the other kernel's items.
-  auto reach = [&](const AmxItem& x) {
-    const AmxRun& r = runs[x.run_index];
-    return r.keys - (b.cu_q[r.run + 1] - b.cu_q[r.run]) + x.tok0;
-  };
-  std::sort(items.begin(), items.end(),
-            [&](const AmxItem& x, const AmxItem& y) { return reach(x) > reach(y); });
+  const std::vector<LongItem> items = long_items(b, runs, kAmxQ);
   std::vector<uint16_t> packed(total);
   const auto* qd = reinterpret_cast<const uint16_t*>(q.data_ptr<at::BFloat16>());
   auto* od = reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>());
@@ -1424,6 +1434,18 @@ inline void part_row(float (*part)[16], __m256& a, __m256& b) {
     }
   }
 }
+// The R rows' accumulators (named, so that they stay in registers) to or from ``part``.
+template <int R, bool store>
+inline void part_rows(float (*part)[16], __m256& c0a, __m256& c0b, __m256& c1a, __m256& c1b,
+                      __m256& c2a, __m256& c2b, __m256& c3a, __m256& c3b, __m256& c4a,
+                      __m256& c4b, __m256& c5a, __m256& c5b) {
+  part_row<0, R, store>(part, c0a, c0b);
+  part_row<1, R, store>(part, c1a, c1b);
+  part_row<2, R, store>(part, c2a, c2b);
+  part_row<3, R, store>(part, c3a, c3b);
+  part_row<4, R, store>(part, c4a, c4b);
+  part_row<5, R, store>(part, c5a, c5b);
+}
 
 // part[r] = x[r, :kn] . W_panel[:kn] for R rows (x float32, row stride ldx), or with ``first``
 // false part[r] + that, k in order whatever R, so that a row's result does not depend on the
@@ -1436,14 +1458,8 @@ inline void panel_rows(const float* x, int64_t ldx, const uint16_t* w, int64_t k
                        float (*part)[16], const char* pf, int64_t pf_lines, int64_t pf_every) {
   __m256 c0a = _mm256_setzero_ps(), c0b = c0a, c1a = c0a, c1b = c0a, c2a = c0a, c2b = c0a,
          c3a = c0a, c3b = c0a, c4a = c0a, c4b = c0a, c5a = c0a, c5b = c0a;
-  if (!first) {
-    part_row<0, R, false>(part, c0a, c0b);
-    part_row<1, R, false>(part, c1a, c1b);
-    part_row<2, R, false>(part, c2a, c2b);
-    part_row<3, R, false>(part, c3a, c3b);
-    part_row<4, R, false>(part, c4a, c4b);
-    part_row<5, R, false>(part, c5a, c5b);
-  }
+  if (!first)
+    part_rows<R, false>(part, c0a, c0b, c1a, c1b, c2a, c2b, c3a, c3b, c4a, c4b, c5a, c5b);
   const __m256i zero = _mm256_setzero_si256();
   int64_t next_pf = 0;
   for (int64_t k = 0; k < kn; ++k) {
@@ -1461,12 +1477,7 @@ inline void panel_rows(const float* x, int64_t ldx, const uint16_t* w, int64_t k
     fma_row<4, R>(x + 4 * ldx + k, lo, hi, c4a, c4b);
     fma_row<5, R>(x + 5 * ldx + k, lo, hi, c5a, c5b);
   }
-  part_row<0, R, true>(part, c0a, c0b);
-  part_row<1, R, true>(part, c1a, c1b);
-  part_row<2, R, true>(part, c2a, c2b);
-  part_row<3, R, true>(part, c3a, c3b);
-  part_row<4, R, true>(part, c4a, c4b);
-  part_row<5, R, true>(part, c5a, c5b);
+  part_rows<R, true>(part, c0a, c0b, c1a, c1b, c2a, c2b, c3a, c3b, c4a, c4b, c5a, c5b);
 }
 
 inline void panel_group(int rows, const float* x, int64_t ldx, const uint16_t* w, int64_t kn,
@@ -1558,10 +1569,6 @@ struct LongRun {
                       // multiple of 4 KB apart (one L1 set)
   int64_t offset;     // of its kv heads' packed keys, then values, in the buffer (floats)
 };
-struct LongItem {
-  int32_t run_index, kv_head, tok0, toks;
-};
-
 inline float bf16_bits_to_float(uint16_t h) {
   const uint32_t u = static_cast<uint32_t>(h) << 16;
   float f;
@@ -1739,20 +1746,8 @@ bool kernel_long_runs(const Batch& b, int64_t S, int BS, const std::vector<uint8
     runs.push_back({s, keys, ldv, total});
     total += static_cast<int64_t>(b.Hkv) * (keys + ldv) * b.D;
   }
-  std::vector<LongItem> items;
   const int long_q = 16 * std::max(1, kLongPairs / (b.H / b.Hkv));  // query tokens per item
-  for (int i = 0; i < static_cast<int>(runs.size()); ++i) {
-    const int q_len = b.cu_q[runs[i].run + 1] - b.cu_q[runs[i].run];
-    for (int g = 0; g < b.Hkv; ++g)
-      for (int t0 = 0; t0 < q_len; t0 += long_q)
-        items.push_back({i, g, t0, std::min(long_q, q_len - t0)});
-  }
-  auto reach = [&](const LongItem& x) {  // later query ranges see more keys: longest first
-    const LongRun& r = runs[x.run_index];
-    return r.keys - (b.cu_q[r.run + 1] - b.cu_q[r.run]) + x.tok0;
-  };
-  std::sort(items.begin(), items.end(),
-            [&](const LongItem& x, const LongItem& y) { return reach(x) > reach(y); });
+  const std::vector<LongItem> items = long_items(b, runs, long_q);
   std::vector<float> packed(total);
   const auto* qd = reinterpret_cast<const uint16_t*>(q.data_ptr<at::BFloat16>());
   auto* od = out.data_ptr<at::BFloat16>();

@@ -1569,31 +1569,24 @@ struct LongRun {
                       // multiple of 4 KB apart (one L1 set)
   int64_t offset;     // of its kv heads' packed keys, then values, in the buffer (floats)
 };
-inline float bf16_bits_to_float(uint16_t h) {
-  const uint32_t u = static_cast<uint32_t>(h) << 16;
-  float f;
-  std::memcpy(&f, &u, 4);
-  return f;
-}
-
 // Keys 0 .. keys - 1 of kv head g in float32, key-major into kp [keys, D] and channel-major
 // into vt [D, keys].
-void long_pack(const Batch& b, const LongRun& r, int g, int BS, const uint16_t* kc,
-               const uint16_t* vc, float* kp, float* vt) {
+void long_pack(const Batch& b, const LongRun& r, int g, int BS, const c10::BFloat16* kc,
+               const c10::BFloat16* vc, float* kp, float* vt) {
   const int D = b.D;
   const int64_t kv_stride = static_cast<int64_t>(b.Hkv) * BS * D;
   const int32_t* table = b.tables + r.run * b.table_stride;
   for (int key0 = 0; key0 < r.keys; key0 += BS) {
     const int nk = std::min(BS, r.keys - key0);
     const int64_t base = table[key0 / BS] * kv_stride + static_cast<int64_t>(g) * BS * D;
-    const uint16_t* kt = kc + base;  // [D, BS]
-    const uint16_t* vb = vc + base;  // [BS, D]
+    const c10::BFloat16* kt = kc + base;  // [D, BS]
+    const c10::BFloat16* vb = vc + base;  // [BS, D]
     for (int j = 0; j < nk; ++j)
       for (int d = 0; d < D; ++d)
-        kp[static_cast<int64_t>(key0 + j) * D + d] = bf16_bits_to_float(kt[d * BS + j]);
+        kp[static_cast<int64_t>(key0 + j) * D + d] = static_cast<float>(kt[d * BS + j]);
     for (int d = 0; d < D; ++d)
       for (int j = 0; j < nk; ++j)
-        vt[static_cast<int64_t>(d) * r.ldv + key0 + j] = bf16_bits_to_float(vb[j * D + d]);
+        vt[static_cast<int64_t>(d) * r.ldv + key0 + j] = static_cast<float>(vb[j * D + d]);
   }
 }
 
@@ -1749,10 +1742,10 @@ bool kernel_long_runs(const Batch& b, int64_t S, int BS, const std::vector<uint8
   const int long_q = 16 * std::max(1, kLongPairs / (b.H / b.Hkv));  // query tokens per item
   const std::vector<LongItem> items = long_items(b, runs, long_q);
   std::vector<float> packed(total);
-  const auto* qd = reinterpret_cast<const uint16_t*>(q.data_ptr<at::BFloat16>());
+  const auto* qd = reinterpret_cast<const uint16_t*>(q.data_ptr<at::BFloat16>());  // panel bits
   auto* od = out.data_ptr<at::BFloat16>();
-  const auto* kc = reinterpret_cast<const uint16_t*>(k_cache.data_ptr<at::BFloat16>());
-  const auto* vc = reinterpret_cast<const uint16_t*>(v_cache.data_ptr<at::BFloat16>());
+  const auto* kc = k_cache.data_ptr<at::BFloat16>();
+  const auto* vc = v_cache.data_ptr<at::BFloat16>();
   const int64_t n_pack = static_cast<int64_t>(runs.size()) * b.Hkv;
   const int64_t n = static_cast<int64_t>(items.size());
   const int threads = static_cast<int>(std::max<int64_t>(

@@ -7,15 +7,25 @@ A benchmark program, not a test (it needs a CUDA GPU; nothing else depends on it
 
 1. Builds the model with ``build-model --device cuda`` (random bf16 weights) unless --model.
 2. Measures the card: device-to-device copy bandwidth (bytes read + written) and a bf16 matmul.
-3. Decode steps at each batch size and context, three ways side by side in interleaved rounds
-   on one loaded model: the eager reference (PyTorch attention over a padded gather, every
-   operator launched from Python), the Triton kernels launched from Python, and the Triton
-   kernels replayed from CUDA graphs (the default). For each: the executor step, what the engine
-   waits for (input preparation, transfers, forward pass, sampling, the sync), and the forward
-   pass alone on CUDA events.
-4. A per-kernel profile of one Triton decode step at batch 1 (torch.profiler): where GPU time goes.
+3. The projections of a one-row decode step alone (skip with ``--no-linears``): for each of
+   the model's five weight shapes, cuBLAS (F.linear) against ``skinny_linear`` at each
+   candidate tiling (with programmatic dependent launch where the card has it, and the rule's
+   tiling without), over all 32 layers' weights (nothing comes from L2), replayed from a CUDA
+   graph; GB/s of weight read. The best tiling per shape goes into SKINNY_TUNED.
+4. Decode steps at each batch size and context, the ``--modes`` side by side in interleaved
+   rounds on one loaded model: ``eager`` (the PyTorch reference: attention over a padded
+   gather, every operator launched from Python), ``triton`` (the Triton kernels layer by
+   layer, launched from Python), ``graphs`` (the same replayed from CUDA graphs), ``skinny``
+   (graphs in which a one-row batch takes the few-rows path: one skinny_linear per projection
+   with the norms, SiLU and residual adds folded in, RoPE writing the KV cache; the rule's
+   tilings), ``skinny-nopdl`` (the same launched without PDL) and ``skinny-tuned`` (at the
+   tilings step 3 chose). For each: the executor step, what the engine waits for (input
+   preparation, transfers, forward pass, sampling, the sync), and the forward pass alone on
+   CUDA events.
+5. A per-kernel profile of one decode step at batch 1 (torch.profiler, Python launches) on the
+   layer-by-layer and the few-rows paths: where GPU time goes.
 
-Writes ``bench_cuda.json`` to --out and prints it as the last line.
+Writes ``bench_cuda.json`` to --out and prints a table of the step times last.
 """
 
 from __future__ import annotations
@@ -25,19 +35,31 @@ import json
 import statistics
 import subprocess
 import time
+import traceback
 from pathlib import Path
 
 import torch
 
 from fluidserve.core.scheduler.output import ScheduledChunk, SchedulerOutput
+from fluidserve.kernels import triton_ops
+from fluidserve.model.cuda_graphs import DecodeGraphs
 from fluidserve.model.inputs import prepare_inputs
 from fluidserve.model.runner import ModelExecutor
 from fluidserve.profiler.run import measure_peaks
 from fluidserve.sampling_params import SamplingParams
 
 GREEDY = SamplingParams(temperature=0.0)
-H100_SXM_HBM_BYTES_PER_S = 3.35e12  # datasheet
-MODES = ("eager", "triton", "triton+graphs")
+HBM_BYTES_PER_S = {"H100": 3.35e12, "H200": 4.8e12}  # datasheets (SXM)
+
+
+def datasheet_bandwidth() -> float:
+    name = torch.cuda.get_device_name()
+    return next((bw for key, bw in HBM_BYTES_PER_S.items() if key in name), 3.35e12)
+MODES = ("eager", "triton", "graphs", "skinny", "skinny-nopdl", "skinny-tuned")
+# Tilings tried for one row: (block_n, block_k, warps, stages, dot).
+CANDIDATES = [(8, 1024, 8, 3, False), (8, 1024, 4, 3, False), (8, 512, 4, 3, False),
+              (8, 256, 2, 3, False), (4, 1024, 4, 3, False), (16, 512, 8, 3, False),
+              (16, 256, 4, 4, True)]
 
 
 def chunk(rid: str, start: int, n: int, table: tuple[int, ...]) -> ScheduledChunk:
@@ -45,9 +67,18 @@ def chunk(rid: str, start: int, n: int, table: tuple[int, ...]) -> ScheduledChun
     return ScheduledChunk(rid, start, ids, table, True, GREEDY, 0, 0, is_decode=n == 1)
 
 
-def set_mode(ex: ModelExecutor, mode: str, graphs) -> None:
+def set_mode(ex: ModelExecutor, mode: str, graphs: dict) -> None:
+    """Route decode steps through ``mode``: its attention backend, its captured graphs (if
+    any), whether a single row takes the skinny path and whether it launches with PDL."""
     ex.worker.attention = "eager" if mode == "eager" else "triton"
-    ex.worker.graphs = graphs if mode == "triton+graphs" else None
+    ex.worker.graphs = graphs.get(mode)
+    triton_ops.SKINNY_MAX_ROWS = 1 if mode.startswith("skinny") else 0
+    triton_ops.SKINNY_PDL = False if mode == "skinny-nopdl" else None
+
+
+def capture(ex: ModelExecutor, mode: str, max_batch: int) -> DecodeGraphs:
+    set_mode(ex, mode, {})
+    return DecodeGraphs(ex.worker, max_batch)
 
 
 def fill(ex: ModelExecutor, batch: int, ctx: int, steps: int) -> list[tuple[int, ...]]:
@@ -55,7 +86,7 @@ def fill(ex: ModelExecutor, batch: int, ctx: int, steps: int) -> list[tuple[int,
     bs = ex.block_size
     per = -(-(ctx + steps + 1) // bs)
     tables = [tuple(range(i * per, (i + 1) * per)) for i in range(batch)]
-    set_mode(ex, "triton", None)
+    set_mode(ex, "triton", {})
     for i, table in enumerate(tables):
         for s in range(0, ctx, 2048):
             ex.execute(SchedulerOutput(0, [chunk(f"r{i}", s, min(2048, ctx - s), table)]))
@@ -85,10 +116,10 @@ def time_decodes(ex: ModelExecutor, tables, ctx: int, steps: int) -> dict:
     return {"step_ms": statistics.median(step_ms), "forward_ms": statistics.median(fwd_ms)}
 
 
-def kernel_profile(ex: ModelExecutor, tables, ctx: int) -> list[dict]:
+def kernel_profile(ex: ModelExecutor, tables, ctx: int, mode: str) -> list[dict]:
     from torch.profiler import ProfilerActivity, profile
 
-    set_mode(ex, "triton", None)
+    set_mode(ex, mode, {})
     plan = SchedulerOutput(0, [chunk(f"r{i}", ctx, 1, t) for i, t in enumerate(tables[:1])])
     ex.execute(plan)
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
@@ -104,6 +135,98 @@ def kernel_profile(ex: ModelExecutor, tables, ctx: int) -> list[dict]:
     return rows[:15]
 
 
+def replay_us(calls, reps: int = 10) -> float:
+    """Median time (us) of one replay of ``calls`` captured in a CUDA graph."""
+    for c in calls:  # warm-up: compiles outside the capture
+        c()
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for c in calls:
+            c()
+    g.replay()
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        g.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1e3)
+    return statistics.median(times)
+
+
+def bench_linears(model) -> list[dict]:
+    """Each projection shape of one row over every layer's weight: cuBLAS against the skinny
+    tilings (launched with PDL where the card has it, and the rule's without)."""
+    shapes = {
+        "qkv": [layer.self_attn.qkv_proj.weight for layer in model.layers],
+        "o": [layer.self_attn.o_proj.weight for layer in model.layers],
+        "gate_up": [layer.mlp.gate_up_proj.weight for layer in model.layers],
+        "down": [layer.mlp.down_proj.weight for layer in model.layers],
+        "lm_head": [model.lm_head.weight] * 8,
+    }
+    out = []
+    for name, weights in shapes.items():
+        n, k = weights[0].shape
+        x = torch.randn(1, k, device=weights[0].device, dtype=weights[0].dtype)
+        nbytes = sum(w.numel() * w.element_size() for w in weights) / len(weights)
+        ref = torch.nn.functional.linear(x, weights[0]).float()
+        row = {"shape": name, "n": n, "k": k,
+               "cublas_us": replay_us([lambda w=w, x=x: torch.nn.functional.linear(x, w)
+                                       for w in weights]) / len(weights)}
+        rule = triton_ops.skinny_config(1, n, k)
+        tried = {}
+        for pdl, cands in ((None, CANDIDATES), (False, [tuple(rule.__dict__.values())])):
+            triton_ops.SKINNY_PDL = pdl
+            for cand in cands:
+                cfg = triton_ops.SkinnyConfig(*cand)
+                key = str(cand) + ("" if pdl is None else " no-pdl")
+                try:
+                    got = triton_ops.skinny_linear(x, weights[0], config=cfg).float()
+                    err = float((got - ref).norm() / ref.norm())
+                    calls = [lambda w=w, c=cfg, x=x: triton_ops.skinny_linear(x, w, config=c)
+                             for w in weights]
+                    tried[key] = {"us": replay_us(calls) / len(weights), "rel_err": err}
+                except Exception as e:  # noqa: BLE001 - a tiling this card cannot run
+                    tried[key] = {"error": repr(e)[:200]}
+        triton_ops.SKINNY_PDL = None
+        ok = {key: v for key, v in tried.items() if "us" in v and "no-pdl" not in key}
+        best = min(ok, key=lambda key: ok[key]["us"]) if ok else None
+        rule_key = str(tuple(rule.__dict__.values()))
+        row.update(candidates=tried, best=best, rule=rule_key,
+                   rule_us=tried.get(rule_key, {}).get("us"),
+                   rule_nopdl_us=tried.get(rule_key + " no-pdl", {}).get("us"),
+                   cublas_gbps=nbytes / (row["cublas_us"] * 1e-6) / 1e9)
+        if best is not None:
+            row["best_us"] = ok[best]["us"]
+            row["best_gbps"] = nbytes / (ok[best]["us"] * 1e-6) / 1e9
+            cand = eval(best)  # noqa: S307 - our own tuple repr
+            triton_ops.SKINNY_TUNED[(1, n, k)] = triton_ops.SkinnyConfig(*cand)
+        out.append(row)
+        print(f"{name:>8}: cuBLAS {row['cublas_us']:7.1f} us ({row['cublas_gbps']:5.0f} GB/s),"
+              f" rule {row['rule_us'] or 0:7.1f} (no PDL {row['rule_nopdl_us'] or 0:7.1f}),"
+              f" best {best} {row.get('best_us', 0):7.1f} us ({row.get('best_gbps', 0):5.0f}"
+              f" GB/s)", flush=True)
+        for key, v in tried.items():
+            print(f"          {key:40} {v.get('us', 0):8.1f} us  err {v.get('rel_err', v)}")
+    return out
+
+
+def read_bandwidth() -> float:
+    """Bytes/s of a sum over 4 GB (reads only): what a weight stream can hope for."""
+    x = torch.ones(2 << 30, dtype=torch.bfloat16, device="cuda")
+    x.sum()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(10):
+        x.sum()
+    torch.cuda.synchronize()
+    bw = 10 * x.numel() * 2 / (time.perf_counter() - t0)
+    del x
+    return bw
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", help="Model directory (default: build --shape).")
@@ -114,7 +237,13 @@ def main() -> None:
     ap.add_argument("--context", type=int, default=512, help="Context at the larger batches.")
     ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--modes", default=",".join(MODES), help=f"Of {', '.join(MODES)}.")
+    ap.add_argument("--no-linears", action="store_true",
+                    help="Skip timing the projections alone.")
     args = ap.parse_args()
+    modes = args.modes.split(",")
+    if unknown := set(modes) - set(MODES):
+        ap.error(f"unknown modes {sorted(unknown)}")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     model = args.model
@@ -131,20 +260,30 @@ def main() -> None:
     cases += [(b, args.context) for b in batches if b > 1]
     t0 = time.perf_counter()
     ex = ModelExecutor(model, dtype="bfloat16", device="cuda", kv_cache_memory_gb=8,
-                       max_model_len=4096, attention_backend="triton",
-                       cuda_graph_max_batch=max(batches))
-    graphs = ex.worker.graphs
+                       max_model_len=4096, attention_backend="triton", cuda_graph_max_batch=0)
+    top = max(batches)
+    graphs = {m: capture(ex, m, top) for m in ("graphs", "skinny", "skinny-nopdl")
+              if m in modes}
     print(f"loaded and captured in {time.perf_counter() - t0:.0f} s", flush=True)
     arch = ex.arch
     peaks = measure_peaks("cuda", torch.bfloat16)
+    peaks["read_bandwidth_bytes_per_s"] = read_bandwidth()
+    linears = []
+    if not args.no_linears:
+        try:  # the step times below stand without it
+            linears = bench_linears(ex.worker.model)
+        except Exception:  # noqa: BLE001
+            traceback.print_exc()
+    if "skinny-tuned" in modes:
+        graphs["skinny-tuned"] = capture(ex, "skinny-tuned", top)
     weight_bytes = arch.num_params * 2
     embed_bytes = arch.vocab_size * arch.hidden_size * 2  # a decode reads one row of it
     results = []
     for batch, ctx in cases:
         tables = fill(ex, batch, ctx, args.steps)
-        runs = {m: [] for m in MODES}
+        runs = {m: [] for m in modes}
         for _ in range(args.rounds):
-            for mode in MODES:
+            for mode in modes:
                 set_mode(ex, mode, graphs)
                 runs[mode].append(time_decodes(ex, tables, ctx, args.steps))
         kv_read = batch * (ctx + args.steps / 2) * arch.kv_bytes_per_token(2)
@@ -154,33 +293,40 @@ def main() -> None:
             row[mode] = {k: statistics.median(r[k] for r in rs) for k in rs[0]}
         results.append(row)
         print(json.dumps(row), flush=True)
-    try:  # optional: the step times above stand without it
-        profile_rows = kernel_profile(ex, fill(ex, 1, 512, 2), 512)
-    except Exception as e:  # noqa: BLE001 - a profiler that cannot run here
-        profile_rows = [{"kernel": f"profiler failed: {e!r}"[:200], "calls": 0,
-                         "ms_per_step": 0.0}]
+    profiles = {}
+    for mode in ("triton", "skinny"):  # optional: the step times above stand without it
+        try:
+            profiles[mode] = kernel_profile(ex, fill(ex, 1, 512, 2), 512, mode)
+        except Exception as e:  # noqa: BLE001 - a profiler that cannot run here
+            profiles[mode] = [{"kernel": f"profiler failed: {e!r}"[:200], "calls": 0,
+                               "ms_per_step": 0.0}]
     gpu = subprocess.run(["nvidia-smi", "--query-gpu=name,driver_version,clocks.max.sm,"
                           "clocks.max.mem", "--format=csv,noheader"], capture_output=True,
                          text=True).stdout.strip()
-    floor_datasheet = weight_bytes / H100_SXM_HBM_BYTES_PER_S
+    floor_datasheet = weight_bytes / datasheet_bandwidth()
     floor_measured = weight_bytes / peaks["memory_bandwidth_bytes_per_s"]
     summary = {
         "gpu": gpu, "torch": torch.__version__, "model": model,
         "num_params": arch.num_params, "weight_bytes": weight_bytes, "peaks": peaks,
-        "hbm_floor_ms": {"weights_over_datasheet_3.35TBps": floor_datasheet * 1e3,
+        "hbm_floor_ms": {"weights_over_datasheet": floor_datasheet * 1e3,
+                         "datasheet_bytes_per_s": datasheet_bandwidth(),
                          "weights_over_measured_copy": floor_measured * 1e3},
-        "decode": results, "kernel_profile_bs1_ctx512": profile_rows,
+        "linears": linears,
+        "skinny_tuned": {str(k): v.__dict__ for k, v in triton_ops.SKINNY_TUNED.items()},
+        "decode": results, "kernel_profile_bs1_ctx512": profiles,
     }
     (out / "bench_cuda.json").write_text(json.dumps(summary, indent=1))
-    print(f"{'batch':>5} {'ctx':>5} | " + " | ".join(f"{m:>22}" for m in MODES))
+    print(f"{'batch':>5} {'ctx':>5} | " + " | ".join(f"{m:>22}" for m in modes))
     for r in results:
-        cells = [f"{r[m]['step_ms']:7.2f} ({r[m]['forward_ms']:6.2f})" for m in MODES]
+        cells = [f"{r[m]['step_ms']:7.2f} ({r[m]['forward_ms']:6.2f})" for m in modes]
         print(f"{r['batch']:>5} {r['context']:>5} | " + " | ".join(f"{c:>22}" for c in cells))
     print(f"floor: {floor_datasheet * 1e3:.2f} ms (datasheet), {floor_measured * 1e3:.2f} ms"
-          f" (measured copy {peaks['memory_bandwidth_bytes_per_s'] / 1e12:.2f} TB/s)")
-    for p in profile_rows:
-        print(f"{p['ms_per_step']:8.3f} ms {p['calls']:5d}x  {p['kernel']}")
-    print(json.dumps(summary))
+          f" (measured copy {peaks['memory_bandwidth_bytes_per_s'] / 1e12:.2f} TB/s; reads"
+          f" {peaks['read_bandwidth_bytes_per_s'] / 1e12:.2f} TB/s)")
+    for mode, rows in profiles.items():
+        print(f"-- {mode}")
+        for p in rows:
+            print(f"{p['ms_per_step']:8.3f} ms {p['calls']:5d}x  {p['kernel']}")
 
 
 if __name__ == "__main__":

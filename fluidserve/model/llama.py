@@ -283,6 +283,56 @@ class LlamaForCausalLM(nn.Module):
             tiles, out_features = [], []
         return norms, weights, biases, tiles, out_features
 
+    def _few_rows(self, x: torch.Tensor, meta: AttentionMetadata) -> bool:
+        """Whether this batch takes ``_few_rows_forward``: at most ``SKINNY_MAX_ROWS`` rows
+        (one decode) on the Triton kernels, no tensor parallelism, every projection a plain
+        nn.Linear."""
+        if meta.backend != "triton" or not 0 < x.shape[0] <= meta.ops.SKINNY_MAX_ROWS:
+            return False
+        ok = getattr(self, "_few_rows_ok", None)
+        if ok is None:
+            linears = [self.lm_head] if self.shard.last else []
+            for layer in self.layers:
+                attn, mlp = layer.self_attn, layer.mlp
+                linears += [attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj]
+            ok = self._few_rows_ok = all(type(m) is nn.Linear for m in linears) and all(
+                layer.self_attn.tp.size == layer.mlp.tp.size == 1 for layer in self.layers)
+        return ok
+
+    def _few_rows_forward(self, r, positions, meta, kv_caches, logits_idx):
+        """The layers for a single decode on a GPU, bound by reading the weights: each
+        projection is one ``skinny_linear`` launch that also does the norm
+        before it (QKV, gate/up, LM head), the SiLU (down) or the residual add after it (O,
+        down), and RoPE stores the keys and values in the cache as it rotates them, so a layer
+        is six launches: four projections, RoPE, attention. ``r``, the residual stream,
+        is updated in place; the results round where the eager layers round."""
+        ops = meta.ops
+        t = r.shape[0]
+        for layer, kv in zip(self.layers, kv_caches, strict=True):
+            a, mlp = layer.self_attn, layer.mlp
+            h, hkv, d = a.h, a.hkv, a.d
+            ln1, ln2 = layer.input_layernorm, layer.post_attention_layernorm
+            qkv = ops.skinny_linear(r, a.qkv_proj.weight, a.qkv_proj.bias,
+                                    norm_weight=ln1.weight, eps=ln1.eps)
+            q = qkv[:, : h * d].view(t, h, d)
+            k = qkv[:, h * d : (h + hkv) * d].view(t, hkv, d)
+            v = qkv[:, (h + hkv) * d :].view(t, hkv, d)
+            ops.rope_and_write_kv(q, k, v, positions, self.rotary.cos, self.rotary.sin, kv[0],
+                                  kv[1], meta.slot_mapping)
+            o = q.new_empty(t, h, d)
+            ops.paged_attention(o, q, k, v, kv[0], kv[1], meta.slot_mapping, meta.cu_q,
+                                meta.ctx_lens, meta.block_tables, a.scale, meta.tiles,
+                                kv_written=True)
+            ops.skinny_linear(o.view(t, h * d), a.o_proj.weight, a.o_proj.bias, residual=r)
+            gu = ops.skinny_linear(r, mlp.gate_up_proj.weight, mlp.gate_up_proj.bias,
+                                   norm_weight=ln2.weight, eps=ln2.eps)
+            ops.skinny_linear(gu, mlp.down_proj.weight, mlp.down_proj.bias, silu=True,
+                              residual=r)
+        if not self.shard.last:
+            return r
+        return ops.skinny_linear(r[logits_idx], self.lm_head.weight, self.lm_head.bias,
+                                 norm_weight=self.norm.weight, eps=self.norm.eps)
+
     def forward(
         self,
         inputs: torch.Tensor,  # [T] token ids on the first stage, else [T, hidden] states
@@ -293,6 +343,9 @@ class LlamaForCausalLM(nn.Module):
     ) -> torch.Tensor:
         """[S, vocab] logits on the last stage (model dtype), else [T, hidden] states."""
         x = self.embed_tokens(inputs) if self.shard.first else inputs
+        if self._few_rows(x, meta):
+            return self._few_rows_forward(x if self.shard.first else x.clone(), positions,
+                                          meta, kv_caches, logits_idx)
         if meta.compiled and x.is_contiguous():
             fused = self._fused_layers(x, positions, meta, kv_caches)
             if fused is not None:

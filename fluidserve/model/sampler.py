@@ -54,6 +54,10 @@ def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
         ops = cpu_ops()
         if ops is not None:
             return ops.argmax_rows(logits.contiguous())
+    if logits.device.type == "cuda" and logits.stride(-1) == 1:
+        from fluidserve.kernels.triton_ops import argmax_rows
+
+        return argmax_rows(logits)
     return logits.max(dim=-1).indices
 
 

@@ -27,6 +27,7 @@ must be set before this module is first imported) against the eager reference.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import numpy as np
@@ -224,6 +225,7 @@ def skinny_config(m: int, n: int, k: int, elem_size: int = 2) -> SkinnyConfig:
     return SkinnyConfig(block_n, block_k, num_warps=4, num_stages=4 if block_n <= 32 else 3)
 
 
+@functools.cache
 def skinny_pdl(device: torch.device) -> bool:
     """Whether skinny_linear launches with programmatic dependent launch here (Hopper and
     later, and a Triton that has it): each launch may start while the kernel before it

@@ -55,6 +55,8 @@ HBM_BYTES_PER_S = {"H100": 3.35e12, "H200": 4.8e12}  # datasheets (SXM)
 def datasheet_bandwidth() -> float:
     name = torch.cuda.get_device_name()
     return next((bw for key, bw in HBM_BYTES_PER_S.items() if key in name), 3.35e12)
+
+
 MODES = ("eager", "triton", "graphs", "skinny", "skinny-nopdl", "skinny-tuned")
 # Tilings tried for one row: (block_n, block_k, warps, stages, dot).
 CANDIDATES = [(8, 1024, 8, 3, False), (8, 1024, 4, 3, False), (8, 512, 4, 3, False),

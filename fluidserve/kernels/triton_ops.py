@@ -46,6 +46,22 @@ def _pow2(n: int, least: int = 1) -> int:
 
 
 @triton.jit
+def _scale_norm(x, inv, w):
+    """weight * bf16(x * inv) in the dtype of x, rounded as the eager RMSNorm rounds
+    (inv: the row's inverse RMS; w: the norm weight in float32)."""
+    y = (x.to(tl.float32) * inv).to(x.dtype).to(tl.float32)
+    return (y * w).to(x.dtype)
+
+
+@triton.jit
+def _silu_mul(g, u):
+    """silu(g) * u in the dtype of g, rounded as the eager MLP rounds."""
+    gf = g.to(tl.float32)
+    act = (gf / (1.0 + tl.exp(-gf))).to(g.dtype).to(tl.float32)
+    return (act * u.to(tl.float32)).to(g.dtype)
+
+
+@triton.jit
 def _rms_norm_kernel(out_ptr, x_ptr, res_ptr, w_ptr, stride_o, stride_x, stride_r, n, eps,
                      ADD: tl.constexpr, BLOCK: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
@@ -58,9 +74,8 @@ def _rms_norm_kernel(out_ptr, x_ptr, res_ptr, w_ptr, stride_o, stride_x, stride_
         tl.store(res_ptr + row * stride_r + cols, x, mask=m)
     xf = x.to(tl.float32)
     inv = 1.0 / tl.sqrt(tl.sum(xf * xf, 0) / n + eps)
-    y = (xf * inv).to(x.dtype).to(tl.float32)
     w = tl.load(w_ptr + cols, mask=m, other=0.0).to(tl.float32)
-    tl.store(out_ptr + row * stride_o + cols, (y * w).to(x.dtype), mask=m)
+    tl.store(out_ptr + row * stride_o + cols, _scale_norm(x, inv, w), mask=m)
 
 
 def rms_norm(out: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, eps: float) -> None:
@@ -161,9 +176,7 @@ def _silu_and_mul_kernel(out_ptr, gu_ptr, stride_o, stride_gu, n, BLOCK: tl.cons
     m = cols < n
     g = tl.load(gu_ptr + row * stride_gu + cols, mask=m, other=0.0)
     u = tl.load(gu_ptr + row * stride_gu + n + cols, mask=m, other=0.0)
-    gf = g.to(tl.float32)
-    act = (gf / (1.0 + tl.exp(-gf))).to(g.dtype).to(tl.float32)
-    tl.store(out_ptr + row * stride_o + cols, (act * u.to(tl.float32)).to(g.dtype), mask=m)
+    tl.store(out_ptr + row * stride_o + cols, _silu_mul(g, u), mask=m)
 
 
 def silu_and_mul(out: torch.Tensor, gu: torch.Tensor) -> None:
@@ -265,19 +278,14 @@ def _skinny_step(acc, wv, x_rows, xm, kk, K, inv, nw_ptr, NORM: tl.constexpr,
     """acc += f(x[:, kk]) . W[:, kk] for one step's weight tile wv [BN, BK] (acc: [M, BN]
     with DOT, else a [BN, BK] accumulator of products)."""
     xv = tl.load(x_rows + kk[None, :], mask=xm, other=0.0)
-    if NORM:  # rounded as the norm kernel rounds: weight * bf16(x * inv)
-        y = (xv.to(tl.float32) * inv[:, None]).to(xv.dtype).to(tl.float32)
+    if NORM:  # rounded as the norm kernel rounds
         if EVEN_K:
-            g = tl.load(nw_ptr + kk[None, :]).to(tl.float32)
+            g = tl.load(nw_ptr + kk[None, :])
         else:
             g = tl.load(nw_ptr + kk[None, :], mask=(kk < K)[None, :], other=0.0)
-            g = g.to(tl.float32)
-        xv = (y * g).to(xv.dtype)
-    if SILU:  # x = [gate | up]: silu(gate) * up, rounded as silu_and_mul rounds
-        gf = xv.to(tl.float32)
-        up = tl.load(x_rows + K + kk[None, :], mask=xm, other=0.0).to(tl.float32)
-        act = (gf / (1.0 + tl.exp(-gf))).to(xv.dtype).to(tl.float32)
-        xv = (act * up).to(xv.dtype)
+        xv = _scale_norm(xv, inv[:, None], g.to(tl.float32))
+    if SILU:  # x = [gate | up], rounded as silu_and_mul rounds
+        xv = _silu_mul(xv, tl.load(x_rows + K + kk[None, :], mask=xm, other=0.0))
     if DOT:
         acc += tl.dot(xv, tl.trans(wv), input_precision=PRECISION)
     else:
@@ -382,6 +390,16 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
 
 
 @triton.jit
+def _last_to_arrive(count_ptr, parts):
+    """Whether this program is the last of ``parts`` to reach here for its counter: every
+    program's stores so far are done (barrier) before it counts itself in (release), and
+    the last one's count acquires all of them. That program must reset the counter to 0
+    (``tl.atomic_xchg``) once it has read the others' results, for the next launch."""
+    tl.debug_barrier()
+    return tl.atomic_add(count_ptr, 1, sem="acq_rel", scope="gpu") == parts - 1
+
+
+@triton.jit
 def _argmax_kernel(x_ptr, out_ptr, pm_ptr, pi_ptr, count_ptr, n, stride, NB,
                    BLOCK: tl.constexpr, NB_POW2: tl.constexpr):
     row = tl.program_id(0)
@@ -392,11 +410,7 @@ def _argmax_kernel(x_ptr, out_ptr, pm_ptr, pi_ptr, count_ptr, n, stride, NB,
     m = tl.max(x, 0)
     tl.store(pm_ptr + row * NB + b, m)
     tl.store(pi_ptr + row * NB + b, tl.min(tl.where(x == m, i, n), 0))
-    # The last block of the row to finish reduces the blocks' maxima (as in the split
-    # attention's merge) and leaves the counter at 0.
-    tl.debug_barrier()
-    done = tl.atomic_add(count_ptr + row, 1, sem="acq_rel", scope="gpu")
-    if done == NB - 1:
+    if _last_to_arrive(count_ptr + row, NB):  # it reduces the blocks' maxima
         j = tl.arange(0, NB_POW2)
         pm = tl.load(pm_ptr + row * NB + j, mask=j < NB, other=float("-inf"),
                      cache_modifier=".cg")
@@ -570,12 +584,7 @@ def _attention_kernel(out_ptr, q_ptr, kc_ptr, vc_ptr, cu_q_ptr, ctx_ptr, bt_ptr,
         tl.store(part_ptr + slot * BLOCK_M * D + rows[:, None] * D + di[None, :], acc)
         tl.store(ml_ptr + slot * 2 * BLOCK_M + rows, m_i)
         tl.store(ml_ptr + slot * 2 * BLOCK_M + BLOCK_M + rows, l_i)
-        # The last split of this (tile, head) to finish merges them all: every program's
-        # stores are done (barrier) before its count is released; the last one acquires
-        # them, and leaves the counter at 0 for the next launch.
-        tl.debug_barrier()
-        done = tl.atomic_add(count_ptr + pair, 1, sem="acq_rel", scope="gpu")
-        if done == SPLITS - 1:
+        if _last_to_arrive(count_ptr + pair, SPLITS):  # it merges this (tile, head)
             _merge_splits(out_ptr, part_ptr, ml_ptr, (pair * SPLITS).to(tl.int64), q0, tok,
                           head, row_ok, rows, di, so_t, so_h, d, BLOCK_M, D, SPLITS)
             tl.atomic_xchg(count_ptr + pair, 0, sem="relaxed", scope="gpu")
@@ -610,8 +619,9 @@ _SPLIT_COUNTERS: dict[torch.device, torch.Tensor] = {}
 
 
 def split_counters(n: int, device: torch.device) -> torch.Tensor:
-    """A zeroed int32 counter per (tile, kv head) of a split attention launch, kept across
-    launches (each launch leaves them at zero), so a captured graph replays with no reset."""
+    """Zeroed int32 counters for ``_last_to_arrive`` (one per (tile, kv head) of a split
+    attention launch, one per row of ``argmax_rows``), kept across launches (each leaves them
+    at zero), so a captured graph replays with no reset."""
     buf = _SPLIT_COUNTERS.get(device)
     if buf is None or buf.numel() < n:
         buf = _SPLIT_COUNTERS[device] = torch.zeros(max(n, 4096), dtype=torch.int32,

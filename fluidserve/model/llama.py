@@ -151,12 +151,15 @@ class Attention(nn.Module):
         o = paged_attention(q, k, v, kv[0], kv[1], meta, self.scale)  # [T, H/tp, D]
         return self.tp.all_reduce(self.o_proj(o.reshape(t, self.h * self.d)))
 
+    def split_qkv(self, qkv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Views q [T, H, D], k and v [T, Hkv, D] of a fused [T, (H + 2 Hkv) D] QKV output."""
+        t, h, hkv, d = qkv.shape[0], self.h, self.hkv, self.d
+        return (qkv[:, : h * d].view(t, h, d), qkv[:, h * d : (h + hkv) * d].view(t, hkv, d),
+                qkv[:, (h + hkv) * d :].view(t, hkv, d))
+
     def forward_native(self, x, positions, rotary, meta: AttentionMetadata, kv):
-        t, h, hkv, d = x.shape[0], self.h, self.hkv, self.d
-        qkv = self.qkv_proj(x)  # [T, (H + 2 Hkv) D]; RoPE is applied in place
-        q = qkv[:, : h * d].view(t, h, d)
-        k = qkv[:, h * d : (h + hkv) * d].view(t, hkv, d)
-        v = qkv[:, (h + hkv) * d :].view(t, hkv, d)
+        t, h, d = x.shape[0], self.h, self.d
+        q, k, v = self.split_qkv(self.qkv_proj(x))  # RoPE is applied in place
         meta.ops.rope(q, k, positions, rotary.cos, rotary.sin)
         o = paged_attention(q, k, v, kv[0], kv[1], meta, self.scale)  # views: no copies
         return self.tp.all_reduce(self.o_proj(o.reshape(t, h * d)))
@@ -310,13 +313,10 @@ class LlamaForCausalLM(nn.Module):
         t = r.shape[0]
         for layer, kv in zip(self.layers, kv_caches, strict=True):
             a, mlp = layer.self_attn, layer.mlp
-            h, hkv, d = a.h, a.hkv, a.d
+            h, d = a.h, a.d
             ln1, ln2 = layer.input_layernorm, layer.post_attention_layernorm
-            qkv = ops.skinny_linear(r, a.qkv_proj.weight, a.qkv_proj.bias,
-                                    norm_weight=ln1.weight, eps=ln1.eps)
-            q = qkv[:, : h * d].view(t, h, d)
-            k = qkv[:, h * d : (h + hkv) * d].view(t, hkv, d)
-            v = qkv[:, (h + hkv) * d :].view(t, hkv, d)
+            q, k, v = a.split_qkv(ops.skinny_linear(r, a.qkv_proj.weight, a.qkv_proj.bias,
+                                                    norm_weight=ln1.weight, eps=ln1.eps))
             ops.rope_and_write_kv(q, k, v, positions, self.rotary.cos, self.rotary.sin, kv[0],
                                   kv[1], meta.slot_mapping)
             o = q.new_empty(t, h, d)

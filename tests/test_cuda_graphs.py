@@ -49,10 +49,12 @@ class Counting:
 @pytest.mark.parametrize("capture", CAPTURES)
 def test_decode_batches_replay_the_captured_step_with_padding(hf_models, capture):
     device = "cuda" if CUDA else "cpu"
-    make = lambda: ModelExecutor(hf_models["llama"], dtype="float32", device=device,  # noqa: E731
-                                 num_blocks=64, block_size=16, max_model_len=256,
-                                 attention_backend="triton", linear_backend="eager")
-    graphed, eager = make(), make()
+    # The reference runs every batch through the eager PyTorch layers (no interpreted
+    # kernels): the graphed executor must match the model's own reference, not itself.
+    make = lambda attention: ModelExecutor(  # noqa: E731
+        hf_models["llama"], dtype="float32", device=device, num_blocks=64, block_size=16,
+        max_model_len=256, attention_backend=attention, linear_backend="eager")
+    graphed, eager = make("triton"), make("eager")
     counting = Counting() if capture == "eager-replay" else None
     graphed.worker.graphs = DecodeGraphs(graphed.worker, 4, counting)
     assert graphed.worker.graphs.sizes == [1, 2, 4]

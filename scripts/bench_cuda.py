@@ -18,7 +18,9 @@ A benchmark program, not a test (it needs a CUDA GPU; nothing else depends on it
    layer, launched from Python), ``graphs`` (the same replayed from CUDA graphs), ``skinny``
    (graphs in which a one-row batch takes the few-rows path: one skinny_linear per projection
    with the norms, SiLU and residual adds folded in, RoPE writing the KV cache; the rule's
-   tilings), ``skinny-nopdl`` (the same launched without PDL) and ``skinny-tuned`` (at the
+   tilings; every kernel of a layer launched with PDL where the card has it),
+   ``skinny-nopdl`` (the same launched without PDL), ``skinny-proj-pdl`` (PDL for the
+   projections only, RoPE and attention launched plainly) and ``skinny-tuned`` (at the
    tilings step 3 chose). For each: the executor step, what the engine waits for (input
    preparation, transfers, forward pass, sampling, the sync), and the forward pass alone on
    CUDA events.
@@ -57,7 +59,8 @@ def datasheet_bandwidth() -> float:
     return next((bw for key, bw in HBM_BYTES_PER_S.items() if key in name), 3.35e12)
 
 
-MODES = ("eager", "triton", "graphs", "skinny", "skinny-nopdl", "skinny-tuned")
+MODES = ("eager", "triton", "graphs", "skinny", "skinny-nopdl", "skinny-proj-pdl",
+         "skinny-tuned")
 # Tilings tried for one row: (block_n, block_k, warps, stages, dot).
 CANDIDATES = [(8, 1024, 8, 3, False), (8, 1024, 4, 3, False), (8, 512, 4, 3, False),
               (8, 256, 2, 3, False), (4, 1024, 4, 3, False), (16, 512, 8, 3, False),
@@ -76,6 +79,7 @@ def set_mode(ex: ModelExecutor, mode: str, graphs: dict) -> None:
     ex.worker.graphs = graphs.get(mode)
     triton_ops.SKINNY_MAX_ROWS = 1 if mode.startswith("skinny") else 0
     triton_ops.SKINNY_PDL = False if mode == "skinny-nopdl" else None
+    triton_ops.ATTENTION_PDL = mode != "skinny-proj-pdl"
 
 
 def capture(ex: ModelExecutor, mode: str, max_batch: int) -> DecodeGraphs:

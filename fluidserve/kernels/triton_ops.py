@@ -104,22 +104,27 @@ def _warps(n: int) -> int:
 def _rope_kernel(q_ptr, k_ptr, pos_ptr, cos_ptr, sin_ptr, sq_t, sq_h, sk_t, sk_h, s_cs,
                  num_q_heads, half, v_ptr, kc_ptr, vc_ptr, slot_ptr, sv_t, sv_h, skc_b, skc_h,
                  skc_d, svc_b, svc_h, svc_s, HALF: tl.constexpr, WRITE: tl.constexpr,
-                 BS: tl.constexpr):
+                 BS: tl.constexpr, GDC: tl.constexpr):
     t = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
-    if h < num_q_heads:
-        base = q_ptr + t * sq_t + h * sq_h
-    else:
-        base = k_ptr + t * sk_t + (h - num_q_heads) * sk_h
+    # The batch's inputs and the tables first: none of them is written by the kernel before.
     p = tl.load(pos_ptr + t).to(tl.int64)
     i = tl.arange(0, HALF)
     m = i < half
-    x1 = tl.load(base + i, mask=m, other=0.0)
-    x2 = tl.load(base + half + i, mask=m, other=0.0)
     c1 = tl.load(cos_ptr + p * s_cs + i, mask=m, other=0.0)
     c2 = tl.load(cos_ptr + p * s_cs + half + i, mask=m, other=0.0)
     s1 = tl.load(sin_ptr + p * s_cs + i, mask=m, other=0.0)
     s2 = tl.load(sin_ptr + p * s_cs + half + i, mask=m, other=0.0)
+    slot = tl.load(slot_ptr + t).to(tl.int64) if WRITE else -1  # < 0: a padding token
+    if GDC:  # launched early: wait for the projection that wrote q, k and v
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
+    if h < num_q_heads:
+        base = q_ptr + t * sq_t + h * sq_h
+    else:
+        base = k_ptr + t * sk_t + (h - num_q_heads) * sk_h
+    x1 = tl.load(base + i, mask=m, other=0.0)
+    x2 = tl.load(base + half + i, mask=m, other=0.0)
     a, b = x1.to(tl.float32), x2.to(tl.float32)
     # rotate-half: [x1, x2] * cos + [-x2, x1] * sin
     y1 = (a * c1 - b * s1).to(x1.dtype)
@@ -127,7 +132,6 @@ def _rope_kernel(q_ptr, k_ptr, pos_ptr, cos_ptr, sin_ptr, sq_t, sq_h, sk_t, sk_h
     tl.store(base + i, y1, mask=m)
     tl.store(base + half + i, y2, mask=m)
     if WRITE:  # a key head: also store it, and its value head, at the token's cache slot
-        slot = tl.load(slot_ptr + t).to(tl.int64)  # < 0: a padding token, nothing to write
         if (h >= num_q_heads) & (slot >= 0):
             j = h - num_q_heads
             blk = slot // BS
@@ -144,18 +148,19 @@ def _rope_kernel(q_ptr, k_ptr, pos_ptr, cos_ptr, sin_ptr, sq_t, sq_h, sk_t, sk_h
 def rope(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor,
          sin: torch.Tensor) -> None:
     """In place on q: [T, H, D] and k: [T, Hkv, D] (row-strided views of the QKV output)."""
-    _rope(q, k, positions, cos, sin, None)
+    _rope(q, k, positions, cos, sin, None, False)
 
 
 def rope_and_write_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
                       cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor,
-                      v_cache: torch.Tensor, slots: torch.Tensor) -> None:
+                      v_cache: torch.Tensor, slots: torch.Tensor, pdl: bool = False) -> None:
     """``rope``, and the rotated keys and the values stored at their cache slots in the same
-    launch (what ``write_kv`` does; pass ``kv_written=True`` to ``paged_attention`` after)."""
-    _rope(q, k, positions, cos, sin, (v, k_cache, v_cache, slots))
+    launch (what ``write_kv`` does; pass ``kv_written=True`` to ``paged_attention`` after).
+    ``pdl``: launch with programmatic dependent launch (``pdl_launch``)."""
+    _rope(q, k, positions, cos, sin, (v, k_cache, v_cache, slots), pdl)
 
 
-def _rope(q, k, positions, cos, sin, write) -> None:
+def _rope(q, k, positions, cos, sin, write, pdl) -> None:
     t, h, d = q.shape
     if not t:
         return
@@ -166,7 +171,7 @@ def _rope(q, k, positions, cos, sin, write) -> None:
         q, k, positions, cos, sin, q.stride(0), q.stride(1), k.stride(0), k.stride(1),
         cos.stride(0), h, d // 2, v, kc, vc, slots, v.stride(0), v.stride(1), kcs[0], kcs[1],
         kcs[2], vcs[0], vcs[1], vcs[2], HALF=_pow2(d // 2), WRITE=write is not None,
-        BS=kc.shape[3] if write is not None else 1)
+        BS=kc.shape[3] if write is not None else 1, GDC=pdl, **_pdl_option(pdl))
 
 
 @triton.jit
@@ -255,6 +260,20 @@ def skinny_pdl(device: torch.device) -> bool:
 
 # None: skinny_pdl decides; False turns it off (benchmarks compare).
 SKINNY_PDL: bool | None = None
+# Whether the one-row path's RoPE and attention launch with PDL where its projections do
+# (False: only the projections; benchmarks compare).
+ATTENTION_PDL = True
+
+
+def pdl_launch(device: torch.device) -> bool:
+    """Whether the one-row path's kernels launch with PDL: ``SKINNY_PDL``, else
+    ``skinny_pdl``. A kernel launched so must wait (``gdc_wait``) before it reads anything
+    the kernel before it writes, and before it lets the next one in."""
+    return SKINNY_PDL if SKINNY_PDL is not None else skinny_pdl(device)
+
+
+def _pdl_option(pdl: bool) -> dict:
+    return {"launch_pdl": True} if pdl else {}
 
 
 @triton.jit
@@ -373,8 +392,7 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     cfg = config or skinny_config(m, n, k, x.element_size())
     dot = cfg.dot or m > 1
     block_m = _pow2(m, 16) if dot else 1
-    pdl = SKINNY_PDL if SKINNY_PDL is not None else skinny_pdl(x.device)
-    extra = {"launch_pdl": True} if pdl else {}
+    pdl = pdl_launch(x.device)
     _skinny_linear_kernel[(triton.cdiv(n, cfg.block_n),)](
         out, x, weight, bias if bias is not None else weight,
         norm_weight if norm_weight is not None else weight, m, n, k, out.stride(0),
@@ -382,7 +400,7 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
         ADD=residual is not None, BIAS=bias is not None, DOT=dot, EVEN_K=k % cfg.block_k == 0,
         PRECISION=_DOT_PRECISION[x.dtype], BLOCK_M=block_m, BLOCK_N=cfg.block_n,
         BLOCK_K=cfg.block_k, NORM_BLOCK=min(_pow2(k), max(cfg.block_k, 4096 // block_m)),
-        GDC=pdl, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **extra)
+        GDC=pdl, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **_pdl_option(pdl))
     return out
 
 
@@ -528,25 +546,28 @@ def _attention_kernel(out_ptr, q_ptr, kc_ptr, vc_ptr, cu_q_ptr, ctx_ptr, bt_ptr,
                       sq_t, sq_h, so_t, so_h, skc_b, skc_h, skc_d, svc_b, svc_h, svc_s, s_bt,
                       scale, d, G: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                       D: tl.constexpr, BS: tl.constexpr, SPLITS: tl.constexpr,
-                      PRECISION: tl.constexpr):
+                      PRECISION: tl.constexpr, GDC: tl.constexpr):
     tile = tl.program_id(0)
     h = tl.program_id(1)
     split = tl.program_id(2)
+    # The tile table and the batch's inputs first: the kernel before writes none of them.
     run, tok0, q0, n, rows, tok, head, row_ok = _tile_rows(cu_q_ptr, tile_run_ptr, tile_tok_ptr,
                                                            tile, h, G, BLOCK_M)
     ctx = tl.load(ctx_ptr + run)
     qpos = ctx - n + tok  # position of each row's token in its sequence
     di = tl.arange(0, D)
     dm = di < d
-    q = tl.load(q_ptr + (q0 + tok).to(tl.int64)[:, None] * sq_t + head[:, None] * sq_h
-                + di[None, :], mask=row_ok[:, None] & dm[None, :], other=0.0)
-
     # Keys this tile can see: up to its last token's position; this split's share of them.
     last_tok = tl.minimum(n, tok0 + BLOCK_M // G)
     kv_end = ctx - n + last_tok
     per_split = tl.cdiv(tl.cdiv(kv_end, SPLITS), BLOCK_N) * BLOCK_N
     k_lo = split * per_split
     k_hi = tl.minimum(kv_end, k_lo + per_split)
+    if GDC:  # launched early: wait for the kernel that wrote q and the new keys and values
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
+    q = tl.load(q_ptr + (q0 + tok).to(tl.int64)[:, None] * sq_t + head[:, None] * sq_h
+                + di[None, :], mask=row_ok[:, None] & dm[None, :], other=0.0)
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
@@ -632,9 +653,11 @@ def split_counters(n: int, device: torch.device) -> torch.Tensor:
 def paged_attention(out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                     k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor,
                     cu_q: torch.Tensor, ctx_lens: torch.Tensor, block_tables: torch.Tensor,
-                    scale: float, tiles: AttentionTiles, kv_written: bool = False) -> None:
+                    scale: float, tiles: AttentionTiles, kv_written: bool = False,
+                    pdl: bool = False) -> None:
     """Write k, v into the cache (unless ``kv_written``), then out = attention of every query
     row over its run's context (causal within the run). q, out: [T, H, D]; k, v: [T, Hkv, D].
+    ``pdl``: launch with programmatic dependent launch (``pdl_launch``).
     """
     if not kv_written:
         write_kv(k, v, k_cache, v_cache, slot_mapping)
@@ -658,5 +681,5 @@ def paged_attention(out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torc
         count, q.stride(0), q.stride(1), out.stride(0), out.stride(1), k_cache.stride(0),
         k_cache.stride(1), k_cache.stride(2), v_cache.stride(0), v_cache.stride(1),
         v_cache.stride(2), block_tables.stride(0), scale, d, G=g, BLOCK_M=bm, BLOCK_N=block_n,
-        D=dd, BS=bs, SPLITS=splits, PRECISION=_DOT_PRECISION[q.dtype],
-        num_warps=4 if bm <= 16 else 8 if dd > 64 else 4, num_stages=2)
+        D=dd, BS=bs, SPLITS=splits, PRECISION=_DOT_PRECISION[q.dtype], GDC=pdl,
+        num_warps=4 if bm <= 16 else 8 if dd > 64 else 4, num_stages=2, **_pdl_option(pdl))

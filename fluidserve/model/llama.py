@@ -307,10 +307,14 @@ class LlamaForCausalLM(nn.Module):
         projection is one ``skinny_linear`` launch that also does the norm
         before it (QKV, gate/up, LM head), the SiLU (down) or the residual add after it (O,
         down), and RoPE stores the keys and values in the cache as it rotates them, so a layer
-        is six launches: four projections, RoPE, attention. ``r``, the residual stream,
-        is updated in place; the results round where the eager layers round."""
+        is six launches: four projections, RoPE, attention (chained with programmatic
+        dependent launch where the GPU has it). ``r``, the residual stream, is updated in
+        place; the results round where the eager layers round."""
         ops = meta.ops
         t = r.shape[0]
+        # Where the projections launch with PDL, so do RoPE and attention: every kernel of
+        # the chain may start while the one before finishes (each waits before reading).
+        pdl = ops.ATTENTION_PDL and ops.pdl_launch(r.device)
         for layer, kv in zip(self.layers, kv_caches, strict=True):
             a, mlp = layer.self_attn, layer.mlp
             h, d = a.h, a.d
@@ -318,11 +322,11 @@ class LlamaForCausalLM(nn.Module):
             q, k, v = a.split_qkv(ops.skinny_linear(r, a.qkv_proj.weight, a.qkv_proj.bias,
                                                     norm_weight=ln1.weight, eps=ln1.eps))
             ops.rope_and_write_kv(q, k, v, positions, self.rotary.cos, self.rotary.sin, kv[0],
-                                  kv[1], meta.slot_mapping)
+                                  kv[1], meta.slot_mapping, pdl=pdl)
             o = q.new_empty(t, h, d)
             ops.paged_attention(o, q, k, v, kv[0], kv[1], meta.slot_mapping, meta.cu_q,
                                 meta.ctx_lens, meta.block_tables, a.scale, meta.tiles,
-                                kv_written=True)
+                                kv_written=True, pdl=pdl)
             ops.skinny_linear(o.view(t, h * d), a.o_proj.weight, a.o_proj.bias, residual=r)
             gu = ops.skinny_linear(r, mlp.gate_up_proj.weight, mlp.gate_up_proj.bias,
                                    norm_weight=ln2.weight, eps=ln2.eps)

@@ -1,0 +1,83 @@
+"""Compile every Triton kernel of ``fluidserve.kernels.triton_ops`` for a CUDA target, with no
+GPU: Triton lowers each to PTX and its bundled ``ptxas`` assembles a cubin. The interpreter
+tests run the kernels' arithmetic; this catches what only the GPU compiler sees (types it
+rejects, inline assembly such as the PDL waits, layouts it cannot lower).
+
+Run without ``TRITON_INTERPRET`` (which turns the kernels into Python): prints one JSON line
+per compiled variant. Usage: ``python tests/triton_compile_check.py [capability]`` (90).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+from fluidserve.kernels import triton_ops as T
+
+BF16 = "*bf16"
+I32P = "*i32"
+F32P = "*fp32"
+FLOATS = {"eps", "scale"}  # the scalar float arguments; every other scalar is an int32
+
+
+def signature(fn, consts: dict, pointers: dict) -> dict:
+    sig = {}
+    for p in fn.params:
+        if p.name in consts:
+            sig[p.name] = "constexpr"
+        elif p.name.endswith("_ptr"):
+            sig[p.name] = pointers.get(p.name, BF16)
+        else:
+            sig[p.name] = "fp32" if p.name in FLOATS else "i32"
+    return sig
+
+
+def variants():
+    """(kernel, constexprs, pointer dtypes other than bf16, launch options)."""
+    pdl = {"launch_pdl": True}
+    yield T._rms_norm_kernel, dict(ADD=True, BLOCK=4096), {}, {}
+    yield T._rms_norm_kernel, dict(ADD=False, BLOCK=1024), {}, {}
+    rope_int = {"pos_ptr": I32P, "slot_ptr": I32P}
+    for write, gdc in ((False, False), (True, False), (True, True)):
+        yield (T._rope_kernel, dict(HALF=64, WRITE=write, BS=16, GDC=gdc), rope_int,
+               pdl if gdc else {})
+    yield T._silu_and_mul_kernel, dict(BLOCK=2048), {}, {}
+    yield (T._write_kv_kernel, dict(BS=16, D=128), {"slot_ptr": I32P}, {})
+    yield (T._argmax_kernel, dict(BLOCK=4096, NB_POW2=32),
+           {"x_ptr": BF16, "out_ptr": "*i64", "pm_ptr": F32P, "pi_ptr": I32P,
+            "count_ptr": I32P}, {})
+    skinny = dict(BIAS=False, EVEN_K=True, PRECISION="tf32", NORM_BLOCK=4096)
+    for norm, silu, add in ((True, False, False), (False, False, True), (False, True, True)):
+        yield (T._skinny_linear_kernel, skinny | dict(
+            NORM=norm, SILU=silu, ADD=add, DOT=False, BLOCK_M=1, BLOCK_N=8, BLOCK_K=1024,
+            GDC=True), {}, pdl)
+    yield (T._skinny_linear_kernel, skinny | dict(
+        NORM=True, SILU=False, ADD=False, DOT=True, BLOCK_M=16, BLOCK_N=64, BLOCK_K=128,
+        GDC=False, EVEN_K=False, BIAS=True, NORM_BLOCK=256), {}, {})
+    attn = {"cu_q_ptr": I32P, "ctx_ptr": I32P, "bt_ptr": I32P, "tile_run_ptr": I32P,
+            "tile_tok_ptr": I32P, "count_ptr": I32P, "part_ptr": F32P, "ml_ptr": F32P}
+    for splits, block_m, gdc in ((16, 16, True), (1, 16, False), (1, 64, False)):
+        yield (T._attention_kernel, dict(G=4, BLOCK_M=block_m, BLOCK_N=64, D=128, BS=16,
+                                         SPLITS=splits, PRECISION="tf32", GDC=gdc),
+               attn, pdl if gdc else {})
+
+
+def main(capability: int = 90) -> None:
+    target = GPUTarget("cuda", capability, 32)
+    for fn, consts, pointers, options in variants():
+        compiled = triton.compile(ASTSource(fn, signature(fn, consts, pointers), consts),
+                                  target=target, options={"num_warps": 4, **options})
+        ptx = compiled.asm["ptx"]
+        print(json.dumps({"kernel": fn.__name__, "constexprs": consts,
+                          "cubin_bytes": len(compiled.asm["cubin"]),
+                          "gdc_wait": "griddepcontrol.wait" in ptx,
+                          "gdc_launch_dependents": "griddepcontrol.launch_dependents" in ptx}),
+              flush=True)
+
+
+if __name__ == "__main__":
+    main(int(sys.argv[1]) if len(sys.argv) > 1 else 90)

@@ -70,6 +70,12 @@ def test_decode_batches_split_the_context_and_merge_exactly(dtype, splits):
     assert (out.float() - ref.float()).abs().max() <= tol
 
 
+def test_a_split_count_that_is_not_a_power_of_two_is_refused():
+    q, k, v, k_cache, v_cache, meta, _ = batch(4, 2, 16, 16, torch.float32, lengths=[(1, 5)])
+    with pytest.raises(ValueError, match="3 key splits, not a power of two"):
+        run_triton(q, k, v, k_cache, v_cache, meta, splits=3)
+
+
 def test_padding_rows_write_nothing_and_attend_to_nothing():
     """A padded decode row (slot -1, context 0), as CUDA graphs replay them."""
     q, k, v, k_cache, v_cache, meta, _ = batch(4, 2, 16, 16, torch.float32, lengths=[(1, 5)] * 3)

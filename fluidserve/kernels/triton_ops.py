@@ -602,28 +602,34 @@ def _attention_kernel(out_ptr, q_ptr, kc_ptr, vc_ptr, cu_q_ptr, ctx_ptr, bt_ptr,
     else:  # partial results: [tile, head, split, row, D] and (max, sum) per row
         pair = tile * tl.num_programs(1) + h
         slot = (pair * SPLITS + split).to(tl.int64)
-        tl.store(part_ptr + slot * BLOCK_M * D + rows[:, None] * D + di[None, :], acc)
-        tl.store(ml_ptr + slot * 2 * BLOCK_M + rows, m_i)
-        tl.store(ml_ptr + slot * 2 * BLOCK_M + BLOCK_M + rows, l_i)
+        # Only the first splits have keys (a short context leaves the rest empty): those
+        # store partial results, and the merge reads only theirs.
+        parts = tl.where(per_split > 0, tl.cdiv(kv_end, tl.maximum(per_split, 1)), 0)
+        if split < parts:
+            tl.store(part_ptr + slot * BLOCK_M * D + rows[:, None] * D + di[None, :], acc)
+            tl.store(ml_ptr + slot * 2 * BLOCK_M + rows, m_i)
+            tl.store(ml_ptr + slot * 2 * BLOCK_M + BLOCK_M + rows, l_i)
         if _last_to_arrive(count_ptr + pair, SPLITS):  # it merges this (tile, head)
-            _merge_splits(out_ptr, part_ptr, ml_ptr, (pair * SPLITS).to(tl.int64), q0, tok,
-                          head, row_ok, rows, di, so_t, so_h, d, BLOCK_M, D, SPLITS)
+            _merge_splits(out_ptr, part_ptr, ml_ptr, (pair * SPLITS).to(tl.int64), parts, q0,
+                          tok, head, row_ok, rows, di, so_t, so_h, d, BLOCK_M, D, SPLITS)
             tl.atomic_xchg(count_ptr + pair, 0, sem="relaxed", scope="gpu")
 
 
 @triton.jit
-def _merge_splits(out_ptr, part_ptr, ml_ptr, base, q0, tok, head, row_ok, rows, di, so_t, so_h,
-                  d, BLOCK_M: tl.constexpr, D: tl.constexpr, SPLITS: tl.constexpr):
-    """out = the softmax-weighted merge of a tile's SPLITS partial results (read past L1:
-    other multiprocessors wrote them)."""
-    m = tl.full([BLOCK_M], float("-inf"), tl.float32)
-    for s in range(SPLITS):
-        m = tl.maximum(m, tl.load(ml_ptr + (base + s) * 2 * BLOCK_M + rows,
-                                  cache_modifier=".cg"))
+def _merge_splits(out_ptr, part_ptr, ml_ptr, base, parts, q0, tok, head, row_ok, rows, di,
+                  so_t, so_h, d, BLOCK_M: tl.constexpr, D: tl.constexpr, SPLITS: tl.constexpr):
+    """out = the softmax-weighted merge of a tile's first ``parts`` partial results, those of
+    the splits with keys (read past L1: other multiprocessors wrote them). The splits' maxima
+    come in one load; then one round trip per split with keys. (An empty split would add
+    exp(-inf) * 0: the result is the same to the bit.)"""
+    sp = tl.arange(0, SPLITS)
+    m_all = tl.load(ml_ptr + (base + sp)[:, None] * 2 * BLOCK_M + rows[None, :],
+                    mask=(sp < parts)[:, None], other=float("-inf"), cache_modifier=".cg")
+    m = tl.max(m_all, 0)
     m_safe = tl.where(m == float("-inf"), 0.0, m)
     l_tot = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, D], tl.float32)
-    for s in range(SPLITS):
+    for s in range(parts):
         w = tl.exp(tl.load(ml_ptr + (base + s) * 2 * BLOCK_M + rows, cache_modifier=".cg")
                    - m_safe)
         l_tot += w * tl.load(ml_ptr + (base + s) * 2 * BLOCK_M + BLOCK_M + rows,
@@ -667,6 +673,8 @@ def paged_attention(out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torc
     g = q.shape[1] // hkv
     dd = _pow2(d, 16)
     bm, splits = tiles.block_m, tiles.splits
+    if splits & (splits - 1):
+        raise ValueError(f"paged_attention: {splits} key splits, not a power of two")
     block_n = 64 if dd <= 128 else 32
     if splits > 1:
         part = torch.empty(tiles.num_tiles * hkv * splits * bm * dd, dtype=torch.float32,

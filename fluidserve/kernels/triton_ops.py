@@ -563,6 +563,11 @@ def _attention_kernel(out_ptr, q_ptr, kc_ptr, vc_ptr, cu_q_ptr, ctx_ptr, bt_ptr,
     per_split = tl.cdiv(tl.cdiv(kv_end, SPLITS), BLOCK_N) * BLOCK_N
     k_lo = split * per_split
     k_hi = tl.minimum(kv_end, k_lo + per_split)
+    # The cache blocks of each step's keys are read one step ahead, the first step's before
+    # the wait (the block table is an input): the key loads need not wait for them.
+    table = bt_ptr + run.to(tl.int64) * s_bt
+    keys = k_lo + tl.arange(0, BLOCK_N)
+    blk = tl.load(table + keys // BS, mask=keys < k_hi, other=0).to(tl.int64)
     if GDC:  # launched early: wait for the kernel that wrote q and the new keys and values
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
@@ -572,12 +577,12 @@ def _attention_kernel(out_ptr, q_ptr, kc_ptr, vc_ptr, cu_q_ptr, ctx_ptr, bt_ptr,
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, D], tl.float32)
-    table = bt_ptr + run.to(tl.int64) * s_bt
     for start in range(k_lo, k_hi, BLOCK_N):
         keys = start + tl.arange(0, BLOCK_N)
         kmask = keys < k_hi
-        blk = tl.load(table + keys // BS, mask=kmask, other=0).to(tl.int64)
         off = keys % BS
+        ahead = keys + BLOCK_N
+        blk_next = tl.load(table + ahead // BS, mask=ahead < k_hi, other=0).to(tl.int64)
         # keys: [D, BLOCK_N] from the [block, head, D, BS] layout
         kt = tl.load(kc_ptr + blk[None, :] * skc_b + h * skc_h + di[:, None] * skc_d
                      + off[None, :], mask=kmask[None, :] & dm[:, None], other=0.0)
@@ -593,6 +598,7 @@ def _attention_kernel(out_ptr, q_ptr, kc_ptr, vc_ptr, cu_q_ptr, ctx_ptr, bt_ptr,
                      + di[None, :], mask=kmask[:, None] & dm[None, :], other=0.0)
         acc = acc * alpha[:, None] + tl.dot(p.to(vt.dtype), vt, input_precision=PRECISION)
         m_i = m_new
+        blk = blk_next
 
     if SPLITS == 1:
         o = acc / tl.maximum(l_i, 1e-30)[:, None]

@@ -626,9 +626,15 @@ def _attention_kernel(out_ptr, q_ptr, kc_ptr, vc_ptr, cu_q_ptr, ctx_ptr, bt_ptr,
 def _merge_splits(out_ptr, part_ptr, ml_ptr, base, parts, q0, tok, head, row_ok, rows, di,
                   so_t, so_h, d, BLOCK_M: tl.constexpr, D: tl.constexpr, SPLITS: tl.constexpr):
     """out = the softmax-weighted merge of a tile's first ``parts`` partial results, those of
-    the splits with keys (read past L1: other multiprocessors wrote them). The splits' maxima
-    come in one load; then one round trip per split with keys. (An empty split would add
-    exp(-inf) * 0: the result is the same to the bit.)"""
+    the splits with keys (read past L1: other multiprocessors wrote them; a split without
+    keys would add exp(-inf) * 0, so the result is the same to the bit).
+
+    Latency is all it costs: the maxima come in one load; the loop is unrolled over every
+    split with its loads masked to those with keys, and each split's weight is computed
+    twice, in the layout of the sum and in that of the output rows, so that no layout
+    conversion (a shared-memory round trip and two barriers a split, in the sm_90 code) sits
+    between them: the compiler issues the splits' loads together instead of one round trip
+    after another."""
     sp = tl.arange(0, SPLITS)
     m_all = tl.load(ml_ptr + (base + sp)[:, None] * 2 * BLOCK_M + rows[None, :],
                     mask=(sp < parts)[:, None], other=float("-inf"), cache_modifier=".cg")
@@ -636,13 +642,17 @@ def _merge_splits(out_ptr, part_ptr, ml_ptr, base, parts, q0, tok, head, row_ok,
     m_safe = tl.where(m == float("-inf"), 0.0, m)
     l_tot = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, D], tl.float32)
-    for s in range(parts):
-        w = tl.exp(tl.load(ml_ptr + (base + s) * 2 * BLOCK_M + rows, cache_modifier=".cg")
-                   - m_safe)
-        l_tot += w * tl.load(ml_ptr + (base + s) * 2 * BLOCK_M + BLOCK_M + rows,
-                             cache_modifier=".cg")
-        acc += w[:, None] * tl.load(part_ptr + (base + s) * BLOCK_M * D + rows[:, None] * D
-                                    + di[None, :], cache_modifier=".cg")
+    for s in tl.static_range(SPLITS):
+        live = s < parts
+        part = tl.load(part_ptr + (base + s) * BLOCK_M * D + rows[:, None] * D + di[None, :],
+                       mask=live, other=0.0, cache_modifier=".cg")
+        w = tl.exp(tl.load(ml_ptr + (base + s) * 2 * BLOCK_M + rows, mask=live,
+                           other=float("-inf"), cache_modifier=".cg") - m_safe)
+        l_tot += w * tl.load(ml_ptr + (base + s) * 2 * BLOCK_M + BLOCK_M + rows, mask=live,
+                             other=0.0, cache_modifier=".cg")
+        w2 = tl.exp(tl.load(ml_ptr + (base + s) * 2 * BLOCK_M + rows[:, None], mask=live,
+                            other=float("-inf"), cache_modifier=".cg") - m_safe[:, None])
+        acc += w2 * part
     o = acc / tl.maximum(l_tot, 1e-30)[:, None]
     tl.store(out_ptr + (q0 + tok).to(tl.int64)[:, None] * so_t + head[:, None] * so_h
              + di[None, :], o.to(out_ptr.dtype.element_ty),

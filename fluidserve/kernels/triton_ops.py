@@ -583,12 +583,9 @@ def _attention_kernel(out_ptr, q_ptr, kc_ptr, vc_ptr, cu_q_ptr, ctx_ptr, bt_ptr,
         off = keys % BS
         ahead = keys + BLOCK_N
         blk_next = tl.load(table + ahead // BS, mask=ahead < k_hi, other=0).to(tl.int64)
-        # keys: [D, BLOCK_N] from the [block, head, D, BS] layout; the values issued with
-        # them, so that their latencies overlap (a decode step at batch 1 is one such step)
+        # keys: [D, BLOCK_N] from the [block, head, D, BS] layout
         kt = tl.load(kc_ptr + blk[None, :] * skc_b + h * skc_h + di[:, None] * skc_d
                      + off[None, :], mask=kmask[None, :] & dm[:, None], other=0.0)
-        vt = tl.load(vc_ptr + blk[:, None] * svc_b + h * svc_h + off[:, None] * svc_s
-                     + di[None, :], mask=kmask[:, None] & dm[None, :], other=0.0)
         s = tl.dot(q, kt, input_precision=PRECISION) * scale
         visible = (keys[None, :] <= qpos[:, None]) & kmask[None, :]
         s = tl.where(visible, s, float("-inf"))
@@ -597,6 +594,8 @@ def _attention_kernel(out_ptr, q_ptr, kc_ptr, vc_ptr, cu_q_ptr, ctx_ptr, bt_ptr,
         p = tl.exp(s - m_safe[:, None])
         alpha = tl.exp(m_i - m_safe)
         l_i = l_i * alpha + tl.sum(p, 1)
+        vt = tl.load(vc_ptr + blk[:, None] * svc_b + h * svc_h + off[:, None] * svc_s
+                     + di[None, :], mask=kmask[:, None] & dm[None, :], other=0.0)
         acc = acc * alpha[:, None] + tl.dot(p.to(vt.dtype), vt, input_precision=PRECISION)
         m_i = m_new
         blk = blk_next

@@ -34,3 +34,10 @@ def test_every_kernel_compiles_for_sm90_and_the_pdl_variants_wait(tmp_path):
         # launched plainly carries neither instruction.
         assert r["gdc_wait"] == r["gdc_launch_dependents"] == gdc, r
     assert sum(r["constexprs"].get("GDC", False) for r in rows) == 5  # rope, 3 skinny, attention
+    attention = [r for r in rows if r["kernel"] == "_attention_kernel"]
+    assert len(attention) == 3 and all(r["hints"] for r in attention)
+    for r in attention:
+        # Keys load as vectors (one 2-byte load per key and thread without the kernel's
+        # hints: 64 a step, 255 registers), and nothing spills.
+        assert r["loads_2_bytes"] == 0 and r["stack_bytes"] == 0, r
+        assert r["registers"] <= 200, r

@@ -70,6 +70,28 @@ def test_decode_batches_split_the_context_and_merge_exactly(dtype, splits):
     assert (out.float() - ref.float()).abs().max() <= tol
 
 
+@pytest.mark.parametrize("lengths, bs", [(DECODES, 16), (RUNS, 16), (RUNS, 32)],
+                         ids=["decodes-bs16", "hybrid-bs16", "hybrid-bs32"])
+def test_cache_slots_outside_every_context_never_reach_the_output(lengths, bs):
+    """A key step loads whole cache blocks (vector loads, not masked per key), so it reads
+    slots past a run's context and, past its block table, block 0: with NaN in every slot
+    that holds no context key, the outputs are still exact."""
+    q, k, v, k_cache, v_cache, meta, tables = batch(8, 2, 64, bs, torch.float32,
+                                                    lengths=lengths)
+    valid = torch.zeros(k_cache.shape[0], bs, dtype=torch.bool)
+    for (_, _, ctx), table in zip(meta.runs, tables, strict=True):
+        for p in range(ctx):
+            valid[table[p // bs], p % bs] = True
+    k_cache.masked_fill_(~valid[:, None, None, :], float("nan"))  # [block, head, D, BS]
+    v_cache.masked_fill_(~valid[:, None, :, None], float("nan"))  # [block, head, BS, D]
+    assert not valid[0].all()  # block 0, read past the tables, holds NaN too
+    out, *_ = run_triton(q, k, v, k_cache.clone(), v_cache.clone(), meta)
+    A.write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+    ref = reference(q, k_cache, v_cache, meta.runs, tables, 64**-0.5)
+    assert not out.isnan().any()
+    assert (out - ref).abs().max() <= 1e-5
+
+
 def test_a_split_count_that_is_not_a_power_of_two_is_refused():
     q, k, v, k_cache, v_cache, meta, _ = batch(4, 2, 16, 16, torch.float32, lengths=[(1, 5)])
     with pytest.raises(ValueError, match="3 key splits, not a power of two"):

@@ -3,6 +3,11 @@ GPU: Triton lowers each to PTX and its bundled ``ptxas`` assembles a cubin. The 
 tests run the kernels' arithmetic; this catches what only the GPU compiler sees (types it
 rejects, inline assembly such as the PDL waits, layouts it cannot lower).
 
+Each line also tells what the machine code does with memory: how many 2-byte global loads it
+issues, its registers and its stack (spills), read with the ``cuobjdump`` that ships beside
+``ptxas``. The attention kernel is compiled as the JIT compiles it for a Llama-3-8B decode
+(every pointer and integer argument a multiple of 16), at the warps ``paged_attention`` picks.
+
 Run without ``TRITON_INTERPRET`` (which turns the kernels into Python): prints one JSON line
 per compiled variant. Usage: ``python tests/triton_compile_check.py [capability]`` (90).
 """
@@ -10,7 +15,11 @@ per compiled variant. Usage: ``python tests/triton_compile_check.py [capability]
 from __future__ import annotations
 
 import json
+import re
+import subprocess
 import sys
+import tempfile
+from pathlib import Path
 
 import triton
 from triton.backends.compiler import GPUTarget
@@ -37,7 +46,8 @@ def signature(fn, consts: dict, pointers: dict) -> dict:
 
 
 def variants():
-    """(kernel, constexprs, pointer dtypes other than bf16, launch options)."""
+    """(kernel, constexprs, pointer dtypes other than bf16, launch options); an option
+    ``hints`` marks every pointer and integer argument a multiple of 16."""
     pdl = {"launch_pdl": True}
     yield T._rms_norm_kernel, dict(ADD=True, BLOCK=4096), {}, {}
     yield T._rms_norm_kernel, dict(ADD=False, BLOCK=1024), {}, {}
@@ -62,21 +72,42 @@ def variants():
             "tile_tok_ptr": I32P, "count_ptr": I32P, "part_ptr": F32P, "ml_ptr": F32P}
     for splits, block_m, gdc in ((16, 16, True), (1, 16, False), (1, 64, False)):
         yield (T._attention_kernel, dict(G=4, BLOCK_M=block_m, BLOCK_N=64, D=128, BS=16,
-                                         SPLITS=splits, PRECISION="tf32", GDC=gdc),
-               attn, pdl if gdc else {})
+                                         SPLITS=splits, PRECISION="tf32", GDC=gdc, KV_RUN=16),
+               attn, (pdl if gdc else {}) | {"hints": True, "num_warps": 4 if block_m <= 16
+                                             else 8, "num_stages": 2})
+
+
+def machine_code(cubin: bytes) -> dict:
+    """2-byte global loads, registers and stack bytes of a cubin (cuobjdump)."""
+    tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        sass = subprocess.run([tool, "-sass", f.name], capture_output=True, text=True,
+                              check=True).stdout
+        usage = subprocess.run([tool, "--dump-resource-usage", f.name], capture_output=True,
+                               text=True, check=True).stdout
+    regs = re.search(r"REG:(\d+)", usage)
+    stack = re.search(r"STACK:(\d+)", usage)
+    return {"loads_2_bytes": len(re.findall(r"\bLDG\.E\.[US]16\b", sass)),
+            "registers": int(regs.group(1)), "stack_bytes": int(stack.group(1))}
 
 
 def main(capability: int = 90) -> None:
     target = GPUTarget("cuda", capability, 32)
     for fn, consts, pointers, options in variants():
-        compiled = triton.compile(ASTSource(fn, signature(fn, consts, pointers), consts),
-                                  target=target, options={"num_warps": 4, **options})
+        sig = signature(fn, consts, pointers)
+        hints = options.pop("hints", False)
+        attrs = {(i,): [["tt.divisibility", 16]] for i, p in enumerate(fn.params)
+                 if hints and sig[p.name] not in ("constexpr", "fp32")}
+        compiled = triton.compile(ASTSource(fn, sig, consts, attrs), target=target,
+                                  options={"num_warps": 4, **options})
         ptx = compiled.asm["ptx"]
-        print(json.dumps({"kernel": fn.__name__, "constexprs": consts,
+        print(json.dumps({"kernel": fn.__name__, "constexprs": consts, "hints": hints,
                           "cubin_bytes": len(compiled.asm["cubin"]),
                           "gdc_wait": "griddepcontrol.wait" in ptx,
-                          "gdc_launch_dependents": "griddepcontrol.launch_dependents" in ptx}),
-              flush=True)
+                          "gdc_launch_dependents": "griddepcontrol.launch_dependents" in ptx,
+                          **machine_code(compiled.asm["cubin"])}), flush=True)
 
 
 if __name__ == "__main__":

@@ -546,7 +546,7 @@ def _attention_kernel(out_ptr, q_ptr, kc_ptr, vc_ptr, cu_q_ptr, ctx_ptr, bt_ptr,
                       sq_t, sq_h, so_t, so_h, skc_b, skc_h, skc_d, svc_b, svc_h, svc_s, s_bt,
                       scale, d, G: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                       D: tl.constexpr, BS: tl.constexpr, SPLITS: tl.constexpr,
-                      PRECISION: tl.constexpr, GDC: tl.constexpr):
+                      PRECISION: tl.constexpr, GDC: tl.constexpr, KV_RUN: tl.constexpr):
     tile = tl.program_id(0)
     h = tl.program_id(1)
     split = tl.program_id(2)
@@ -564,10 +564,13 @@ def _attention_kernel(out_ptr, q_ptr, kc_ptr, vc_ptr, cu_q_ptr, ctx_ptr, bt_ptr,
     k_lo = split * per_split
     k_hi = tl.minimum(kv_end, k_lo + per_split)
     # The cache blocks of each step's keys are read one step ahead, the first step's before
-    # the wait (the block table is an input): the key loads need not wait for them.
+    # the wait (the block table is an input): the key loads need not wait for them. Every
+    # key of a block that holds keys of the range gets that block (block 0 past the range),
+    # so a block number is the same for KV_RUN keys in a row (say so: the loop carries it).
     table = bt_ptr + run.to(tl.int64) * s_bt
     keys = k_lo + tl.arange(0, BLOCK_N)
-    blk = tl.load(table + keys // BS, mask=keys < k_hi, other=0).to(tl.int64)
+    blk = tl.load(table + keys // BS, mask=keys // BS * BS < k_hi, other=0).to(tl.int64)
+    blk = tl.max_constancy(blk, KV_RUN)
     if GDC:  # launched early: wait for the kernel that wrote q and the new keys and values
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
@@ -582,10 +585,18 @@ def _attention_kernel(out_ptr, q_ptr, kc_ptr, vc_ptr, cu_q_ptr, ctx_ptr, bt_ptr,
         kmask = keys < k_hi
         off = keys % BS
         ahead = keys + BLOCK_N
-        blk_next = tl.load(table + ahead // BS, mask=ahead < k_hi, other=0).to(tl.int64)
-        # keys: [D, BLOCK_N] from the [block, head, D, BS] layout
+        blk_next = tl.load(table + ahead // BS, mask=ahead // BS * BS < k_hi,
+                           other=0).to(tl.int64)
+        blk_next = tl.max_constancy(blk_next, KV_RUN)
+        # keys: [D, BLOCK_N] from the [block, head, D, BS] layout, in runs of KV_RUN keys of
+        # one block (steps start at multiples of BLOCK_N): contiguous, so vector loads (one
+        # 2-byte load per key and thread without these hints, 255 registers, on sm_90). Not
+        # masked by key either (a mask per key would split them): past the range they read
+        # whatever the cache holds there, whose scores `visible` replaces; the values, which
+        # multiply, stay masked.
+        koff = tl.max_contiguous(tl.multiple_of(off, KV_RUN), KV_RUN)
         kt = tl.load(kc_ptr + blk[None, :] * skc_b + h * skc_h + di[:, None] * skc_d
-                     + off[None, :], mask=kmask[None, :] & dm[:, None], other=0.0)
+                     + koff[None, :], mask=dm[:, None], other=0.0)
         s = tl.dot(q, kt, input_precision=PRECISION) * scale
         visible = (keys[None, :] <= qpos[:, None]) & kmask[None, :]
         s = tl.where(visible, s, float("-inf"))
@@ -692,6 +703,7 @@ def paged_attention(out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torc
     if splits & (splits - 1):
         raise ValueError(f"paged_attention: {splits} key splits, not a power of two")
     block_n = 64 if dd <= 128 else 32
+    kv_run = min(bs, block_n) if bs & (bs - 1) == 0 else 1  # keys of one block per run
     if splits > 1:
         part = torch.empty(tiles.num_tiles * hkv * splits * bm * dd, dtype=torch.float32,
                            device=q.device)
@@ -705,5 +717,5 @@ def paged_attention(out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torc
         count, q.stride(0), q.stride(1), out.stride(0), out.stride(1), k_cache.stride(0),
         k_cache.stride(1), k_cache.stride(2), v_cache.stride(0), v_cache.stride(1),
         v_cache.stride(2), block_tables.stride(0), scale, d, G=g, BLOCK_M=bm, BLOCK_N=block_n,
-        D=dd, BS=bs, SPLITS=splits, PRECISION=_DOT_PRECISION[q.dtype], GDC=pdl,
+        D=dd, BS=bs, SPLITS=splits, PRECISION=_DOT_PRECISION[q.dtype], GDC=pdl, KV_RUN=kv_run,
         num_warps=4 if bm <= 16 else 8 if dd > 64 else 4, num_stages=2, **_pdl_option(pdl))

@@ -41,3 +41,10 @@ def test_every_kernel_compiles_for_sm90_and_the_pdl_variants_wait(tmp_path):
         # hints: 64 a step, 255 registers), and nothing spills.
         assert r["loads_2_bytes"] == 0 and r["stack_bytes"] == 0, r
         assert r["registers"] <= 200, r
+    one_row = [r for r in rows if r["kernel"] == "_skinny_linear_kernel" and r["hints"]]
+    assert len(one_row) == 3
+    for r in one_row:
+        # The weight streams in 16-byte loads (the one 2-byte load is the residual's element
+        # where the product is added to it), and nothing spills.
+        assert r["loads_16_bytes"] >= 8 and r["loads_2_bytes"] <= 1, r
+        assert r["stack_bytes"] == 0, r

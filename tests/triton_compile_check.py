@@ -5,8 +5,9 @@ rejects, inline assembly such as the PDL waits, layouts it cannot lower).
 
 Each line also tells what the machine code does with memory: how many 2-byte global loads it
 issues, its registers and its stack (spills), read with the ``cuobjdump`` that ships beside
-``ptxas``. The attention kernel is compiled as the JIT compiles it for a Llama-3-8B decode
-(every pointer and integer argument a multiple of 16), at the warps ``paged_attention`` picks.
+``ptxas``. The attention kernel and the one-row projections are compiled as the JIT compiles
+them for a Llama-3-8B decode (every pointer and integer argument a multiple of 16, one row
+specialized to a constant), at the warps and stages their launchers pick.
 
 Run without ``TRITON_INTERPRET`` (which turns the kernels into Python): prints one JSON line
 per compiled variant. Usage: ``python tests/triton_compile_check.py [capability]`` (90).
@@ -62,9 +63,10 @@ def variants():
             "count_ptr": I32P}, {})
     skinny = dict(BIAS=False, EVEN_K=True, PRECISION="tf32", NORM_BLOCK=4096)
     for norm, silu, add in ((True, False, False), (False, False, True), (False, True, True)):
+        # One row (M specialized to 1, as the JIT does), the tiling measured on an H100.
         yield (T._skinny_linear_kernel, skinny | dict(
             NORM=norm, SILU=silu, ADD=add, DOT=False, BLOCK_M=1, BLOCK_N=8, BLOCK_K=1024,
-            GDC=True), {}, pdl)
+            GDC=True, M=1), {}, pdl | {"hints": True, "num_stages": 3})
     yield (T._skinny_linear_kernel, skinny | dict(
         NORM=True, SILU=False, ADD=False, DOT=True, BLOCK_M=16, BLOCK_N=64, BLOCK_K=128,
         GDC=False, EVEN_K=False, BIAS=True, NORM_BLOCK=256), {}, {})
@@ -78,7 +80,7 @@ def variants():
 
 
 def machine_code(cubin: bytes) -> dict:
-    """2-byte global loads, registers and stack bytes of a cubin (cuobjdump)."""
+    """2- and 16-byte global loads, registers and stack bytes of a cubin (cuobjdump)."""
     tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(cubin)
@@ -89,7 +91,9 @@ def machine_code(cubin: bytes) -> dict:
                                text=True, check=True).stdout
     regs = re.search(r"REG:(\d+)", usage)
     stack = re.search(r"STACK:(\d+)", usage)
-    return {"loads_2_bytes": len(re.findall(r"\bLDG\.E\.[US]16\b", sass)),
+    loads = re.findall(r"\bLDG\.E(?:\.[A-Z]+)*\.(U16|S16|128)\b", sass)
+    return {"loads_2_bytes": sum(w != "128" for w in loads),
+            "loads_16_bytes": loads.count("128"),
             "registers": int(regs.group(1)), "stack_bytes": int(stack.group(1))}
 
 

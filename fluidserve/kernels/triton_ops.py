@@ -541,6 +541,16 @@ def _tile_rows(cu_q_ptr, tile_run_ptr, tile_tok_ptr, tile, h, G: tl.constexpr,
 
 
 @triton.jit
+def _key_blocks(table, keys, k_hi, BS: tl.constexpr, KV_RUN: tl.constexpr):
+    """The cache block of each key, from the run's block table: every key of a block that
+    holds keys below k_hi gets that block, the rest block 0, so a block number is the same
+    for KV_RUN keys in a row, which the kernel states (it makes the key loads vectors; a
+    loop-carried value keeps the hint only where each definition has it)."""
+    blk = tl.load(table + keys // BS, mask=keys // BS * BS < k_hi, other=0).to(tl.int64)
+    return tl.max_constancy(blk, KV_RUN)
+
+
+@triton.jit
 def _attention_kernel(out_ptr, q_ptr, kc_ptr, vc_ptr, cu_q_ptr, ctx_ptr, bt_ptr, tile_run_ptr,
                       tile_tok_ptr, part_ptr, ml_ptr, count_ptr,
                       sq_t, sq_h, so_t, so_h, skc_b, skc_h, skc_d, svc_b, svc_h, svc_s, s_bt,
@@ -564,13 +574,9 @@ def _attention_kernel(out_ptr, q_ptr, kc_ptr, vc_ptr, cu_q_ptr, ctx_ptr, bt_ptr,
     k_lo = split * per_split
     k_hi = tl.minimum(kv_end, k_lo + per_split)
     # The cache blocks of each step's keys are read one step ahead, the first step's before
-    # the wait (the block table is an input): the key loads need not wait for them. Every
-    # key of a block that holds keys of the range gets that block (block 0 past the range),
-    # so a block number is the same for KV_RUN keys in a row (say so: the loop carries it).
+    # the wait (the block table is an input): the key loads need not wait for them.
     table = bt_ptr + run.to(tl.int64) * s_bt
-    keys = k_lo + tl.arange(0, BLOCK_N)
-    blk = tl.load(table + keys // BS, mask=keys // BS * BS < k_hi, other=0).to(tl.int64)
-    blk = tl.max_constancy(blk, KV_RUN)
+    blk = _key_blocks(table, k_lo + tl.arange(0, BLOCK_N), k_hi, BS, KV_RUN)
     if GDC:  # launched early: wait for the kernel that wrote q and the new keys and values
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
@@ -584,10 +590,7 @@ def _attention_kernel(out_ptr, q_ptr, kc_ptr, vc_ptr, cu_q_ptr, ctx_ptr, bt_ptr,
         keys = start + tl.arange(0, BLOCK_N)
         kmask = keys < k_hi
         off = keys % BS
-        ahead = keys + BLOCK_N
-        blk_next = tl.load(table + ahead // BS, mask=ahead // BS * BS < k_hi,
-                           other=0).to(tl.int64)
-        blk_next = tl.max_constancy(blk_next, KV_RUN)
+        blk_next = _key_blocks(table, keys + BLOCK_N, k_hi, BS, KV_RUN)
         # keys: [D, BLOCK_N] from the [block, head, D, BS] layout, in runs of KV_RUN keys of
         # one block (steps start at multiples of BLOCK_N): contiguous, so vector loads (one
         # 2-byte load per key and thread without these hints, 255 registers, on sm_90). Not
@@ -621,7 +624,7 @@ def _attention_kernel(out_ptr, q_ptr, kc_ptr, vc_ptr, cu_q_ptr, ctx_ptr, bt_ptr,
         slot = (pair * SPLITS + split).to(tl.int64)
         # Only the first splits have keys (a short context leaves the rest empty): those
         # store partial results, and the merge reads only theirs.
-        parts = tl.where(per_split > 0, tl.cdiv(kv_end, tl.maximum(per_split, 1)), 0)
+        parts = tl.cdiv(kv_end, tl.maximum(per_split, 1))  # (per_split is 0 only if kv_end is)
         if split < parts:
             tl.store(part_ptr + slot * BLOCK_M * D + rows[:, None] * D + di[None, :], acc)
             tl.store(ml_ptr + slot * 2 * BLOCK_M + rows, m_i)

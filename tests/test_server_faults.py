@@ -189,3 +189,40 @@ def test_cli_serve_exits_nonzero_when_its_engine_core_wedges(fleet):
     finally:
         if Path(f"/proc/{core}").exists():
             os.kill(core, signal.SIGKILL)
+
+
+def _exit_at_once() -> None:
+    os._exit(3)
+
+
+def test_core_exit_seen_by_every_thread_that_waits() -> None:
+    """The client's reader, its watchdog and shutdown may wait for the core's exit at once.
+    ``Process.join``/``exitcode`` from several threads race in waitpid, and the loser reads a
+    dead process as running (then kills a reaped PID); ``wait_exit`` gives each the code."""
+    import multiprocessing as mp
+
+    from fluidserve.engine.core_proc import kill_unless_exited, wait_exit
+
+    ctx = mp.get_context("fork")
+    for _ in range(50):
+        proc = ctx.Process(target=_exit_at_once)
+        proc.start()
+        start, codes = threading.Barrier(3), []
+
+        def waiter(proc=proc, start=start, codes=codes) -> None:
+            start.wait()
+            codes.append(wait_exit(proc, 10))
+        threads = [threading.Thread(target=waiter) for _ in range(3)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert codes == [3, 3, 3]
+        kill_unless_exited(proc)  # must not signal the reaped PID
+        assert wait_exit(proc) == 3
+
+    running = ctx.Process(target=time.sleep, args=(60,))
+    running.start()
+    assert wait_exit(running, 0.05) is None
+    kill_unless_exited(running)
+    assert wait_exit(running, 10) == -signal.SIGKILL

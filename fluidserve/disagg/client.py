@@ -58,7 +58,7 @@ from fluidserve.disagg.messages import (
     SendKV,
     SetRole,
 )
-from fluidserve.engine.core_proc import EngineCoreClient
+from fluidserve.engine.core_proc import EngineCoreClient, kill_unless_exited
 from fluidserve.engine.messages import (
     AddRequest,
     CoreReady,
@@ -145,8 +145,7 @@ class DisaggClient:
             infos = [c.wait_ready(timeout) for c in self.instances]
         except RuntimeError:
             for c in self.instances:
-                if c.proc.is_alive():
-                    c.proc.kill()
+                kill_unless_exited(c.proc)
             self._release()
             raise
         self._blocks = [info.num_kv_blocks for info in infos]
@@ -195,8 +194,7 @@ class DisaggClient:
             self.dead = message
         self._stop.set()
         for c in self.instances:
-            if c.proc.is_alive():
-                c.proc.kill()
+            kill_unless_exited(c.proc)
         self.on_dead(message)
 
     # ------------------------------------------------------------------ requests

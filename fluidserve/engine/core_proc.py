@@ -23,6 +23,7 @@ import time
 import traceback
 from collections.abc import Callable
 from multiprocessing.connection import Connection
+from multiprocessing.connection import wait as wait_ready_objects
 
 from fluidserve.config import EngineConfig
 from fluidserve.engine.messages import (
@@ -115,6 +116,33 @@ def ignore_group_signals() -> None:
         return  # a Ray actor's task thread: Ray owns the signals of its worker processes
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
+
+
+def wait_exit(proc, timeout: float = 0.0) -> int | None:
+    """``proc``'s exit code once it has exited (waiting up to ``timeout`` s), else None.
+
+    Safe to call from several threads at once, which ``Process.is_alive``/``join`` are not:
+    each reaps the child with ``waitpid``, and the thread that loses that race is told the
+    child still runs (ECHILD reads as "not yet") until the winner has stored the code; a
+    client then kills a PID already reaped, or reports a dead core alive. Here the process's
+    sentinel says whether it has exited, and a code being stored is waited for.
+    """
+    sentinel = getattr(proc, "sentinel", None)
+    if sentinel is None:  # a placed core (``RayCoreProcess``): no child of ours to reap
+        proc.join(timeout)
+        return proc.exitcode
+    if not wait_ready_objects([sentinel], timeout):
+        return None
+    deadline = time.monotonic() + 5.0  # another thread is between waitpid and storing
+    while (code := proc.exitcode) is None and time.monotonic() < deadline:
+        time.sleep(0.001)
+    return code
+
+
+def kill_unless_exited(proc) -> None:
+    """SIGKILL ``proc`` if it still runs (never a PID that has been reaped)."""
+    if wait_exit(proc) is None:
+        proc.kill()
 
 
 def _start_core(config: EngineConfig, max_records: int | None, scheduler_factory=None):
@@ -247,17 +275,15 @@ class EngineCoreClient:
         if self._out_r is None:  # one duplex connection, from the placed core
             self._in_w = self._out_r = self.proc.connection(deadline)
         while not self._out_r.poll(0.2):
-            if not self.proc.is_alive():
-                raise RuntimeError(f"engine core exited with code {self.proc.exitcode}"
-                                   " while starting")
+            if (code := wait_exit(self.proc)) is not None:
+                raise RuntimeError(f"engine core exited with code {code} while starting")
             if time.monotonic() > deadline:
-                self.proc.kill()
+                kill_unless_exited(self.proc)
                 raise RuntimeError(f"engine core not ready after {timeout:.0f}s")
         try:
             msg = self._out_r.recv()
         except (EOFError, OSError):
-            self.proc.join(5)
-            raise RuntimeError(f"engine core exited with code {self.proc.exitcode}"
+            raise RuntimeError(f"engine core exited with code {wait_exit(self.proc, 5)}"
                                " while starting") from None
         if isinstance(msg, CoreFailed):
             raise RuntimeError(f"engine core failed to start: {msg.message}")
@@ -293,11 +319,10 @@ class EngineCoreClient:
         """Stop the core (it fails what is unfinished); returns its exit code."""
         self._closing = True
         self._sendq.put(Shutdown())
-        self.proc.join(timeout)
-        if self.proc.is_alive():
-            self.proc.kill()
-            self.proc.join(5)
-        return self.proc.exitcode
+        if (code := wait_exit(self.proc, timeout)) is None:
+            kill_unless_exited(self.proc)
+            code = wait_exit(self.proc, 5)
+        return code
 
     def declare_dead(self, message: str) -> None:
         """Give up on the core (the watchdog found it wedged): kill it, fail everything."""
@@ -324,9 +349,7 @@ class EngineCoreClient:
             try:
                 msg = self._out_r.recv()
             except (EOFError, OSError):
-                if self.proc.is_alive():
-                    self.proc.join(2)
-                code = self.proc.exitcode
+                code = wait_exit(self.proc, 2)
                 if code == 0 or (self._closing and code is None):
                     return  # a clean shutdown (the core may still be exiting)
                 self._die(f"the engine core process died (exit code {code})")
@@ -351,6 +374,5 @@ class EngineCoreClient:
                 return
             self.dead = message
         log.error("%s", message)
-        if self.proc.is_alive():
-            self.proc.kill()  # a core that is still running would compute for nobody
+        kill_unless_exited(self.proc)  # a core that is still running would compute for nobody
         self.on_dead(message)

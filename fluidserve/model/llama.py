@@ -44,8 +44,9 @@ class RMSNorm(nn.Module):
 
 
 def rope_inv_freq(cfg: ArchConfig) -> torch.Tensor:
-    d = cfg.head_dim
-    inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, d, 2, dtype=torch.float64) / d))
+    d = cfg.head_dim  # on the CPU whatever the default device (see ``Rotary``)
+    inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, d, 2, dtype=torch.float64, device="cpu")
+                                    / d))
     rs = cfg.rope_scaling
     if rs.get("rope_type") == "linear":
         inv = inv / float(rs["factor"])
@@ -61,11 +62,16 @@ def rope_inv_freq(cfg: ArchConfig) -> torch.Tensor:
 
 
 class Rotary(nn.Module):
-    """Non-interleaved (rotate-half) RoPE with a precomputed cos/sin table."""
+    """Non-interleaved (rotate-half) RoPE with a precomputed cos/sin table.
+
+    The table is computed on the CPU (move the module where it is used), also when the model
+    is built on the meta device: there ``arange`` runs PyTorch's Python decomposition, whose
+    first call imports torch._dynamo (~2 s of every engine start)."""
 
     def __init__(self, cfg: ArchConfig, max_len: int) -> None:
         super().__init__()
-        freqs = torch.outer(torch.arange(max_len, dtype=torch.float32), rope_inv_freq(cfg))
+        positions = torch.arange(max_len, dtype=torch.float32, device="cpu")
+        freqs = torch.outer(positions, rope_inv_freq(cfg))
         emb = torch.cat([freqs, freqs], dim=-1)  # [max_len, D]
         self.register_buffer("cos", emb.cos(), persistent=False)
         self.register_buffer("sin", emb.sin(), persistent=False)
@@ -232,7 +238,12 @@ class LlamaForCausalLM(nn.Module):
         span = shard.layers(cfg.num_layers)
         self.layer_offset = span.start
         if shard.first:
-            self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+            # Uninitialized (the loader assigns the weights): nn.Embedding's own normal_()
+            # initialization, on the meta device the loader builds on, imports torch._dynamo
+            # (~3 s of every engine start).
+            self.embed_tokens = nn.Embedding(
+                cfg.vocab_size, cfg.hidden_size,
+                _weight=torch.empty(cfg.vocab_size, cfg.hidden_size))
         self.layers = nn.ModuleList(DecoderLayer(cfg, tp) for _ in span)
         if shard.last:
             self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)

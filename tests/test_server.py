@@ -619,3 +619,31 @@ def test_drain_timeout_fails_what_is_still_running(tiny_model_dir, tmp_path):
         if proc.poll() is None:
             proc.kill()
         log.close()
+
+
+def test_a_broken_tokenizer_stops_the_engine_core_it_loaded_beside(tiny_model_dir, tmp_path):
+    """The server starts its engine core first and loads the tokenizer while the core loads
+    the model; a tokenizer that cannot be loaded is a clear error and leaves no core behind.
+    Without tokenizer files nothing is started at all."""
+    import multiprocessing as mp
+    import shutil
+
+    from fluidserve.config import EngineConfig, ServerConfig
+    from fluidserve.model.arch import ModelLoadError
+    from fluidserve.serve.server import start_engine
+
+    def cores() -> list:
+        return [p for p in mp.active_children() if p.name == "fluidserve-engine-core"]
+
+    model = tmp_path / "model"
+    shutil.copytree(tiny_model_dir, model)
+    (model / "tokenizer.json").write_text("{not json")
+    config = EngineConfig.create(model=str(model), max_model_len=256, num_threads=1)
+    before = cores()
+    with pytest.raises(ModelLoadError, match="cannot load tokenizer"):
+        start_engine(config, ServerConfig(port=free_port()))
+    assert cores() == before, "the engine core was left running"
+    (model / "tokenizer.json").unlink()
+    with pytest.raises(ModelLoadError, match="no tokenizer files"):
+        start_engine(config, ServerConfig(port=free_port()))
+    assert cores() == before

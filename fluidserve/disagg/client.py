@@ -144,9 +144,7 @@ class DisaggClient:
         try:
             infos = [c.wait_ready(timeout) for c in self.instances]
         except RuntimeError:
-            for c in self.instances:
-                kill_unless_exited(c.proc)
-            self._release()
+            self.abandon()
             raise
         self._blocks = [info.num_kv_blocks for info in infos]
         for i, info in enumerate(infos):
@@ -177,6 +175,12 @@ class DisaggClient:
         self._release()
         bad = [c for c in codes if c != 0]
         return bad[0] if bad else 0
+
+    def abandon(self) -> None:
+        """End instances that will not be used (start-up failed): see the core client's."""
+        for c in self.instances:
+            c.abandon()
+        self._release()
 
     def _release(self) -> None:
         """Give back what the deployment holds besides its instances."""

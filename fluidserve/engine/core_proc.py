@@ -324,6 +324,13 @@ class EngineCoreClient:
             code = wait_exit(self.proc, 5)
         return code
 
+    def abandon(self) -> None:
+        """End a core that will not be used (the front end failed while it started): kill
+        it and reap it, without ``on_dead``."""
+        self._closing = True
+        kill_unless_exited(self.proc)
+        wait_exit(self.proc, 5)
+
     def declare_dead(self, message: str) -> None:
         """Give up on the core (the watchdog found it wedged): kill it, fail everything."""
         self._die(message)

@@ -13,13 +13,19 @@ DEFAULT_CHAT_TEMPLATE = (
 )
 
 
+def check_tokenizer_files(path: str | Path) -> None:
+    """Raise ModelLoadError unless ``path`` has tokenizer files (cheap: no transformers)."""
+    path = Path(path)
+    if not (path / "tokenizer.json").is_file() and not (path / "tokenizer.model").is_file():
+        raise ModelLoadError(f"{path}: no tokenizer files (tokenizer.json or tokenizer.model)")
+
+
 class Tokenizer:
     def __init__(self, path: str | Path) -> None:
         from transformers import AutoTokenizer
 
         path = Path(path)
-        if not (path / "tokenizer.json").is_file() and not (path / "tokenizer.model").is_file():
-            raise ModelLoadError(f"{path}: no tokenizer files (tokenizer.json or tokenizer.model)")
+        check_tokenizer_files(path)
         try:
             self.hf = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
         except Exception as e:  # transformers raises many types for broken files

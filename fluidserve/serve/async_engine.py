@@ -63,16 +63,17 @@ class Handle:
 
 
 class AsyncEngine:
-    def __init__(self, config: EngineConfig, tokenizer: Tokenizer | None, metrics: ServerMetrics,
-                 telemetry_file: str | None = None,
+    def __init__(self, config: EngineConfig,
+                 tokenizer: Tokenizer | Callable[[], Tokenizer] | None,
+                 metrics: ServerMetrics, telemetry_file: str | None = None,
                  on_dead: Callable[[str], None] | None = None,
                  watchdog_timeout: float = 60.0, request_log: str | None = None) -> None:
+        """``tokenizer``: a tokenizer, or a function that loads one: it is called once the
+        engine-core process has been started, so that the two load side by side (loading a
+        tokenizer imports transformers: seconds). If it raises, the core is stopped."""
         self.config = config
-        self.tokenizer = tokenizer
         self.metrics = metrics
         self._on_dead_cb = on_dead
-        self.eos_token_id = tokenizer.eos_token_id if tokenizer is not None else None
-        self._outputs = OutputProcessor(tokenizer)
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue, bool]] = {}
         self._lock = threading.Lock()  # streams and output states: event loop vs reader thread
         self._waiting_reported = 0
@@ -90,6 +91,15 @@ class AsyncEngine:
             self.client = EngineCoreClient(config, self._on_outputs, self._on_dead,
                                            telemetry_file)
         self.info: CoreReady | None = None
+        if callable(tokenizer):
+            try:
+                tokenizer = tokenizer()
+            except BaseException:
+                self.client.abandon()
+                raise
+        self.tokenizer = tokenizer
+        self.eos_token_id = tokenizer.eos_token_id if tokenizer is not None else None
+        self._outputs = OutputProcessor(tokenizer)
 
     def start(self, timeout: float = 600.0) -> CoreReady:
         """Wait for the engine core to load its model, then start watching it."""

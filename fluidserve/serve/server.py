@@ -23,7 +23,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from fluidserve.config import EngineConfig, ServerConfig
 from fluidserve.engine.core_proc import freeze_startup_heap
 from fluidserve.model.builder import default_model_dir
-from fluidserve.model.tokenizer import Tokenizer
+from fluidserve.model.tokenizer import Tokenizer, check_tokenizer_files
 from fluidserve.serve import openapi as api
 from fluidserve.serve import responses as R
 from fluidserve.serve.async_engine import AsyncEngine
@@ -167,15 +167,18 @@ class DrainingServer(uvicorn.Server):
 
 def start_engine(engine_config: EngineConfig, config: ServerConfig,
                  on_dead=None) -> tuple[AsyncEngine, str]:
-    """Resolve the model, load its tokenizer here and start the engine-core process."""
+    """Resolve the model, start the engine-core process and load the tokenizer here while
+    the core loads the model."""
     given = engine_config.model.model
     default_name = Path(given).name if given else "fluidserve-shakespeare"
     name = config.served_model_name or default_name
     model_dir = given or str(default_model_dir())
     engine_config = engine_config.replace(model=model_dir)
-    tokenizer = Tokenizer(engine_config.model.tokenizer or model_dir)
-    engine = AsyncEngine(engine_config, tokenizer, ServerMetrics(), config.telemetry_file,
-                         on_dead, config.watchdog_timeout, config.request_log)
+    tokenizer_dir = engine_config.model.tokenizer or model_dir
+    check_tokenizer_files(tokenizer_dir)  # before starting anything
+    engine = AsyncEngine(engine_config, lambda: Tokenizer(tokenizer_dir), ServerMetrics(),
+                         config.telemetry_file, on_dead, config.watchdog_timeout,
+                         config.request_log)
     engine.start()
     return engine, name
 

@@ -116,13 +116,14 @@ class SchedulerConfig:
     token_budget: int | str = knob(
         512,
         "Tokens per iteration (prefill chunk tokens + decodes). For vllm/chunked_only it caps"
-        " the prefill tokens of one prefill iteration. 'auto' (sarathi, decode_maximal):"
-        " before each iteration, the largest budget predicted to keep it within --tbt-slo.",
+        " the prefill tokens of one prefill iteration. 'auto' (sarathi, decode_maximal;"
+        " sarathi_slack requires it): before each iteration, the largest budget predicted to keep it within --tbt-slo.",
         aliases=("--max-num-batched-tokens",), parse=lambda v: v if v == "auto" else int(v),
     )
     tbt_slo: float | None = knob(
         None, "With --token-budget auto: the time-between-tokens SLO (s) every iteration is"
-        " planned to meet.")
+        " planned to meet. In `simulate` also the P99 TBT bound of --capacity and"
+        " --find-token-budget (default there 0.5).")
     budget_margin: float = knob(
         0.1, "With --token-budget auto: iterations are planned for (1 - margin) x --tbt-slo.")
     max_num_seqs: int = knob(128, "Maximum number of running requests.")

@@ -1,7 +1,7 @@
 """The in-process engine: a front end (tokenizer, output processor) around an engine core.
 
-The offline API (``LLM``), the profiler and the simulator drive the engine core in their own
-process through this class; the HTTP server runs the same core in a process of its own
+The offline API (``LLM``) and the profiler drive the engine core in their own process through
+this class (the simulator drives ``EngineCore`` directly, on a virtual clock); the HTTP server runs the same core in a process of its own
 (``fluidserve.engine.core_proc``). Both exchange the same typed messages with the core.
 """
 

@@ -117,7 +117,8 @@ class SchedulerConfig:
         512,
         "Tokens per iteration (prefill chunk tokens + decodes). For vllm/chunked_only it caps"
         " the prefill tokens of one prefill iteration. 'auto' (sarathi, decode_maximal;"
-        " sarathi_slack requires it): before each iteration, the largest budget predicted to keep it within --tbt-slo.",
+        " sarathi_slack requires it): before each iteration, the largest budget predicted to"
+        " keep it within --tbt-slo.",
         aliases=("--max-num-batched-tokens",), parse=lambda v: v if v == "auto" else int(v),
     )
     tbt_slo: float | None = knob(
@@ -131,6 +132,11 @@ class SchedulerConfig:
         1, "Round prefill chunk sizes down to a multiple of this (1 = no rounding)."
     )
     queue_policy: str = knob("fcfs", "Order of the waiting queue.", choices=("fcfs", "sjf", "ljf"))
+    queue_window: int = knob(
+        16, "Arrivals per sorting window of the waiting queue (as TetriInfer's"
+        " PrefillSchedBatch): sjf/ljf sort within a window, windows run in arrival order, so a"
+        " long prompt under sjf waits for its own window at most (0: one window; it may wait"
+        " for as long as shorter prompts keep arriving).")
 
     def __post_init__(self) -> None:
         if self.policy not in SCHEDULERS + SLO_SCHEDULERS:
@@ -138,6 +144,8 @@ class SchedulerConfig:
                               f" {', '.join(SCHEDULERS + SLO_SCHEDULERS)}, got {self.policy!r}")
         _positive("max_num_seqs", self.max_num_seqs)
         _positive("tile_size", self.tile_size)
+        if self.queue_window < 0:
+            raise ConfigError("queue_window must be >= 0")
         if self.token_budget == "auto":
             if self.tbt_slo is None or not self.tbt_slo > 0:
                 raise ConfigError("--token-budget auto needs --tbt-slo (seconds, > 0)")

@@ -385,3 +385,17 @@ def test_candidate_and_executed_plan_are_priced_alike(chunk):
     singles = ctxs + ([prefix + 1] if chunk == 1 else [])
     w = plan.attention_work
     assert (w.num_single, w.single_ctx_max) == (len(singles), max(singles))
+
+
+@pytest.mark.parametrize("window,first", [(3, "2"), (0, "4")])
+def test_the_engines_queue_window_bounds_how_long_sjf_holds_a_prompt_back(window, first):
+    """--queue-window reaches the colocated scheduler: under sjf with windows of three, the
+    shortest of the first three arrivals goes first; with one window, the shortest of all."""
+    cfg = EngineConfig.create(scheduler="sarathi", token_budget=8, max_num_seqs=1,
+                              queue_policy="sjf", queue_window=window)
+    core = EngineCore(cfg, FakeExecutor(per_token=1e-4), VirtualClock())
+    for i, n in enumerate([30, 20, 10, 25, 5, 15]):
+        core.add(AddRequest(str(i), [1] * n, SamplingParams(max_tokens=2)))
+    assert core.scheduler.waiting.ordered()[0].request_id == first
+    with pytest.raises(ConfigError, match="queue_window"):
+        EngineConfig.create(queue_window=-1)

@@ -112,7 +112,8 @@ class EngineCore:
         sc = config.scheduler
         auto = sc.token_budget == "auto"
         limits = SchedulerLimits(AUTO_MAX_BUDGET if auto else sc.token_budget, sc.max_num_seqs,
-                                 self.max_model_len, sc.tile_size, sc.queue_policy)
+                                 self.max_model_len, sc.tile_size, sc.queue_policy,
+                                 sc.queue_window)
         self.block_manager = BlockManager(executor.num_blocks, executor.block_size,
                                           config.cache.watermark)
         self.scheduler = (scheduler_factory or (lambda lim, bm: make_scheduler(sc.policy, lim, bm))

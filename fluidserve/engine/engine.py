@@ -1,8 +1,9 @@
 """The in-process engine: a front end (tokenizer, output processor) around an engine core.
 
 The offline API (``LLM``) and the profiler drive the engine core in their own process through
-this class (the simulator drives ``EngineCore`` directly, on a virtual clock); the HTTP server runs the same core in a process of its own
-(``fluidserve.engine.core_proc``). Both exchange the same typed messages with the core.
+this class (the simulator drives ``EngineCore`` directly, on a virtual clock); the HTTP server
+runs the same core in a process of its own (``fluidserve.engine.core_proc``). Both exchange
+the same typed messages with the core.
 """
 
 from __future__ import annotations

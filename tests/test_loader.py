@@ -121,3 +121,37 @@ def test_dtype_auto_runs_the_checkpoint_in_its_own_dtype(tmp_path):
     cfg["torch_dtype"] = "float16"
     (bf16 / "config.json").write_text(json.dumps(cfg))
     assert resolve_dtype("auto", read_arch(bf16), "cuda") == "float16"
+
+
+def test_generic_tokenizers_load_as_autotokenizer_would_without_torch(hf_models,
+                                                                      tiny_model_dir):
+    """Generic fast tokenizers of llama models are loaded directly (no AutoTokenizer, whose
+    config loading imports torch into the front end): the same class, ids, text, special
+    tokens and chat template as AutoTokenizer gives. Others go through AutoTokenizer (for a
+    qwen2 model it substitutes Qwen2Tokenizer, which adds a token)."""
+    import subprocess
+    import sys
+
+    from transformers import AutoTokenizer
+
+    from fluidserve.model.builder import default_model_dir
+    from fluidserve.model.tokenizer import Tokenizer, loads_directly
+
+    dirs = {"tiny": tiny_model_dir, "default": default_model_dir(), **hf_models}
+    assert {n for n, d in dirs.items() if loads_directly(d)} == {"tiny", "default", "llama"}
+    texts = ["Hello world", "  leading spaces,\ttabs\nand lines  ", "ünïcödé → 日本語 🚀",
+             "</s><s> special <unk>", ""]
+    for name, d in dirs.items():
+        ours, ref = Tokenizer(d), AutoTokenizer.from_pretrained(str(d), local_files_only=True)
+        assert type(ours.hf) is type(ref), name
+        for text in texts:
+            ids = ref.encode(text)
+            assert ours.encode(text) == ids, (name, text)
+            assert ours.decode(ids) == ref.decode(ids, skip_special_tokens=True), (name, text)
+        assert (ours.hf.bos_token_id, ours.eos_token_id, ours.hf.chat_template, len(ours)) \
+            == (ref.bos_token_id, ref.eos_token_id, ref.chat_template, len(ref)), name
+    code = ("import sys; from fluidserve.model.tokenizer import Tokenizer;"
+            " Tokenizer(sys.argv[1]); print('torch' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code, str(tiny_model_dir)], check=True,
+                         capture_output=True, text=True)
+    assert out.stdout.strip() == "False", "loading the tokenizer imported torch"

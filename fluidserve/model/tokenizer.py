@@ -20,14 +20,49 @@ def check_tokenizer_files(path: str | Path) -> None:
         raise ModelLoadError(f"{path}: no tokenizer files (tokenizer.json or tokenizer.model)")
 
 
+# Tokenizers that AutoTokenizer loads as the plain ``tokenizer.json`` backend: the declared
+# class (tokenizer_config.json) is the generic fast tokenizer, and the model type
+# (config.json) is one for which transformers does not substitute a class of its own (for
+# qwen2 it does). tests/test_loader.py checks the two loads agree.
+GENERIC_TOKENIZER_CLASSES = ("PreTrainedTokenizerFast", "TokenizersBackend")
+GENERIC_TOKENIZER_MODEL_TYPES = ("llama",)
+
+
+def _read_json(path: Path) -> dict:
+    import json
+
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+    return data if isinstance(data, dict) else {}
+
+
+def loads_directly(path: Path) -> bool:
+    """Whether ``path``'s tokenizer is the generic fast one, loaded without AutoTokenizer.
+
+    AutoTokenizer first loads the model's config through transformers' modelling code, which
+    imports torch and torch.distributed (~4 s and a few hundred MB on these machines, in a
+    front end that otherwise never imports torch); for these tokenizers it then loads the
+    generic class anyway. Anything else (another class, remote code, another model type)
+    goes through AutoTokenizer."""
+    tok_cfg = _read_json(path / "tokenizer_config.json")
+    return (tok_cfg.get("tokenizer_class") in GENERIC_TOKENIZER_CLASSES
+            and "auto_map" not in tok_cfg and (path / "tokenizer.json").is_file()
+            and _read_json(path / "config.json").get("model_type")
+            in GENERIC_TOKENIZER_MODEL_TYPES)
+
+
 class Tokenizer:
     def __init__(self, path: str | Path) -> None:
-        from transformers import AutoTokenizer
-
         path = Path(path)
         check_tokenizer_files(path)
+        if loads_directly(path):
+            from transformers import PreTrainedTokenizerFast as cls
+        else:
+            from transformers import AutoTokenizer as cls
         try:
-            self.hf = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+            self.hf = cls.from_pretrained(str(path), local_files_only=True)
         except Exception as e:  # transformers raises many types for broken files
             raise ModelLoadError(f"{path}: cannot load tokenizer ({e})") from None
         self.eos_token_id: int | None = self.hf.eos_token_id

@@ -18,8 +18,10 @@ from fluidserve.cli_args import (
 )
 from fluidserve.config import (
     BenchConfig,
+    BuildModelConfig,
     CapacityConfig,
     ConfigError,
+    GenerateConfig,
     PredictorTrainConfig,
     ProfileConfig,
     ServerConfig,
@@ -27,44 +29,34 @@ from fluidserve.config import (
 )
 
 
-def _sampling_args(p: argparse.ArgumentParser) -> None:
-    g = p.add_argument_group("sampling")
-    g.add_argument("--max-tokens", type=int, default=32, help="Tokens to generate per prompt.")
-    g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default).")
-    g.add_argument("--top-p", type=float, default=1.0, help="Nucleus sampling mass.")
-    g.add_argument("--top-k", type=int, default=-1, help="Sample from the k best (-1 = all).")
-    g.add_argument("--sampling-seed", type=int, default=None, help="Per-request sampling seed.")
-    g.add_argument("--stop", action="append", default=[], help="Stop string (repeatable).")
-    g.add_argument("--ignore-eos", action="store_true", help="Keep generating past EOS.")
-
-
 def _cmd_generate(args: argparse.Namespace) -> int:
     from fluidserve.engine.llm import LLM
     from fluidserve.sampling_params import SamplingParams
 
-    prompts = list(args.prompt)
-    if args.prompt_file:
-        with open(args.prompt_file) as f:
+    g = dataclass_from_args(GenerateConfig, args)
+    prompts = list(g.prompt)
+    if g.prompt_file:
+        with open(g.prompt_file) as f:
             prompts += [line.rstrip("\n") for line in f if line.strip()]
     if not prompts:
         print("error: give at least one --prompt or --prompt-file", file=sys.stderr)
         return 2
     cfg = engine_config_from_args(args)
     params = SamplingParams(
-        max_tokens=args.max_tokens,
-        temperature=args.temperature,
-        top_p=args.top_p,
-        top_k=args.top_k,
-        seed=args.sampling_seed,
-        stop=tuple(args.stop),
-        ignore_eos=args.ignore_eos,
+        max_tokens=g.max_tokens,
+        temperature=g.temperature,
+        top_p=g.top_p,
+        top_k=g.top_k,
+        seed=g.sampling_seed,
+        stop=g.stop,
+        ignore_eos=g.ignore_eos,
     )
     llm = LLM(config=cfg)
     t0 = time.perf_counter()
-    outs = llm.generate(prompts, params, use_tqdm=len(prompts) > 1 and not args.json)
+    outs = llm.generate(prompts, params, use_tqdm=len(prompts) > 1 and not g.json)
     elapsed = time.perf_counter() - t0
     for prompt, out in zip(prompts, outs, strict=True):
-        if args.json:
+        if g.json:
             m = out.metrics
             print(
                 json.dumps(
@@ -83,8 +75,8 @@ def _cmd_generate(args: argparse.Namespace) -> int:
             )
         else:
             print(prompt + out.text)
-    if args.telemetry:
-        llm.engine.telemetry.export_jsonl(args.telemetry)
+    if g.telemetry:
+        llm.engine.telemetry.export_jsonl(g.telemetry)
     n = sum(len(o.token_ids) for o in outs)
     print(
         f"{len(outs)} prompts, {n} tokens in {elapsed:.2f}s ({n / elapsed:.1f} tok/s)",
@@ -96,11 +88,11 @@ def _cmd_generate(args: argparse.Namespace) -> int:
 def _cmd_build_model(args: argparse.Namespace) -> int:
     from fluidserve.model.builder import build_model_dir
 
-    out = build_model_dir(args.out, args.shape, dtype=args.dtype, seed=args.seed,
-                          device=args.device)
+    cfg = dataclass_from_args(BuildModelConfig, args)
+    out = build_model_dir(cfg.out, cfg.shape, dtype=cfg.dtype, seed=cfg.seed, device=cfg.device)
     from fluidserve.model.arch import read_arch
 
-    print(f"wrote {out} ({read_arch(out).num_params / 1e6:.1f}M parameters, {args.dtype})")
+    print(f"wrote {out} ({read_arch(out).num_params / 1e6:.1f}M parameters, {cfg.dtype})")
     return 0
 
 
@@ -172,17 +164,11 @@ def _cmd_train_predictor(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from fluidserve.model.builder import SHAPES
-
     parser = argparse.ArgumentParser(prog="fluidserve", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
 
     gen = sub.add_parser("generate", help="Generate completions offline.")
-    gen.add_argument("--prompt", action="append", default=[], help="Prompt text (repeatable).")
-    gen.add_argument("--prompt-file", help="File with one prompt per line.")
-    gen.add_argument("--json", action="store_true", help="One JSON object per prompt.")
-    gen.add_argument("--telemetry", help="Write per-iteration/per-token records (JSON lines).")
-    _sampling_args(gen)
+    add_dataclass_args(gen, GenerateConfig, "prompts, sampling and output")
     add_engine_args(gen)
     gen.set_defaults(func=_cmd_generate)
 
@@ -228,12 +214,7 @@ def build_parser() -> argparse.ArgumentParser:
     tp.set_defaults(func=_cmd_train_predictor)
 
     bld = sub.add_parser("build-model", help="Write a random-weight Llama model directory.")
-    bld.add_argument("--out", required=True, help="Output directory.")
-    bld.add_argument("--shape", default="250m", choices=sorted(SHAPES), help="Model shape.")
-    bld.add_argument("--dtype", default="bfloat16", choices=("float32", "bfloat16", "float16"))
-    bld.add_argument("--seed", type=int, default=0)
-    bld.add_argument("--device", default="cpu",
-                     help="Draw the random weights here (cuda: seconds for an 8B model).")
+    add_dataclass_args(bld, BuildModelConfig, "model")
     bld.set_defaults(func=_cmd_build_model)
     return parser
 

@@ -37,22 +37,37 @@ def add_dataclass_args(parser: argparse.ArgumentParser, cls: type, title: str,
                 dest=f.name,
             )
             continue
+        if f.metadata.get("repeat"):  # tuple[T, ...]: the flag once per value
+            item = typing.get_args(hints[f.name])[0]
+            group.add_argument(*flags, action="append", type=item, default=None,
+                               help=help_text, metavar=f.name.upper(), dest=f.name)
+            continue
+        choices = f.metadata.get("choices")
+        if callable(choices):  # computed when the parser is built
+            choices = choices()
         shown = "" if default is None else " (default: %(default)s)"
         group.add_argument(
             *flags,
             type=f.metadata.get("parse", tp),
             default=default,
-            choices=f.metadata.get("choices"),
+            choices=choices,
             help=help_text + shown,
-            metavar=f.name.upper() if tp is not str or not f.metadata.get("choices") else None,
+            metavar=f.name.upper() if tp is not str or not choices else None,
             dest=f.name,
         )
 
 
 def dataclass_from_args(cls: type, args: argparse.Namespace) -> Any:
     """Build ``cls`` from parsed flags; fields without a flag keep their defaults."""
-    return cls(**{f.name: getattr(args, f.name) for f in dataclasses.fields(cls)
-                  if hasattr(args, f.name)})
+    values = {}
+    for f in dataclasses.fields(cls):
+        if not hasattr(args, f.name):
+            continue
+        value = getattr(args, f.name)
+        if f.metadata.get("repeat"):  # a repeatable flag: the values given, or the default
+            value = f.default if value is None else tuple(value)
+        values[f.name] = value
+    return cls(**values)
 
 
 ALL_SECTIONS = ("model", "cache", "scheduler", "parallel")

@@ -574,3 +574,42 @@ class PredictorTrainConfig:
         _positive("granularity", self.granularity)
         if not 0.0 < self.holdout < 1.0:
             raise ConfigError(f"holdout must be in (0, 1), got {self.holdout}")
+
+
+@dataclass(frozen=True)
+class GenerateConfig:
+    """Knobs of `fluidserve generate` besides the engine's: the prompts, how each is sampled
+    (``SamplingParams``), and what is written."""
+
+    prompt: tuple[str, ...] = knob((), "Prompt text (repeatable).", repeat=True)
+    prompt_file: str | None = knob(None, "File with one prompt per line.")
+    json: bool = knob(False, "One JSON object per prompt.")
+    telemetry: str | None = knob(None, "Write per-iteration/per-token records (JSON lines).")
+    max_tokens: int = knob(32, "Tokens to generate per prompt.")
+    temperature: float = knob(0.0, "0 = greedy.")
+    top_p: float = knob(1.0, "Nucleus sampling mass.")
+    top_k: int = knob(-1, "Sample from the k best (-1 = all).")
+    sampling_seed: int | None = knob(None, "Per-request sampling seed.")
+    stop: tuple[str, ...] = knob((), "Stop string (repeatable).", repeat=True)
+    ignore_eos: bool = knob(False, "Keep generating past EOS.")
+
+
+def _model_shapes() -> list[str]:
+    from fluidserve.model.builder import SHAPES
+
+    return sorted(SHAPES)
+
+
+@dataclass(frozen=True)
+class BuildModelConfig:
+    """Knobs of `fluidserve build-model` (a random-weight Llama model directory)."""
+
+    out: str | None = knob(None, "Output directory (required).")
+    shape: str = knob("250m", "Model shape.", choices=_model_shapes)
+    dtype: str = knob("bfloat16", "Weight dtype.", choices=("float32", "bfloat16", "float16"))
+    seed: int = knob(0, "Seed of the random weights.")
+    device: str = knob("cpu", "Draw the random weights here (cuda: seconds for an 8B model).")
+
+    def __post_init__(self) -> None:
+        if not self.out:
+            raise ConfigError("give the directory to write: --out DIR")

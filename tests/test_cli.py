@@ -64,6 +64,33 @@ def test_help_lists_every_engine_knob():
         assert flag in sim_text, flag
 
 
+def test_generate_and_build_model_knobs_are_config_fields(tmp_path, capsys):
+    """generate's and build-model's flags come from their config dataclasses (every field a
+    flag); repeatable flags collect in order; build-model writes a loadable model."""
+    import dataclasses
+
+    from fluidserve.cli import build_parser, main
+    from fluidserve.cli_args import dataclass_from_args
+    from fluidserve.config import BuildModelConfig, GenerateConfig
+    from fluidserve.model.arch import read_arch
+
+    parser = build_parser()
+    for command, cls in (("generate", GenerateConfig), ("build-model", BuildModelConfig)):
+        args = parser.parse_args([command])
+        assert {f.name for f in dataclasses.fields(cls)} <= set(vars(args)), command
+    g = dataclass_from_args(GenerateConfig, parser.parse_args(
+        ["generate", "--prompt", "a", "--stop", "x", "--prompt", "b", "--stop", "y", "--json"]))
+    assert (g.prompt, g.stop, g.json, g.ignore_eos) == (("a", "b"), ("x", "y"), True, False)
+    g = dataclass_from_args(GenerateConfig, parser.parse_args(["generate"]))
+    assert (g.prompt, g.stop, g.max_tokens) == ((), (), 32)
+    assert main(["build-model", "--shape", "tiny"]) == 2
+    assert "--out DIR" in capsys.readouterr().err
+    out = tmp_path / "m"
+    assert main(["build-model", "--out", str(out), "--shape", "tiny", "--dtype", "float32",
+                 "--seed", "5"]) == 0
+    assert read_arch(out).hidden_size == 256 and "wrote" in capsys.readouterr().out
+
+
 def test_bad_config_is_a_clear_error(tiny_model_dir, tmp_path):
     r = cli("generate", "--prompt", "x", "--token-budget", "0", check=False)
     assert r.returncode == 2 and "token_budget must be >= 1" in r.stderr

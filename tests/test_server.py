@@ -535,11 +535,18 @@ def test_metrics_values_after_known_traffic(tiny_model_dir):
                     "ignore_eos": True, "temperature": 0}
             return httpx.post(s.url + "/v1/completions", json=body, timeout=120)
 
-        # A stream the client abandons after its first token.
+        # A stream the client abandons after a few tokens. Latencies are observed as tokens
+        # come (before they reach the stream), not when the request ends.
         with httpx.stream("POST", s.url + "/v1/completions", timeout=60,
                           json={"prompt": [5] * 10, "max_tokens": 60, "ignore_eos": True,
                                 "stream": True}) as r:
-            next(x for x in r.iter_lines() if x.startswith("data: "))
+            events = (x for x in r.iter_lines() if x.startswith("data: "))
+            next(events)
+            next(events)
+            live = metric_samples(s.url)
+            assert metric(live, "fluidserve_time_to_first_token_seconds_count") == 1
+            assert metric(live, "fluidserve_time_between_tokens_seconds_count") >= 1
+            assert metric(live, "fluidserve_requests_total", outcome="abort") == 0
         assert s.kv_idle()
         m0 = metric_samples(s.url)
         aborted_tokens = metric(m0, "fluidserve_generation_tokens_total")

@@ -284,6 +284,11 @@ class EngineCore:
             d = RequestDelta(req.request_id, [req.output_token_ids[-1]], req.finish_reason,
                              new_logprobs=[lp] if lp is not None else [],
                              num_prompt_tokens=req.num_prompt_tokens)
+            times = req.token_times
+            if len(times) == 1:
+                d.ttft = times[0] - req.arrival_time
+            elif times:
+                d.tbt = times[-1] - times[-2]
             if req.status.finished:
                 d.scheduling_delay = req.first_scheduled_time - req.arrival_time
                 self._record_finished(req)

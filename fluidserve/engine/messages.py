@@ -77,6 +77,10 @@ class RequestDelta:
     new_logprobs: list = field(default_factory=list)  # (logprob, [(id, logprob), ...])
     num_prompt_tokens: int = 0
     scheduling_delay: float | None = None  # set when finished: first scheduled - arrival
+    # The new token's latency (engine clock), for live metrics: from arrival for the first
+    # output token (``ttft``), from the previous token for the others (``tbt``).
+    ttft: float | None = None
+    tbt: float | None = None
 
     @property
     def finished(self) -> bool:

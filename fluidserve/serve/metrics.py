@@ -68,16 +68,18 @@ class ServerMetrics:
         for n in outs.iteration_tokens:
             self.iteration_tokens.observe(n)
         self.generated.inc(sum(len(d.new_token_ids) for d in outs.outputs))
+        for d in outs.outputs:  # as each token comes, not when its request ends
+            if d.ttft is not None:
+                self.ttft.observe(d.ttft)
+            elif d.tbt is not None:
+                self.tbt.observe(d.tbt)
         for row in outs.finished:
             self.observe_finished(row)
 
     def observe_finished(self, row: dict) -> None:
         self.requests.labels(row["finish_reason"] or "unknown").inc()
         if row["ttft"] is not None:
-            self.ttft.observe(row["ttft"])
             self.e2e.observe(row["e2e"])
-        for gap in row["tbt"]:
-            self.tbt.observe(gap)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

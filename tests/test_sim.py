@@ -185,6 +185,15 @@ def test_gpu_cost_model_is_physically_plausible():
     assert "stands in" in GPUCostModel("yi-34b", "a100", tp=2).note
 
 
+def test_without_the_shared_data_the_gpu_cost_model_points_to_the_cpu_one(monkeypatch,
+                                                                         capsys):
+    monkeypatch.setenv("FLUIDSERVE_DATA_DIR", "")  # empty: no data directory
+    with pytest.raises(ValueError, match="FLUIDSERVE_DATA_DIR.*--cost-model cpu"):
+        GPUCostModel("mistral-7b", "a100")
+    assert main(["simulate", "--cost-model", "gpu"]) == 2
+    assert "--cost-model cpu" in capsys.readouterr().err
+
+
 def _prefill(n: int, cached: int = 0) -> PlanShape:
     return PlanShape(n, ((n, cached),) if n > 1 else (), (cached + 1,) if n == 1 else (), 1)
 

@@ -112,8 +112,10 @@ class GPUCostModel(CostModel):
             raise ValueError(f"unknown device {device!r}; choose from {', '.join(DEVICES)}")
         root = data_dir()
         if root is None:
-            raise ValueError("the gpu cost model needs ../shared/data/profiles (set "
-                             "FLUIDSERVE_DATA_DIR)")
+            raise ValueError("the gpu cost model needs the GPU operator profiles of"
+                             " ../shared/data/profiles (set FLUIDSERVE_DATA_DIR to that data"
+                             " directory), or simulate this CPU: --cost-model cpu (its profile"
+                             " ships with fluidserve)")
         self.shape, self.dev, self.tp, self.pp = SHAPES[shape], DEVICES[device], tp, pp
         if self.shape.layers % pp:
             raise ValueError(f"{self.shape.layers} layers do not split into {pp} stages")

@@ -140,7 +140,8 @@ def wait_exit(proc, timeout: float = 0.0) -> int | None:
 
 
 def kill_unless_exited(proc) -> None:
-    """SIGKILL ``proc`` if it still runs (never a PID that has been reaped)."""
+    """SIGKILL ``proc`` unless its sentinel says it has exited (so not a PID reaped before
+    the call; one reaped by another thread during it is as unlikely as with any kill)."""
     if wait_exit(proc) is None:
         proc.kill()
 
@@ -252,6 +253,7 @@ class EngineCoreClient:
         self.dead: str | None = None
         self._die_lock = threading.Lock()
         self._closing = False  # shutdown() was called: the core's end is expected
+        self._abandoned = False  # abandon() was called: nobody is to hear of the core
         self._sendq: queue.SimpleQueue = queue.SimpleQueue()
         if placement is not None:
             self._in_w = self._out_r = None  # until it has connected (``wait_ready``)
@@ -327,7 +329,7 @@ class EngineCoreClient:
     def abandon(self) -> None:
         """End a core that will not be used (the front end failed while it started): kill
         it and reap it, without ``on_dead``."""
-        self._closing = True
+        self._closing = self._abandoned = True
         kill_unless_exited(self.proc)
         wait_exit(self.proc, 5)
 
@@ -357,7 +359,7 @@ class EngineCoreClient:
                 msg = self._out_r.recv()
             except (EOFError, OSError):
                 code = wait_exit(self.proc, 2)
-                if code == 0 or (self._closing and code is None):
+                if code == 0 or (self._closing and code is None) or self._abandoned:
                     return  # a clean shutdown (the core may still be exiting)
                 self._die(f"the engine core process died (exit code {code})")
                 return

@@ -30,6 +30,7 @@ from multiprocessing.connection import Connection, wait
 from fluidserve.config import ParallelConfig
 from fluidserve.core.scheduler.output import SchedulerOutput
 from fluidserve.engine.core import ExecutorDead
+from fluidserve.engine.core_proc import kill_unless_exited, wait_exit
 from fluidserve.model.inputs import prepare_inputs
 from fluidserve.model.worker import WorkerSpec
 from fluidserve.net import free_port
@@ -197,9 +198,8 @@ class MultiprocExecutor(FailsInFlightOnDeath):
                         raise RuntimeError(f"worker rank {r} failed to start: {msg[1]}")
                     waiting.discard(r)
                 elif self.procs[r].sentinel in ready:
-                    self.procs[r].join(1)
                     raise RuntimeError(f"worker rank {r} exited with code"
-                                       f" {self.procs[r].exitcode} while starting")
+                                       f" {wait_exit(self.procs[r], 1)} while starting")
             if waiting and time.monotonic() > deadline:
                 raise RuntimeError(f"worker ranks {sorted(waiting)} not ready after {timeout}s")
 
@@ -244,14 +244,14 @@ class MultiprocExecutor(FailsInFlightOnDeath):
             except OSError:
                 pass
         for p in self.procs:
-            p.join(10)
+            wait_exit(p, 10)
         self._kill()
 
     def _kill(self) -> None:
+        # The reader thread may be waiting on the same ranks: wait_exit, not join/is_alive.
         for p in self.procs:
-            if p.is_alive():
-                p.kill()
-                p.join(5)
+            kill_unless_exited(p)
+            wait_exit(p, 5)
 
     def _read(self) -> None:
         from fluidserve.model.runner import runner_output
@@ -281,7 +281,7 @@ class MultiprocExecutor(FailsInFlightOnDeath):
                     if self._closing:
                         return
                     r = sentinels[s]
-                    self.procs[r].join(1)
-                    self._die(f"worker rank {r} died (exit code {self.procs[r].exitcode})")
+                    self._die(f"worker rank {r} died (exit code"
+                              f" {wait_exit(self.procs[r], 1)})")
                     return
 

@@ -136,7 +136,8 @@ class SchedulerConfig:
         16, "Arrivals per sorting window of the waiting queue (as TetriInfer's"
         " PrefillSchedBatch): sjf/ljf sort within a window, windows run in arrival order, so a"
         " long prompt under sjf waits for its own window at most (0: one window; it may wait"
-        " for as long as shorter prompts keep arriving).")
+        " for as long as shorter prompts keep arriving). Disaggregated prefill instances use"
+        " --prefill-sched-batch instead.")
 
     def __post_init__(self) -> None:
         if self.policy not in SCHEDULERS + SLO_SCHEDULERS:

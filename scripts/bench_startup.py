@@ -55,8 +55,8 @@ def one_run(pythonpath: str, args) -> dict:
         r.raise_for_status()
         first = time.monotonic() - t0
         kids = Path(f"/proc/{proc.pid}/task/{proc.pid}/children").read_text().split()
-        core = [int(k) for k in kids
-                if b"multiprocessing" in Path(f"/proc/{k}/cmdline").read_bytes()]
+        core = [int(k) for k in kids  # not the resource tracker
+                if b"spawn_main" in Path(f"/proc/{k}/cmdline").read_bytes()]
         return {"pythonpath": pythonpath, "healthy_s": round(healthy, 2),
                 "first_completion_s": round(first, 2), "front_end_rss_mb": rss_mb(proc.pid),
                 "engine_core_rss_mb": sum(rss_mb(k) for k in core)}

@@ -155,3 +155,17 @@ def test_generic_tokenizers_load_as_autotokenizer_would_without_torch(hf_models,
     out = subprocess.run([sys.executable, "-c", code, str(tiny_model_dir)], check=True,
                          capture_output=True, text=True)
     assert out.stdout.strip() == "False", "loading the tokenizer imported torch"
+
+
+def test_loading_a_model_does_not_import_dynamo(tiny_model_dir):
+    """Building the model skeleton on the meta device once imported torch._dynamo (~3 s of
+    every engine start) through two of PyTorch's Python decompositions; nothing in the
+    engine uses it."""
+    import subprocess
+    import sys
+
+    code = ("import sys; from fluidserve.model.loader import load_model;"
+            " load_model(sys.argv[1]); print('torch._dynamo' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code, str(tiny_model_dir)], check=True,
+                         capture_output=True, text=True)
+    assert out.stdout.strip() == "False", "loading the model imported torch._dynamo"

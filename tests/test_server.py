@@ -646,11 +646,11 @@ def test_a_broken_tokenizer_stops_the_engine_core_it_loaded_beside(tiny_model_di
     shutil.copytree(tiny_model_dir, model)
     (model / "tokenizer.json").write_text("{not json")
     config = EngineConfig.create(model=str(model), max_model_len=256, num_threads=1)
-    before = cores()
+    before = set(cores())  # cores of other tests' servers may end meanwhile: only new ones count
     with pytest.raises(ModelLoadError, match="cannot load tokenizer"):
         start_engine(config, ServerConfig(port=free_port()))
-    assert cores() == before, "the engine core was left running"
+    assert not set(cores()) - before, "the engine core was left running"
     (model / "tokenizer.json").unlink()
     with pytest.raises(ModelLoadError, match="no tokenizer files"):
         start_engine(config, ServerConfig(port=free_port()))
-    assert cores() == before
+    assert not set(cores()) - before

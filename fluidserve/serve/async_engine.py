@@ -96,6 +96,8 @@ class AsyncEngine:
                 tokenizer = tokenizer()
             except BaseException:
                 self.client.abandon()
+                if self.request_log is not None:
+                    self.request_log.close()
                 raise
         self.tokenizer = tokenizer
         self.eos_token_id = tokenizer.eos_token_id if tokenizer is not None else None

@@ -1,5 +1,5 @@
-"""Localhost helpers shared by the launchers, benchmarks and tests: a free port, and waiting
-until a server process answers ``/health``."""
+"""Localhost helpers shared by the launchers, benchmarks and tests: a free port, waiting
+until a server process answers ``/health``, and stopping it."""
 
 from __future__ import annotations
 
@@ -35,3 +35,17 @@ def wait_healthy(url: str, timeout: float, proc: subprocess.Popen | None = None,
     if proc is not None:
         proc.kill()
     raise TimeoutError(f"{what} did not answer {url}/health within {timeout:g} s")
+
+
+def stop_process(proc: subprocess.Popen, timeout: float = 30.0) -> int | None:
+    """SIGTERM ``proc`` (a server drains), SIGKILL it after ``timeout`` s; its exit code, or
+    None when it had to be killed."""
+    if proc.poll() is not None:
+        return proc.returncode
+    proc.terminate()
+    try:
+        return proc.wait(timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+        return None

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import httpx
 
-from fluidserve.net import free_port, wait_healthy
+from fluidserve.net import free_port, stop_process, wait_healthy
 
 
 def rss_mb(pid: int) -> float:
@@ -61,12 +61,7 @@ def one_run(pythonpath: str, args) -> dict:
                 "first_completion_s": round(first, 2), "front_end_rss_mb": rss_mb(proc.pid),
                 "engine_core_rss_mb": sum(rss_mb(k) for k in core)}
     finally:
-        proc.terminate()
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        stop_process(proc)
 
 
 def main() -> None:

@@ -40,7 +40,7 @@ from pathlib import Path
 
 import httpx
 
-from fluidserve.net import free_port, wait_healthy
+from fluidserve.net import free_port, stop_process, wait_healthy
 
 KINDS = {"stream": 0.45, "complete": 0.2, "chat": 0.15, "abort": 0.1, "invalid": 0.1}
 WORDS = "the river rose slowly in spring and people of valley watched water climb".split()
@@ -252,12 +252,7 @@ def main() -> None:
         mem_end = memory(proc.pid)
         health = httpx.get(url + "/health", timeout=5).status_code
     finally:
-        proc.terminate()
-        try:
-            code = proc.wait(60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            code = None
+        code = stop_process(proc, 60)
     report(args, soak, mem_start, mem_end, elapsed, health, code)
 
 

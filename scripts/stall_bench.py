@@ -28,7 +28,7 @@ from pathlib import Path
 
 import httpx
 
-from fluidserve.net import free_port, wait_healthy
+from fluidserve.net import free_port, stop_process, wait_healthy
 
 
 def rss_mb(pid: int) -> float:
@@ -137,11 +137,7 @@ def run_config(args, limit: str) -> dict:
             "server_rss_mb": {"before": rss_before, "after": rss_mb(proc.pid)},
         }
     finally:
-        proc.terminate()
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+        stop_process(proc)
 
 
 def main() -> None:

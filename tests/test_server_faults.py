@@ -239,3 +239,19 @@ def test_core_exit_seen_by_every_thread_that_waits() -> None:
     assert wait_exit(running, 0.05) is None
     kill_unless_exited(running)
     assert wait_exit(running, 10) == -signal.SIGKILL
+
+
+def test_stop_process_terminates_then_kills() -> None:
+    """What the launchers and benchmarks use to stop a server they started."""
+    from fluidserve.net import stop_process
+
+    polite = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    assert stop_process(polite, 10) == -signal.SIGTERM
+    deaf = subprocess.Popen([sys.executable, "-c", "import signal, sys, time;"
+                             " signal.signal(signal.SIGTERM, signal.SIG_IGN);"
+                             " sys.stdout.write('ready\\n'); sys.stdout.flush(); time.sleep(60)"],
+                            stdout=subprocess.PIPE, text=True)
+    assert deaf.stdout.readline() == "ready\n"  # SIGTERM is ignored from here on
+    assert stop_process(deaf, 0.5) is None and deaf.returncode == -signal.SIGKILL
+    assert stop_process(deaf) == -signal.SIGKILL  # already ended: just its code
+    deaf.stdout.close()

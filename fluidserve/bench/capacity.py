@@ -16,6 +16,7 @@ from pathlib import Path
 
 from fluidserve.bench.report import fluidity_slo_met
 from fluidserve.config import CapacityConfig
+from fluidserve.net import stop_process, wait_healthy
 
 Probe = Callable[[float], tuple[bool, dict]]
 
@@ -121,8 +122,6 @@ class LaunchedServer:
         self.timeout = startup_timeout
 
     def __enter__(self) -> LaunchedServer:
-        from fluidserve.net import wait_healthy
-
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         self._log = open(self.log_path, "w")
         cmd = [sys.executable, "-m", "fluidserve.cli", "serve", "--host", "127.0.0.1",
@@ -137,10 +136,5 @@ class LaunchedServer:
         return self
 
     def __exit__(self, *exc) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(30)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
+        stop_process(self.proc)
         self._log.close()

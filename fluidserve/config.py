@@ -94,7 +94,7 @@ class CacheConfig:
     )
     kv_cache_memory_gb: float = knob(
         1.0, "Memory for the KV cache in GiB (per worker), used when --num-kv-blocks is not"
-        " given.")
+        " given; at most what --max-num-seqs sequences of the context window can fill.")
     watermark: float = knob(0.01, "Fraction of KV blocks kept free when admitting new requests.")
 
     def __post_init__(self) -> None:

@@ -200,3 +200,28 @@ def test_engine_core_freezes_its_startup_heap_before_serving(tiny_model_dir, mon
         assert seen["frozen"] > 1000  # the loaded model's and libraries' objects
     finally:
         gc.unfreeze()
+
+
+def test_a_memory_sized_kv_cache_holds_no_more_than_the_sequences_can_fill():
+    """--kv-cache-memory-gb sizes the cache, capped at what --max-num-seqs sequences of the
+    context window can fill with the watermark kept free; every such sequence still fits."""
+    from fluidserve.config import EngineConfig
+    from fluidserve.core.block_manager import BlockManager
+    from fluidserve.engine.engine import build_model_executor
+    from fluidserve.model.arch import read_arch
+    from fluidserve.model.builder import default_model_dir
+    from fluidserve.model.worker import kv_cache_blocks
+
+    arch = read_arch(default_model_dir())  # 1,024-token context
+    assert kv_cache_blocks(arch, "bfloat16", 16, 1.0) == 21845  # memory alone
+    capped = kv_cache_blocks(arch, "bfloat16", 16, 1.0, max_seqs=128, max_len=1024,
+                             watermark=0.01)
+    assert 8192 < capped < 8400
+    bm = BlockManager(capped, 16, 0.01)
+    for i in range(128):  # each admitted (watermark kept), then grown to the whole window
+        assert bm.can_allocate(str(i), 16, admit=True) and bm.allocate(str(i), 16)
+        assert bm.allocate(str(i), 1024)
+    assert kv_cache_blocks(arch, "bfloat16", 16, 0.1, max_seqs=128, max_len=1024) == 2184
+    ex, _ = build_model_executor(EngineConfig.create(max_num_seqs=4, num_threads=1))
+    assert ex.num_blocks == kv_cache_blocks(arch, "bfloat16", 16, 1.0, max_seqs=4,
+                                            max_len=1024, watermark=0.01) < 300

@@ -171,5 +171,7 @@ def build_model_executor(config: EngineConfig):
         attention_backend=m.attention_backend,
         linear_backend=m.linear_backend,
         cuda_graph_max_batch=cuda_graph_batch(config),
+        max_num_seqs=config.scheduler.max_num_seqs,
+        watermark=c.watermark,
     )
     return executor, model_dir

@@ -45,13 +45,19 @@ class ModelExecutor:
         attention_backend: str = "auto",
         linear_backend: str = "auto",
         cuda_graph_max_batch: int = 0,
+        max_num_seqs: int | None = None,
+        watermark: float = 0.0,
     ) -> None:
+        """``max_num_seqs`` (and the admission ``watermark``): size a memory-sized cache to
+        no more than that many sequences of the context window can use."""
         arch = read_arch(model_dir)
         dtype = resolve_dtype(dtype, arch, device)
-        blocks = num_blocks or kv_cache_blocks(arch, dtype, block_size, kv_cache_memory_gb)
-        spec = WorkerSpec(str(model_dir), dtype, device, block_size, blocks,
-                          resolve_max_model_len(arch, max_model_len), attention_backend,
-                          linear_backend, cuda_graph_max_batch)
+        max_len = resolve_max_model_len(arch, max_model_len)
+        blocks = num_blocks or kv_cache_blocks(arch, dtype, block_size, kv_cache_memory_gb,
+                                               max_seqs=max_num_seqs, max_len=max_len,
+                                               watermark=watermark)
+        spec = WorkerSpec(str(model_dir), dtype, device, block_size, blocks, max_len,
+                          attention_backend, linear_backend, cuda_graph_max_batch)
         self.worker = Worker(spec)
         self.arch, self.model = self.worker.arch, self.worker.model
         self.kv_caches, self.device = self.worker.kv_caches, self.worker.device

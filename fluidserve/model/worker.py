@@ -81,10 +81,25 @@ def resolve_max_model_len(arch: ArchConfig, requested: int | None) -> int:
 
 
 def kv_cache_blocks(arch: ArchConfig, dtype: str, block_size: int, memory_gb: float,
-                    tp: int = 1, pp: int = 1) -> int:
-    """Blocks that fit ``memory_gb`` on each worker (the stage with the most layers)."""
+                    tp: int = 1, pp: int = 1, max_seqs: int | None = None,
+                    max_len: int | None = None, watermark: float = 0.0) -> int:
+    """Blocks that fit ``memory_gb`` on each worker (the stage with the most layers), but
+    no more than ``max_seqs`` sequences of ``max_len`` tokens can fill, with the admission
+    watermark kept free: the scheduler never runs more sequences than that, so such blocks
+    would only be allocated and zeroed (a small model's 1 GiB default cache is mostly that:
+    the embedded model's 21,845 blocks against the 8,192 that 128 sequences of 1,024 tokens
+    can use)."""
+    from fluidserve.core.admission import admissible_blocks
+
     per_token = arch.kv_bytes_per_token(DTYPES[dtype].itemsize, tp, pp)
-    return max(1, int(memory_gb * (1 << 30) // (per_token * block_size)))
+    blocks = max(1, int(memory_gb * (1 << 30) // (per_token * block_size)))
+    if max_seqs and max_len:
+        need = max_seqs * -(-max_len // block_size)
+        usable = int(need / (1.0 - watermark))
+        while admissible_blocks(usable, watermark) < need:
+            usable += 1
+        blocks = min(blocks, usable)
+    return blocks
 
 
 def plan_workers(model_dir: str | Path, config) -> tuple[ArchConfig, WorkerSpec]:
@@ -93,11 +108,12 @@ def plan_workers(model_dir: str | Path, config) -> tuple[ArchConfig, WorkerSpec]
     arch = read_arch(model_dir)
     Shard(0, p.tensor_parallel_size, 0, p.pipeline_parallel_size).check(arch)
     dtype = resolve_dtype(m.dtype, arch, m.device)
-    blocks = c.num_kv_blocks or kv_cache_blocks(arch, dtype, c.block_size, c.kv_cache_memory_gb,
-                                                p.tensor_parallel_size, p.pipeline_parallel_size)
-    spec = WorkerSpec(str(model_dir), dtype, m.device, c.block_size, blocks,
-                      resolve_max_model_len(arch, m.max_model_len), m.attention_backend,
-                      m.linear_backend, cuda_graph_batch(config))
+    max_len = resolve_max_model_len(arch, m.max_model_len)
+    blocks = c.num_kv_blocks or kv_cache_blocks(
+        arch, dtype, c.block_size, c.kv_cache_memory_gb, p.tensor_parallel_size,
+        p.pipeline_parallel_size, config.scheduler.max_num_seqs, max_len, c.watermark)
+    spec = WorkerSpec(str(model_dir), dtype, m.device, c.block_size, blocks, max_len,
+                      m.attention_backend, m.linear_backend, cuda_graph_batch(config))
     return arch, spec
 
 

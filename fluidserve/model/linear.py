@@ -24,7 +24,9 @@ bf16 weights copied into 16-column panels, and it takes every batch size, so the
 the only copy of the weights (no oneDNN copy, no padded rows). Measured on a 2-core EPYC (Zen
 3) for a [M, 1024] x [1024, 5632] product, panels against oneDNN on the weight widened to
 float32, alternated in one process: 0.34 vs 0.85 ms at 1 row, 3.75 vs 4.99 at 40, 21.6 vs
-24.0 at 256, 194 vs 208 ms at 2048 (docs/performance.md).
+24.0 at 256, 194 vs 208 ms at 2048; for the 64 decoder linears of the race model, after the
+kernel's loop lost its per-step prefetch test: 15.6 vs 37.3 ms at 1 row, 121 vs 195 at 40, 671
+vs 772 at 256, 6.11 vs 7.14 s at 2048 (docs/performance.md).
 """
 
 from __future__ import annotations

@@ -107,3 +107,21 @@ def tiny_model_dir() -> Path:
     """The random-weight tiny model: engine mechanics, fast and deterministic (it never
     emits end-of-sequence on its own, so outputs run to max_tokens)."""
     return cached_model_dir()
+
+
+@pytest.fixture
+def few_key_splits(monkeypatch):
+    """Under the Triton interpreter (no GPU), at most 2 key splits per decode attention launch.
+
+    Decode batches of a few requests get 16 splits, sized for a GPU's multiprocessors, and the
+    interpreter runs every one of them, most with no keys: 84 of the 122 s of the CUDA-graph
+    replay test under cProfile. Two keep the split-and-merge path at an eighth of the
+    programs; the split counts themselves are test_triton_kernels.py's. On a GPU, unchanged.
+    """
+    if torch.cuda.is_available():
+        return
+    from fluidserve.kernels import triton_ops
+
+    shape = triton_ops.tile_shape
+    monkeypatch.setattr(triton_ops, "tile_shape",
+                        lambda *a: (shape(*a)[0], min(2, shape(*a)[1])))

@@ -47,18 +47,9 @@ class Counting:
 
 
 @pytest.mark.parametrize("capture", CAPTURES)
-def test_decode_batches_replay_the_captured_step_with_padding(hf_models, capture, monkeypatch):
+def test_decode_batches_replay_the_captured_step_with_padding(hf_models, capture,
+                                                             few_key_splits):
     device = "cuda" if CUDA else "cpu"
-    if not CUDA:
-        # Decode batches this small get 16 key splits (sized for a GPU's multiprocessors), and
-        # the interpreter runs every one of them, most with no keys: 2 keep the split-and-merge
-        # path in the replayed step at an eighth of the programs (47 -> 22 s on a 2-core EPYC).
-        # The split counts themselves are test_triton_kernels.py's.
-        from fluidserve.kernels import triton_ops
-
-        shape = triton_ops.tile_shape
-        monkeypatch.setattr(triton_ops, "tile_shape",
-                            lambda *a: (shape(*a)[0], min(2, shape(*a)[1])))
     # The reference runs every batch through the eager PyTorch layers (no interpreted
     # kernels): the graphed executor must match the model's own reference, not itself.
     make = lambda attention: ModelExecutor(  # noqa: E731

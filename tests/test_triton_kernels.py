@@ -202,7 +202,8 @@ def test_skinny_config_keeps_every_multiprocessor_busy():
         del triton_ops.SKINNY_TUNED[key]
 
 
-def test_a_single_row_takes_one_launch_per_projection(hf_models, monkeypatch):
+def test_a_single_row_takes_one_launch_per_projection(hf_models, monkeypatch,
+                                                      few_key_splits):
     """A batch of SKINNY_MAX_ROWS rows (one decode) runs each projection as one skinny_linear
     (norms, SiLU and residual adds folded in): the same logits as the layer-by-layer Triton
     path, within float32 rounding; larger batches keep the layer-by-layer path."""

@@ -1455,7 +1455,8 @@ inline void part_rows(float (*part)[16], __m256& c0a, __m256& c0b, __m256& c1a, 
 // With PF, one line of the stream ``pf`` on is prefetched every two k-steps (the panel's own
 // pace: 64 bytes of weights per two steps). The choice is a template argument, not a test in
 // the loop: a per-step test of whether to prefetch made the whole [2048, 1024] x [1024, 5632]
-// product ~15% slower on a 2-core EPYC (Zen 3), though only one group in eight prefetches.
+// product ~15% slower on a 2-core EPYC (Zen 3) in a standalone copy (208/212 against 178/189
+// ms, medians of 9), though only one group in eight prefetches.
 template <int R, bool PF>
 inline void panel_rows(const float* x, int64_t ldx, const uint16_t* w, int64_t kn, bool first,
                        float (*part)[16], const char* pf) {

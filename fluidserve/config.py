@@ -549,7 +549,8 @@ class ProfileConfig:
     dtype: str = knob("bfloat16", "Weight dtype.", choices=DTYPES)
     device: str = knob("cpu", "Torch device.")
     num_threads: int | None = knob(None, "Torch intra-op threads (default: torch's).")
-    repeats: int = knob(3, "Timed repeats per point (the median is reported).")
+    repeats: int = knob(5, "Timed rounds; each visits every point once, in a shuffled order"
+                        " (a point reports its median over the rounds).")
     quick: bool = knob(False, "Small sweeps (a smoke run).")
     output_dir: str | None = knob(None, "Output directory (default: runs/profile-<time>).")
     plots: bool = knob(True, "Write PNG plots.")

@@ -14,6 +14,7 @@ Writes PNG plots and ``profile.json`` to the output directory; the JSON is also 
 from __future__ import annotations
 
 import json
+import random
 import statistics
 import time
 from pathlib import Path
@@ -61,15 +62,42 @@ def _chunk(rid: str, start: int, n: int, bs: int, base_block: int) -> ScheduledC
 
 
 class Timer:
-    def __init__(self, ex: ModelExecutor, repeats: int) -> None:
-        self.ex, self.repeats = ex, repeats
+    """Times points, each a list of steps (plans) whose times add up, in interleaved rounds.
+
+    A warm-up round runs every point once untimed; each of ``repeats`` timed rounds then
+    visits every point once, in an order shuffled per round, and a point reports the median
+    of its rounds. On a shared machine whose speed drifts by tens of percent over minutes, a
+    slow spell so touches one sample of every point instead of all samples of the points
+    measured during it, and the points stay comparable with each other (what a cost model
+    fitted to them needs)."""
+
+    def __init__(self, ex: ModelExecutor, repeats: int, seed: int = 0) -> None:
+        self.ex, self.repeats, self.seed = ex, repeats, seed
 
     def run(self, chunks: list[ScheduledChunk]) -> float:
         return self.ex.execute(SchedulerOutput(0, chunks)).execution_time
 
-    def median(self, chunks: list[ScheduledChunk]) -> float:
-        self.run(chunks)  # warm-up
-        return statistics.median(self.run(chunks) for _ in range(self.repeats))
+    def rounds(self, points: list[list[list[ScheduledChunk]]], desc: str) -> list[list[float]]:
+        """Per point, its total time in each timed round (in round order)."""
+        samples: list[list[float]] = [[] for _ in points]
+        order = list(range(len(points)))
+        rng = random.Random(self.seed)
+        bar = tqdm(total=(self.repeats + 1) * len(points), desc=desc, leave=False)
+        for r in range(self.repeats + 1):
+            rng.shuffle(order)
+            for i in order:
+                total = sum(self.run(plan) for plan in points[i])
+                if r:  # round 0 is the warm-up
+                    samples[i].append(total)
+                bar.update()
+        bar.close()
+        return samples
+
+
+def _point(samples: list[float]) -> dict:
+    """A point's median time and its rounds' spread (max / min), from the samples."""
+    return {"time_s": statistics.median(samples), "spread": max(samples) / min(samples),
+            "samples_s": samples}
 
 
 def measure_peaks(device: str, dtype: torch.dtype) -> dict:
@@ -105,46 +133,40 @@ def measure_peaks(device: str, dtype: torch.dtype) -> dict:
             "memory_bandwidth_bytes_per_s": bw}
 
 
-def iteration_sweep(t: Timer, tokens: list[int]) -> list[dict]:
+def sweeps(t: Timer, tokens: list[int], batch_sizes: list[int], ctx: int, prompt: int,
+           chunk_sizes: list[int]) -> tuple[list[dict], list[dict], list[dict]]:
+    """(a) iteration time vs tokens, (b) decode steps vs batch size at one context and (c) a
+    prompt prefilled in chunks of each size, all timed in the same interleaved rounds."""
     bs = t.ex.block_size
-    out = []
-    for n in tqdm(tokens, desc="(a) iteration time vs tokens", leave=False):
-        s = t.median([_chunk("a", 0, n, bs, 0)])
-        out.append({"tokens": n, "time_s": s, "prefill_tokens_per_s": n / s})
-    return out
+    per_req = -(-(ctx + 1) // bs)
+    # Request "a" (prefills, chunks) owns blocks from 0; decode request i from base + i * per_req.
+    base = -(-max(max(tokens), prompt) // bs)
+    for i in range(max(batch_sizes)):  # fill each decode request's context once
+        t.run([_chunk(f"r{i}", 0, ctx, bs, base + i * per_req)])
+    points = [[[_chunk("a", 0, n, bs, 0)]] for n in tokens]
+    points += [[[_chunk(f"r{i}", ctx, 1, bs, base + i * per_req) for i in range(b)]]
+               for b in batch_sizes]
+    points += [[[_chunk("a", s, min(c, prompt - s), bs, 0)] for s in range(0, prompt, c)]
+               for c in chunk_sizes]
+    samples = t.rounds(points, "(a-c) iterations, decodes, chunked prefills")
+    it = iter(samples)
+    iters = [{"tokens": n} | _point(next(it)) for n in tokens]
+    for p in iters:
+        p["prefill_tokens_per_s"] = p["tokens"] / p["time_s"]
+    decodes = [{"batch_size": b, "context": ctx} | _point(next(it)) for b in batch_sizes]
+    for p in decodes:
+        p["decode_tokens_per_s"] = p["batch_size"] / p["time_s"]
+    chunks = [{"chunk_size": c, "prompt": prompt} | _point(next(it)) for c in chunk_sizes]
+    whole = next((p["time_s"] for p in chunks if p["chunk_size"] >= prompt), chunks[-1]["time_s"])
+    for p in chunks:
+        p["overhead"] = p["time_s"] / whole - 1.0
+    return iters, decodes, chunks
 
 
 def knee(points: list[dict]) -> int | None:
     """Smallest batch size (tokens) whose iteration takes twice as long as a 1-token one."""
     base = points[0]["time_s"]
     return next((p["tokens"] for p in points if p["time_s"] >= 2 * base), None)
-
-
-def decode_sweep(t: Timer, batch_sizes: list[int], ctx: int) -> list[dict]:
-    bs = t.ex.block_size
-    per_req = -(-(ctx + 1) // bs)
-    out = []
-    for b in tqdm(batch_sizes, desc="(b) decode throughput vs batch", leave=False):
-        for i in range(b):  # fill each request's context once
-            t.run([_chunk(f"r{i}", 0, ctx, bs, i * per_req)])
-        s = t.median([_chunk(f"r{i}", ctx, 1, bs, i * per_req) for i in range(b)])
-        out.append({"batch_size": b, "context": ctx, "time_s": s, "decode_tokens_per_s": b / s})
-    return out
-
-
-def chunk_sweep(t: Timer, prompt: int, sizes: list[int]) -> list[dict]:
-    bs = t.ex.block_size
-    out = []
-    for c in tqdm(sizes, desc="(c) chunked prefill overhead", leave=False):
-        plans = [[_chunk("a", s, min(c, prompt - s), bs, 0)] for s in range(0, prompt, c)]
-        for p in plans:  # warm-up pass
-            t.run(p)
-        totals = [sum(t.run(p) for p in plans) for _ in range(t.repeats)]
-        out.append({"chunk_size": c, "prompt": prompt, "time_s": statistics.median(totals)})
-    whole = next((p["time_s"] for p in out if p["chunk_size"] >= prompt), out[-1]["time_s"])
-    for p in out:
-        p["overhead"] = p["time_s"] / whole - 1.0
-    return out
 
 
 def stall_timeline(model_dir: str, args: ProfileConfig, q: dict, scheduler: str) -> dict:
@@ -241,7 +263,7 @@ def run_profile(args: ProfileConfig) -> int:
     out_dir = Path(args.output_dir or f"runs/profile-{time.strftime('%Y%m%d-%H%M%S')}")
     out_dir.mkdir(parents=True, exist_ok=True)
     need_tokens = max(q["tokens"] + [q["chunk_prompt"]])
-    blocks = max(-(-need_tokens // 16), max(q["batch_sizes"]) * -(-(q["decode_context"] + 1) // 16))
+    blocks = -(-need_tokens // 16) + max(q["batch_sizes"]) * -(-(q["decode_context"] + 1) // 16)
     ex = ModelExecutor(
         model_dir,
         dtype=args.dtype,
@@ -260,9 +282,8 @@ def run_profile(args: ProfileConfig) -> int:
         f" {torch.get_num_threads()} threads"
     )
     peaks = measure_peaks(args.device, ex.kv_caches[0][0].dtype)
-    iters = iteration_sweep(t, q["tokens"])
-    decodes = decode_sweep(t, q["batch_sizes"], q["decode_context"])
-    chunks = chunk_sweep(t, q["chunk_prompt"], q["chunk_sizes"])
+    iters, decodes, chunks = sweeps(t, q["tokens"], q["batch_sizes"], q["decode_context"],
+                                    q["chunk_prompt"], q["chunk_sizes"])
     del ex, t
     stalls = [stall_timeline(model_dir, args, q, s) for s in ("vllm", "sarathi")]
     overhead = [engine_overhead(model_dir, args, n, q["overhead_context"])
@@ -285,6 +306,7 @@ def run_profile(args: ProfileConfig) -> int:
         "num_params": arch.num_params,
         "dtype": args.dtype,
         "threads": torch.get_num_threads(),
+        "repeats": args.repeats,
         "peaks": peaks,
         "achieved": achieved,
         "iteration_time": iters,

@@ -169,3 +169,21 @@ def test_loading_a_model_does_not_import_dynamo(tiny_model_dir):
     out = subprocess.run([sys.executable, "-c", code, str(tiny_model_dir)], check=True,
                          capture_output=True, text=True)
     assert out.stdout.strip() == "False", "loading the model imported torch._dynamo"
+
+
+def test_parameter_counts_match_the_checkpoint(tiny_model_dir):
+    """num_params is every weight of the checkpoint; prefill_matmul_params the decoder
+    layers' linears (the profile's prefill FLOP/s counts those)."""
+    from safetensors import safe_open
+
+    from fluidserve.model.arch import read_arch
+
+    arch = read_arch(tiny_model_dir)
+    sizes = {}
+    for f in tiny_model_dir.glob("*.safetensors"):
+        with safe_open(f, "pt") as st:
+            sizes |= {k: st.get_slice(k).get_shape() for k in st.keys()}
+    numel = {k: int(torch.Size(s).numel()) for k, s in sizes.items()}
+    assert sum(numel.values()) == arch.num_params
+    linears = sum(n for k, n in numel.items() if k.endswith("proj.weight"))
+    assert linears == arch.prefill_matmul_params

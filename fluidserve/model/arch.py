@@ -52,6 +52,14 @@ class ArchConfig:
         emb = self.vocab_size * h * (1 if self.tie_word_embeddings else 2)
         return self.num_layers * layer + emb + h
 
+    @property
+    def prefill_matmul_params(self) -> int:
+        """Weights a prompt token is multiplied through: the decoder layers' linears. The
+        embedding is a lookup, and the LM head runs only on the tokens that are sampled."""
+        h, f, d = self.hidden_size, self.intermediate_size, self.head_dim
+        return self.num_layers * (h * (self.num_heads + 2 * self.num_kv_heads) * d
+                                  + self.num_heads * d * h + 3 * h * f)
+
     def kv_bytes_per_token(self, dtype_bytes: int, tp: int = 1, pp: int = 1) -> int:
         return kv_bytes_per_token(self.num_layers, self.num_kv_heads, self.head_dim,
                                   dtype_bytes, tp, pp)

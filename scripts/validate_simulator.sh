@@ -5,7 +5,10 @@
 # it is also simulated calibrated on its own served telemetry. The script prints measured vs
 # simulated P50 TTFT, P99 TBT, the share of stalled gaps and throughput for both schedulers and
 # both calibrations, with a bootstrap interval of each measured figure over its requests and the
-# median and range of DRAWS simulations that differ only in their --cpu-jitter-seed.
+# median and range of DRAWS simulations that differ only in their --cpu-jitter-seed. A third
+# protocol, profile, prices the measured workload from a `fluidserve profile` run alone (no
+# served telemetry, no jitter: PROFILE=path/profile.json, default the shipped profile): what
+# `fluidserve simulate --cost-model cpu` predicts before anything was served on the machine.
 # Results: runs/sim-validation/ (validation.json).
 set -euo pipefail
 OUT=${OUT:-runs/sim-validation}
@@ -13,6 +16,7 @@ RATE=${RATE:-0.4}
 CAL_RATE=${CAL_RATE:-$RATE}
 N=${N:-200}
 DRAWS=${DRAWS:-5}  # simulations per calibration, each with its own --cpu-jitter-seed
+PROFILE=${PROFILE:-}  # profile.json for the profile protocol (empty: the shipped one)
 MODEL=${MODEL:-$(python -c 'from fluidserve.model.builder import cached_model_dir; print(cached_model_dir("250m", "bfloat16"))')}
 LENGTHS=(--dataset-name sharegpt --prompt-scale 0.25 --output-scale 0.1 --max-prompt-len 1024
          --max-output-len 128 --tbt-deadline 0.25 --ttft-deadline 5)
@@ -57,6 +61,11 @@ for name in sarathi vllm; do
         --label "sim-$name-$protocol" --output-dir "$dir" > /dev/null 2>&1
     done
   done
+  # shellcheck disable=SC2086
+  fluidserve simulate --cost-model cpu ${PROFILE:+--cpu-profile "$PROFILE"} "${LENGTHS[@]}" \
+    --seed 0 --num-prompts "$N" --request-rate "$RATE" --max-model-len 2048 \
+    --kv-cache-memory-gb 2 ${SCHED[$name]} --label "sim-$name-profile" \
+    --output-dir "$OUT/sim-$name-profile" > /dev/null 2>&1
 done
 python - "$OUT" <<'PY'
 import glob, json, os, sys
@@ -90,9 +99,9 @@ for name in ("sarathi", "vllm"):
     if ratio is not None and abs(ratio - 1) > 0.02:
         print(f"warning: the {name} server counted {ratio:.2f}x the workload's prompt tokens")
 measured = {name: gaps(f"measured-{name}") for name in ("sarathi", "vllm")}
-for protocol in ("heldout", "insample"):
+for protocol in ("heldout", "insample", "profile"):
     print(f"calibration: {protocol}  (measured [90% bootstrap interval over requests];"
-          f" simulated: median [range] of the jitter draws)")
+          f" simulated: median [range] of the jitter draws; profile: one run, no jitter)")
     for name in ("sarathi", "vllm"):
         m = measured[name]
         sims = sorted(glob.glob(f"{out}/sim-{name}-{protocol}*/requests.jsonl"))

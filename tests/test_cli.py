@@ -113,6 +113,11 @@ def test_profile_quick_writes_json_and_plots(tiny_model_dir, tmp_path):
     )
     result = json.loads(out.stdout.strip().splitlines()[-1])
     assert {s["scheduler"] for s in result["stall"]} == {"vllm", "sarathi"}
+    for p in (*result["iteration_time"], *result["decode"], *result["chunked_prefill"]):
+        assert len(p["samples_s"]) == 1 and p["time_s"] == p["samples_s"][0]
+    # the summary for a person, before the JSON line
+    assert "iteration time: 1 tok" in out.stdout and "engine overhead:" in out.stdout
+    assert "rounds of one point" not in out.stdout  # one round: no spread to report
     assert result["iteration_time"][0]["tokens"] == 1 and result["peaks"]["matmul_flops"] > 0
     for name in ("iteration_time", "throughput", "chunked_prefill_overhead", "stall_timeline"):
         assert (tmp_path / f"{name}.png").stat().st_size > 1000

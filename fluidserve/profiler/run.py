@@ -322,6 +322,42 @@ def run_profile(args: ProfileConfig) -> int:
         from fluidserve.profiler.plots import plot_profile
 
         plot_profile(result, stalls, out_dir)
+    print(summary(result))
     print(f"wrote {out_dir}")
     print(json.dumps(result))
     return 0
+
+
+def summary(r: dict) -> str:
+    """The profile in a few lines, for a person (the JSON follows for programs)."""
+    it, dec, ch = r["iteration_time"], r["decode"], r["chunked_prefill"]
+    whole = ch[-1]["time_s"]
+    pk, ach = r["peaks"], r["achieved"]
+    lines = [
+        f"peaks: matmul {pk['matmul_flops'] / 1e9:.0f} GFLOP/s ({pk['matmul_dtype']}),"
+        f" copy {pk['memory_bandwidth_bytes_per_s'] / 1e9:.1f} GB/s",
+        "iteration time: " + ", ".join(f"{p['tokens']} tok {p['time_s'] * 1e3:.0f} ms"
+                                        for p in it)
+        + f" (doubles at {r['knee_tokens'] or '-'} tokens)",
+        "decode: " + ", ".join(f"batch {p['batch_size']} {p['decode_tokens_per_s']:.0f} tok/s"
+                               for p in dec) + f" (context {dec[0]['context']})",
+        f"achieved: decode batch 1 reads weights at"
+        f" {ach['decode_bs1_weight_bandwidth_bytes_per_s'] / 1e9:.1f} GB/s"
+        f" ({ach['decode_bs1_fraction_of_peak_bandwidth']:.0%} of copy bandwidth); prefill"
+        f" {ach['prefill_flops'] / 1e9:.0f} GFLOP/s ({ach['prefill_fraction_of_peak_flops']:.0%}"
+        " of the matmul peak)",
+        f"chunked prefill of {ch[0]['prompt']} tokens vs one chunk of"
+        f" {ch[-1]['chunk_size']}: "
+        + ", ".join(f"chunk {p['chunk_size']} {p['time_s'] / whole - 1:+.0%}" for p in ch[:-1]),
+        "stall test, max decode TBT: " + ", ".join(
+            f"{s['scheduler']} (budget {s['token_budget']}) {s['decode_max_tbt_s'] * 1e3:.0f} ms"
+            for s in r["stall"]),
+        "engine overhead: " + ", ".join(
+            f"{o['overhead_fraction']:.1%} of the step at {o['running']} running"
+            for o in r["engine_overhead"]),
+    ]
+    spread = max(p["spread"] for p in (*it, *dec, *ch))
+    if r["repeats"] > 1:
+        lines.append(f"the {r['repeats']} rounds of one point differed by up to {spread:.2f}x"
+                     " (the machine's noise; each point reports its median)")
+    return "\n".join(lines)

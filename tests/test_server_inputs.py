@@ -73,6 +73,26 @@ HOSTILE = [
     ("two prompts", "/v1/completions", {"prompt": ["a", "b"]}),
     ("stream_options without stream", "/v1/completions",
      {"prompt": "hi", "stream_options": {"include_usage": True}}),
+    # Parameters this server does not implement: refused unless neutral, never ignored.
+    ("JSON mode", "/v1/completions", {"prompt": "hi", "response_format": {"type": "json_object"}}),
+    ("JSON schema in chat", "/v1/chat/completions",
+     {"messages": [{"role": "user", "content": "hi"}],
+      "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {}}}}),
+    ("tools", "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}],
+                                       "tools": [{"type": "function", "function": {"name": "f"}}]}),
+    ("forced tool call", "/v1/chat/completions",
+     {"messages": [{"role": "user", "content": "hi"}],
+      "tool_choice": {"type": "function", "function": {"name": "f"}}}),
+    ("repetition penalty", "/v1/completions", {"prompt": "hi", "repetition_penalty": 1.3}),
+    ("min_p", "/v1/completions", {"prompt": "hi", "min_p": 0.1}),
+    ("beam search", "/v1/completions", {"prompt": "hi", "use_beam_search": True}),
+    ("guided json", "/v1/completions", {"prompt": "hi", "guided_json": {"type": "object"}}),
+    ("guided choice", "/v1/chat/completions",
+     {"messages": [{"role": "user", "content": "hi"}], "guided_choice": ["a", "b"]}),
+    ("special tokens kept", "/v1/completions", {"prompt": "hi", "skip_special_tokens": False}),
+    ("template kwargs", "/v1/chat/completions",
+     {"messages": [{"role": "user", "content": "hi"}],
+      "chat_template_kwargs": {"enable_thinking": False}}),
 ]
 
 
@@ -80,6 +100,27 @@ HOSTILE = [
 def test_hostile_input_gets_a_documented_400(srv, schema, name, path, body):
     assert_error(post(srv, path, body), 400, schema)
     assert httpx.get(srv.url + "/health").status_code == 200
+
+
+def test_neutral_values_of_unimplemented_parameters_change_nothing(srv):
+    """A client (or vLLM's benchmark, which sends repetition_penalty=1.0) that passes an
+    unimplemented parameter at its neutral value gets what it would get without it."""
+    base = {"prompt": PROMPT, "max_tokens": 6, "temperature": 0}
+    neutral = {"repetition_penalty": 1.0, "min_p": 0, "use_beam_search": False,
+               "skip_special_tokens": True, "include_stop_str_in_output": False,
+               "response_format": {"type": "text"}, "guided_json": None, "bad_words": []}
+    plain = post(srv, "/v1/completions", base)
+    same = post(srv, "/v1/completions", base | neutral)
+    assert plain.status_code == same.status_code == 200, same.text
+    assert same.json()["choices"][0]["text"] == plain.json()["choices"][0]["text"]
+    chat = {"messages": [{"role": "user", "content": PROMPT}], "max_tokens": 6, "temperature": 0}
+    plain = post(srv, "/v1/chat/completions", chat)
+    same = post(srv, "/v1/chat/completions", chat | {
+        "tools": [], "tool_choice": "none", "echo": False, "add_generation_prompt": True,
+        "continue_final_message": False, "chat_template": None})
+    assert plain.status_code == same.status_code == 200, same.text
+    assert (same.json()["choices"][0]["message"]["content"]
+            == plain.json()["choices"][0]["message"]["content"])
 
 
 def test_published_schema_states_what_is_rejected(schema):
@@ -93,6 +134,11 @@ def test_published_schema_states_what_is_rejected(schema):
     assert ids["items"]["maximum"] == 1333 and ids["minItems"] == 1  # the tiny model's vocab
     chat = schema["components"]["schemas"]["ChatCompletionRequest"]
     assert chat["properties"]["messages"]["minItems"] == 1
+    # What is not implemented is stated: its one accepted value, or null only.
+    consts = [a for a in req["properties"]["min_p"]["anyOf"] if "const" in a]
+    assert consts == [{"type": "number", "const": 0.0}]
+    assert req["properties"]["guided_json"]["type"] == "null"
+    assert chat["properties"]["tools"]["anyOf"][0]["maxItems"] == 0
     for path in ("/v1/completions", "/v1/chat/completions"):
         responses = schema["paths"][path]["post"]["responses"]
         for status in ("200", "400", "404", "413", "500", "503"):

@@ -10,6 +10,7 @@ filled in by ``request_models`` when the server starts.
 
 from __future__ import annotations
 
+import json
 import time
 import uuid
 from dataclasses import dataclass
@@ -47,14 +48,35 @@ StopString = Annotated[str, Field(min_length=1)]
 # Literal[1] would take true and Literal[False] would take 0 (they compare equal in Python).
 One = Int(ge=1, le=1)
 MinusOne = Int(ge=-1, le=-1)
-OnlyFalse = Annotated[bool, AfterValidator(lambda v: _only(v, False)),
-                      WithJsonSchema({"type": "boolean", "const": False})]
 
 
 def _only(value, allowed):
     if value != allowed:
-        raise ValueError(f"only {allowed!r} is supported")
+        raise ValueError(f"only {json.dumps(allowed)} is supported")
     return value
+
+
+def Only(kind: type, allowed: Any, json_type: str) -> Any:  # noqa: N802 - a type
+    """A parameter of the OpenAI or vLLM API that this server accepts at its neutral value
+    only (the one that leaves the output as it would be without it); any other value is a
+    400, never silently ignored."""
+    return Annotated[kind, AfterValidator(lambda v: _only(v, allowed)),
+                     WithJsonSchema({"type": json_type, "const": allowed})]
+
+
+def _null(value):
+    if value is not None:
+        raise ValueError("not supported by this server (only null)")
+    return value
+
+
+OnlyFalse = Only(bool, False, "boolean")
+OnlyTrue = Only(bool, True, "boolean")
+# A parameter this server does not implement, whose presence would change the output
+# (structured output, tool calls, other sampling rules): null or absent, else a 400.
+Unsupported = Annotated[Any, AfterValidator(_null), WithJsonSchema({"type": "null"})]
+NOT_SUPPORTED = "Not supported: must be null or absent."
+NoItems = Annotated[list[Any], Field(max_length=0)]
 
 
 class ApiError(Exception):
@@ -75,6 +97,12 @@ class StreamOptions(BaseModel):
 
     include_usage: bool | None = False
     continuous_usage_stats: bool | None = False  # vLLM extension: usage in every chunk
+
+
+class TextFormat(BaseModel):
+    model_config = ConfigDict(extra="ignore", strict=True)
+
+    type: Literal["text"]
 
 
 class _Common(BaseModel):
@@ -102,6 +130,27 @@ class _Common(BaseModel):
     logit_bias: Annotated[dict[str, float], Field(max_length=0)] | None = Field(
         None, description="Not supported: must be empty.")
     return_metrics: bool = False  # fluidserve extension: server-side timings in the response
+    # Parameters of the OpenAI API and vLLM's extensions that this server does not implement:
+    # only their neutral values are accepted, so a client never gets output made under other
+    # rules than it asked for.
+    response_format: TextFormat | None = Field(
+        None, description='Only {"type": "text"}: no JSON mode or JSON schema.')
+    repetition_penalty: Only(float, 1.0, "number") | None = Field(
+        None, description="Only 1 is supported.")
+    min_p: Only(float, 0.0, "number") | None = Field(None, description="Only 0 is supported.")
+    use_beam_search: OnlyFalse | None = Field(None, description="Only false is supported.")
+    include_stop_str_in_output: OnlyFalse | None = Field(
+        None, description="Only false is supported: a matched stop string is left out.")
+    skip_special_tokens: OnlyTrue | None = Field(None, description="Only true is supported.")
+    prompt_logprobs: Unsupported = Field(None, description=NOT_SUPPORTED)
+    guided_json: Unsupported = Field(None, description=NOT_SUPPORTED)
+    guided_regex: Unsupported = Field(None, description=NOT_SUPPORTED)
+    guided_choice: Unsupported = Field(None, description=NOT_SUPPORTED)
+    guided_grammar: Unsupported = Field(None, description=NOT_SUPPORTED)
+    structured_outputs: Unsupported = Field(None, description=NOT_SUPPORTED)
+    allowed_token_ids: Unsupported = Field(None, description=NOT_SUPPORTED)
+    bad_words: NoItems | None = Field(None, description="Not supported: must be empty.")
+    truncate_prompt_tokens: Unsupported = Field(None, description=NOT_SUPPORTED)
 
     def sampling_params(self, max_tokens: int, logprobs: int | None) -> SamplingParams:
         return SamplingParams(
@@ -176,6 +225,20 @@ class ChatCompletionRequest(_Common):
     top_logprobs: Int(ge=0, le=MAX_LOGPROBS) | None = Field(
         None, description="Only with logprobs=true.")
     max_completion_tokens: Int(ge=1) | None = None
+    tools: NoItems | None = Field(None, description="Not supported: must be empty.")
+    tool_choice: Literal["none", "auto"] | None = Field(
+        None, description='With no tools: "none" or "auto" (no tool is ever called).')
+    functions: NoItems | None = Field(None, description="Not supported: must be empty.")
+    function_call: Literal["none", "auto"] | None = Field(
+        None, description='With no functions: "none" or "auto".')
+    echo: OnlyFalse | None = Field(None, description="Only false is supported.")
+    add_generation_prompt: OnlyTrue | None = Field(
+        None, description="Only true: the chat template always opens the assistant's turn.")
+    continue_final_message: OnlyFalse | None = Field(
+        None, description="Only false is supported.")
+    chat_template: Unsupported = Field(
+        None, description="Not supported: the model's own template is used.")
+    chat_template_kwargs: Unsupported = Field(None, description=NOT_SUPPORTED)
 
     @property
     def num_logprobs(self) -> int | None:

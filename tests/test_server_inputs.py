@@ -123,6 +123,22 @@ def test_neutral_values_of_unimplemented_parameters_change_nothing(srv):
             == plain.json()["choices"][0]["message"]["content"])
 
 
+def test_an_error_speaks_of_the_form_the_value_has(srv):
+    """Where a field takes several forms, the error is the one of the form the client used."""
+    err = assert_error(post(srv, "/v1/completions", {"prompt": "hi", "stop": ["a"] * 17}), 400)
+    assert err["param"] == "stop" and "at most 16 items" in err["message"]
+    err = assert_error(post(srv, "/v1/completions", {"prompt": "hi", "stop": 5}), 400)
+    assert "valid string" in err["message"]
+
+
+def test_top_k_zero_is_every_token_as_in_vllm(srv):
+    body = {"prompt": PROMPT, "max_tokens": 6, "temperature": 1.0, "seed": 3}
+    texts = [post(srv, "/v1/completions", body | extra).json()["choices"][0]["text"]
+             for extra in ({}, {"top_k": 0}, {"top_k": -1})]
+    assert texts[0] == texts[1] == texts[2]
+    assert_error(post(srv, "/v1/completions", body | {"top_k": -2}), 400)
+
+
 def test_published_schema_states_what_is_rejected(schema):
     """A body the schema accepts is served; one the server refuses, the schema refuses too."""
     req = schema["components"]["schemas"]["CompletionRequest"]

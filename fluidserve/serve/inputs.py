@@ -40,12 +40,21 @@ def parse_body(raw: bytes, model: type[BaseModel]) -> BaseModel:
 
 
 def validation_error(errors: list) -> ApiError:
-    # Of a union's alternatives, the one that got furthest says best what is wrong.
-    first = max(errors, key=lambda e: len(e.get("loc", ())), default={})
+    # Of a union's alternatives, the one whose type the value has says best what is wrong
+    # (17 stop strings: "at most 16 items", not "should be a valid string"), then the one
+    # that got furthest into the value.
+    first = max(errors, key=lambda e: (not _wrong_type(e), len(e.get("loc", ()))), default={})
     loc = [str(x) for x in first.get("loc", ()) if not _union_tag(x)]
     msg = str(first.get("msg", "invalid request")).removeprefix("Value error, ")
     where = ".".join(loc)
     return ApiError(400, f"{where}: {msg}" if where else msg, param=where or None)
+
+
+def _wrong_type(error: dict) -> bool:
+    """Whether the error says the value is not of the alternative's type at all."""
+    kind = str(error.get("type", ""))
+    return kind.endswith("_type") or kind in ("none_required", "literal_error",
+                                              "is_instance_of", "model_attributes_type")
 
 
 def _union_tag(part) -> bool:

@@ -47,7 +47,6 @@ Int64 = Int(ge=INT64_MIN, le=INT64_MAX)
 StopString = Annotated[str, Field(min_length=1)]
 # Literal[1] would take true and Literal[False] would take 0 (they compare equal in Python).
 One = Int(ge=1, le=1)
-MinusOne = Int(ge=-1, le=-1)
 
 
 def _only(value, allowed):
@@ -112,7 +111,8 @@ class _Common(BaseModel):
     max_tokens: Int(ge=1) | None = None
     temperature: Annotated[float, Field(ge=0.0, le=2.0)] | None = None
     top_p: Annotated[float, Field(gt=0.0, le=1.0)] | None = None
-    top_k: MinusOne | Int(ge=1, le=INT32_MAX) | None = None
+    top_k: Int(ge=-1, le=0) | Int(ge=1, le=INT32_MAX) | None = Field(
+        None, description="-1 or 0 (as in vLLM): every token.")
     min_tokens: Int(ge=0, le=INT64_MAX) = 0
     seed: Int64 | None = None
     stop: StopString | Annotated[list[StopString], Field(max_length=MAX_STOP)] | None = None
@@ -157,7 +157,7 @@ class _Common(BaseModel):
             max_tokens=max_tokens,
             temperature=1.0 if self.temperature is None else self.temperature,
             top_p=1.0 if self.top_p is None else self.top_p,
-            top_k=-1 if self.top_k is None else self.top_k,
+            top_k=-1 if self.top_k is None or self.top_k <= 0 else self.top_k,
             seed=self.seed,
             stop=tuple(self.stop_strings),
             stop_token_ids=tuple(self.stop_token_ids or ()),

@@ -26,6 +26,7 @@ from fluidserve.config import (
     ProfileConfig,
     ServerConfig,
     SimConfig,
+    is_config_error,
 )
 
 
@@ -225,9 +226,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return args.func(args)
     except (ConfigError, ValueError) as e:
-        from fluidserve.model.arch import ModelLoadError
-
-        if isinstance(e, (ConfigError, ModelLoadError)) or type(e) is ValueError:
+        if is_config_error(e):
             print(f"fluidserve: error: {e}", file=sys.stderr)
             return 2
         raise

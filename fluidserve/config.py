@@ -27,6 +27,14 @@ class ConfigError(ValueError):
     """A configuration value is invalid; the message names the knob and the reason."""
 
 
+def is_config_error(e: BaseException) -> bool:
+    """Whether ``e`` says what is wrong with the user's input (a knob, the model directory,
+    a value the model's shape rules out): told as one line, not a traceback."""
+    from fluidserve.model.arch import ModelLoadError
+
+    return isinstance(e, (ConfigError, ModelLoadError)) or type(e) is ValueError
+
+
 def knob(default, help: str, **kw):  # noqa: A002 - "help" mirrors argparse
     return field(default=default, metadata={"help": help, **kw})
 

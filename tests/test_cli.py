@@ -121,3 +121,29 @@ def test_profile_quick_writes_json_and_plots(tiny_model_dir, tmp_path):
     assert result["iteration_time"][0]["tokens"] == 1 and result["peaks"]["matmul_flops"] > 0
     for name in ("iteration_time", "throughput", "chunked_prefill_overhead", "stall_timeline"):
         assert (tmp_path / f"{name}.png").stat().st_size > 1000
+
+
+def test_bad_input_files_and_shapes_are_one_line_errors(tiny_model_dir, tmp_path):
+    """A missing or wrong file, or a parallel size the model's shape rules out (found by the
+    engine-core process while it starts), is exit code 2 and one line saying what, with no
+    traceback."""
+    not_a_profile = tmp_path / "summary.json"
+    not_a_profile.write_text(json.dumps({"p50_ttft": 1.0}))
+    garbled = tmp_path / "telemetry.jsonl"
+    garbled.write_text('{"type": "iteration"}\nnot json\n')
+    cases = [
+        (("simulate", "--cost-model", "cpu", "--num-prompts", "2", "--cpu-profile",
+          str(tmp_path / "missing.json")), "--cpu-profile", "No such file"),
+        (("simulate", "--cost-model", "cpu", "--num-prompts", "2", "--cpu-profile",
+          str(not_a_profile)), "--cpu-profile", "not a `fluidserve profile` result"),
+        (("simulate", "--cost-model", "cpu", "--num-prompts", "2", "--cpu-calibration",
+          str(garbled)), "--cpu-calibration", "not JSON lines"),
+        (("serve", "--model", str(tiny_model_dir), "--dtype", "float32", "--port", "8719",
+          "--tensor-parallel-size", "3"), "tensor-parallel size 3", "must divide"),
+    ]
+    for args, what, why in cases:
+        r = cli(*args, check=False)
+        assert r.returncode == 2, (args, r.stderr[-2000:])
+        last = r.stderr.strip().splitlines()[-1]
+        assert last.startswith("fluidserve: error:") and what in last and why in last, last
+        assert "Traceback" not in r.stderr, r.stderr[-2000:]

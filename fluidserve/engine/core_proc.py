@@ -25,7 +25,7 @@ from collections.abc import Callable
 from multiprocessing.connection import Connection
 from multiprocessing.connection import wait as wait_ready_objects
 
-from fluidserve.config import EngineConfig
+from fluidserve.config import ConfigError, EngineConfig, is_config_error
 from fluidserve.engine.messages import (
     AbortRequests,
     AddRequest,
@@ -75,9 +75,14 @@ def run_engine_core(config: EngineConfig, inbox: Connection, outbox: Connection,
             role.close()
         ex.shutdown()
     except BaseException as e:  # report, then exit non-zero: the front end fails requests
-        log.exception("engine core failed")
+        if core is None and is_config_error(e):  # bad input at startup: one line, no trace
+            log.error("cannot start: %s", e)
+            failed = CoreFailed(str(e), config_error=True)
+        else:
+            log.exception("engine core failed")
+            failed = CoreFailed(f"{type(e).__name__}: {e}\n{traceback.format_exc()}")
         try:
-            outbox.send(CoreFailed(f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
+            outbox.send(failed)
         except OSError:
             pass
         if core is not None:
@@ -288,6 +293,8 @@ class EngineCoreClient:
             raise RuntimeError(f"engine core exited with code {wait_exit(self.proc, 5)}"
                                " while starting") from None
         if isinstance(msg, CoreFailed):
+            if msg.config_error:
+                raise ConfigError(msg.message)
             raise RuntimeError(f"engine core failed to start: {msg.message}")
         self.info = msg
         threading.Thread(target=self._read, name="fluidserve-core-reader", daemon=True).start()

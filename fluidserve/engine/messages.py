@@ -125,6 +125,9 @@ class CoreReady:
 
 @dataclass(frozen=True, slots=True)
 class CoreFailed:
-    """Sent by an engine-core process that cannot continue (startup or loop failure)."""
+    """Sent by an engine-core process that cannot continue (startup or loop failure).
+    ``config_error``: it could not start because of the user's input (the configuration, the
+    model directory), and ``message`` says what, in one line."""
 
     message: str
+    config_error: bool = False

@@ -105,7 +105,13 @@ class AsyncEngine:
 
     def start(self, timeout: float = 600.0) -> CoreReady:
         """Wait for the engine core to load its model, then start watching it."""
-        self.info = self.client.wait_ready(timeout)
+        try:
+            self.info = self.client.wait_ready(timeout)
+        except BaseException:  # the core could not start: reap it, close what was opened
+            self.client.abandon()
+            if self.request_log is not None:
+                self.request_log.close()
+            raise
         threading.Thread(target=self._watch, name="fluidserve-watchdog", daemon=True).start()
         return self.info
 

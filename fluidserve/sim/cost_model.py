@@ -18,6 +18,7 @@ from pathlib import Path
 
 import numpy as np
 
+from fluidserve.config import ConfigError
 from fluidserve.core.scheduler.output import SchedulerOutput
 from fluidserve.data import data_dir
 from fluidserve.sim.shapes import DEVICES, SHAPES, STAND_INS, TABLE_SHAPES, TABLES, Shape
@@ -335,13 +336,33 @@ def read_telemetry(paths: list[str]) -> list[list[dict]]:
     """Iteration records of each telemetry JSONL file (one list per file, in order)."""
     out = []
     for p in paths:
-        with open(p) as f:
-            out.append([r for r in map(json.loads, f) if r.get("type") == "iteration"])
+        try:
+            with open(p) as f:
+                records = [json.loads(line) for line in f if line.strip()]
+        except OSError as e:
+            raise ConfigError(f"--cpu-calibration {p}: {e.strerror or e}") from None
+        except json.JSONDecodeError as e:
+            raise ConfigError(f"--cpu-calibration {p}: not JSON lines ({e})") from None
+        out.append([r for r in records if isinstance(r, dict) and r.get("type") == "iteration"])
     return out
 
 
+PROFILE_KEYS = ("iteration_time", "decode", "chunked_prefill")
+
+
 def load_cpu_profile(path: str | None) -> dict:
-    if path:
-        return json.loads(Path(path).read_text())
-    text = resources.files("fluidserve.sim").joinpath("cpu_profile_250m_bf16.json").read_text()
-    return json.loads(text)
+    """A `fluidserve profile` result: ``path``'s, or the shipped one."""
+    if not path:
+        text = resources.files("fluidserve.sim").joinpath("cpu_profile_250m_bf16.json")
+        return json.loads(text.read_text())
+    try:
+        profile = json.loads(Path(path).read_text())
+    except OSError as e:
+        raise ConfigError(f"--cpu-profile {path}: {e.strerror or e}") from None
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"--cpu-profile {path}: not JSON ({e})") from None
+    missing = [k for k in PROFILE_KEYS if not isinstance(profile, dict) or k not in profile]
+    if missing:
+        raise ConfigError(f"--cpu-profile {path}: not a `fluidserve profile` result (no"
+                          f" {', '.join(missing)})")
+    return profile

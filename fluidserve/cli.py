@@ -230,6 +230,11 @@ def main(argv: list[str] | None = None) -> int:
             print(f"fluidserve: error: {e}", file=sys.stderr)
             return 2
         raise
+    except (FileNotFoundError, PermissionError, IsADirectoryError, NotADirectoryError) as e:
+        if e.filename is None:  # not about a path the user gave
+            raise
+        print(f"fluidserve: error: {e.filename}: {e.strerror}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

@@ -140,6 +140,13 @@ def test_bad_input_files_and_shapes_are_one_line_errors(tiny_model_dir, tmp_path
           str(garbled)), "--cpu-calibration", "not JSON lines"),
         (("serve", "--model", str(tiny_model_dir), "--dtype", "float32", "--port", "8719",
           "--tensor-parallel-size", "3"), "tensor-parallel size 3", "must divide"),
+        (("serve", "--model", str(tmp_path / "nope")), "nope", "no such directory"),
+        (("generate", "--prompt", "x", "--model", str(tmp_path / "nope")), "nope",
+         "does not exist"),
+        (("generate", "--prompt-file", str(tmp_path / "prompts.txt")), "prompts.txt",
+         "No such file"),
+        (("train-predictor", "--request-log", str(tmp_path / "log.jsonl")), "log.jsonl",
+         "No such file"),
     ]
     for args, what, why in cases:
         r = cli(*args, check=False)

@@ -66,6 +66,8 @@ class ArchConfig:
 
 
 def read_arch(model_dir: str | Path) -> ArchConfig:
+    if not Path(model_dir).is_dir():
+        raise ModelLoadError(f"model directory {str(model_dir)!r} does not exist")
     path = Path(model_dir) / "config.json"
     if not path.is_file():
         raise ModelLoadError(f"{model_dir}: no config.json (not a Hugging Face model directory)")

@@ -16,6 +16,8 @@ DEFAULT_CHAT_TEMPLATE = (
 def check_tokenizer_files(path: str | Path) -> None:
     """Raise ModelLoadError unless ``path`` has tokenizer files (cheap: no transformers)."""
     path = Path(path)
+    if not path.is_dir():
+        raise ModelLoadError(f"{path}: no such directory")
     if not (path / "tokenizer.json").is_file() and not (path / "tokenizer.model").is_file():
         raise ModelLoadError(f"{path}: no tokenizer files (tokenizer.json or tokenizer.model)")
 

@@ -143,7 +143,7 @@ class DisaggClient:
     def wait_ready(self, timeout: float = 600.0) -> CoreReady:
         try:
             infos = [c.wait_ready(timeout) for c in self.instances]
-        except RuntimeError:
+        except BaseException:  # a crash, or a ConfigError: the others must not run on
             self.abandon()
             raise
         self._blocks = [info.num_kv_blocks for info in infos]

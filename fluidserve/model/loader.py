@@ -162,9 +162,7 @@ def load_model(
 ) -> tuple[ArchConfig, LlamaForCausalLM]:
     shard = shard or Shard()
     model_dir = Path(model_dir)
-    if not model_dir.is_dir():
-        raise ModelLoadError(f"model directory {str(model_dir)!r} does not exist")
-    cfg = read_arch(model_dir)
+    cfg = read_arch(model_dir)  # a missing directory is its ModelLoadError
     try:
         shard.check(cfg)
     except ValueError as e:

@@ -67,11 +67,12 @@ class ModelConfig:
         " fp16 weights widened to float32 where the CPU has no instructions for them);"
         " tiles: bf16 weights laid out for the compiled kernels' own linear: on an AMX CPU"
         " batches of up to 64 tokens multiply on a second copy in AMX tiles (their products"
-        " ~20% faster at 1-64 rows; twice the linear weights' memory), on an AVX2 CPU every"
-        " batch multiplies on one copy in 16-column panels (float32 FMAs; 2-3x oneDNN on"
-        " widened weights at 1-16 rows, 1.3x at 40, even from 256); eager: F.linear; auto:"
-        " tiles for bfloat16 where the CPU has AMX"
-        " and the copy takes at most a quarter of the available memory, or has AVX2 but no"
+        " ~20% faster at 1-64 rows; twice the linear weights' memory), on an AVX-512 or AVX2"
+        " CPU every batch multiplies on one copy in 32- or 16-column panels (float32 FMAs;"
+        " AVX-512 without AMX: 1.6-2x oneDNN's bf16 kernels at 1-2048 rows; AVX2: 2-3x"
+        " oneDNN on widened weights at 1-16 rows, 1.3x at 40, even from 256); eager:"
+        " F.linear; auto: tiles for bfloat16 where the CPU has AMX and the copy takes at most"
+        " a quarter of the available memory, has AVX-512 (without AMX), or has AVX2 but no"
         " bf16 instructions; else packed.",
         choices=("auto", "tiles", "packed", "eager"))
     enforce_eager: bool = knob(

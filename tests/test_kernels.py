@@ -247,8 +247,8 @@ def test_attention_benchmark_reports_both_cases_per_thread_count():
 TILE_KIND = ops.tile_kind() if ops is not None else ""
 AMX = TILE_KIND == "amx"
 needs_amx = pytest.mark.skipif(not AMX, reason="the CPU has no AMX tiles")
-needs_avx2_tiles = pytest.mark.skipif(TILE_KIND != "avx2",
-                                      reason="the AVX2 panel kernel is not the one built here")
+needs_panels = pytest.mark.skipif(TILE_KIND not in ("avx2", "avx512"),
+                                  reason="no panel kernel (AVX2 or AVX-512) is built here")
 
 
 @needs_amx
@@ -291,14 +291,15 @@ def test_tile_linear_rejects_what_it_cannot_multiply():
 
 def test_linear_backend_tiles_is_chosen_where_it_can_run(tiny_model_dir, monkeypatch):
     """``auto`` copies bf16 weights into tiles on an AMX CPU while the copy fits a quarter of
-    the available memory, and into AVX2 panels where oneDNN has no bf16 kernels (they take
+    the available memory, into AVX-512 panels on an AVX-512 CPU without AMX, and into AVX2
+    panels where oneDNN has no bf16 kernels (they take
     every batch and replace oneDNN's copy, so memory does not matter); ``tiles`` insists,
     and says why it cannot where it cannot."""
     from fluidserve.model import worker as W
-    from fluidserve.model.linear import ANY_ROWS, widened
+    from fluidserve.model.linear import ANY_ROWS, panels_by_default, widened
     from fluidserve.model.runner import ModelExecutor
 
-    panels = TILE_KIND == "avx2" and widened(torch.bfloat16)
+    panels = panels_by_default()
     ex = ModelExecutor(str(tiny_model_dir), dtype="bfloat16", num_blocks=16)
     assert ex.worker.tile_linear == (AMX or panels)
     assert ex.pads_rows == (not panels)
@@ -321,14 +322,15 @@ def test_linear_backend_tiles_is_chosen_where_it_can_run(tiny_model_dir, monkeyp
                              linear_backend="tiles").worker.tile_linear
 
 
-@needs_avx2_tiles
+@needs_panels
 @pytest.mark.parametrize("n,k,bias", [(96, 64, False), (100, 96, True), (1536, 1024, False),
                                       (1024, 2816, True), (40, 33, True)])
 def test_panel_linear_rounds_the_float32_product_and_is_the_same_for_every_batch(n, k, bias):
-    """The AVX2 kernel on bf16 panels: the float32 product of the bf16 operands, rounded once
-    to bf16 (within a unit in the last place of the exact product's rounding, where float32
-    sums in another order tip it), and each row's result independent of the rows beside it,
-    whatever their number (groups of six rows and partial groups, row blocks of 48)."""
+    """The AVX2 or AVX-512 kernel on bf16 panels (16 or 32 columns): the float32 product of
+    the bf16 operands, rounded once to bf16 (within a unit in the last place of the exact
+    product's rounding, where float32 sums in another order tip it), and each row's result
+    independent of the rows beside it, whatever their number (groups of six rows on AVX2,
+    twelve on AVX-512, partial groups, row blocks of 48), and a partial last panel."""
     g = torch.Generator().manual_seed(n + k)
     w = (torch.randn(n, k, generator=g) * 0.05).bfloat16()
     b = torch.randn(n, generator=g).bfloat16() if bias else None
@@ -339,7 +341,7 @@ def test_panel_linear_rounds_the_float32_product_and_is_the_same_for_every_batch
     ulp = torch.finfo(torch.bfloat16).eps * ref.abs()  # one unit in the last place, ~
     assert ((full.double() - ref).abs() <= ulp + 1e-6).all()
     assert (full == ref.bfloat16()).float().mean() > 0.98
-    for m in (1, 2, 5, 6, 7, 17, 40, 48, 49, 97):
+    for m in (1, 2, 5, 6, 7, 11, 12, 13, 17, 40, 48, 49, 97):
         y = ops.tile_linear(x[:m], panels, n, b)
         assert y.shape == (m, n) and torch.equal(y, full[:m]), m
     with pytest.raises(RuntimeError, match="does not match"):

@@ -27,6 +27,13 @@ float32, alternated in one process: 0.34 vs 0.85 ms at 1 row, 3.75 vs 4.99 at 40
 24.0 at 256, 194 vs 208 ms at 2048; for the 64 decoder linears of the race model, after the
 kernel's loop lost its per-step prefetch test: 15.6 vs 37.3 ms at 1 row, 121 vs 195 at 40, 671
 vs 772 at 256, 6.11 vs 7.14 s at 2048 (docs/performance.md).
+
+On a CPU with AVX-512 but no AMX (an Emerald Rapids class Xeon VM whose matrix unit is not
+exposed, for one), oneDNN has bf16 kernels, but their VDPBF16PS products run at about half
+the float32 FMA rate (172 against 314 GFLOP/s for [2048, 1024] x [1024, 5632] on two cores).
+There the same panel kernel runs on 512-bit registers, panels of 32 columns, and takes every
+batch: for that product, against oneDNN on the bf16 weight, 0.22 vs 0.27 ms at 1 row, 1.66 vs
+2.71 at 40, 10.7 vs 17.5 at 256, 96.6 vs 138.6 ms at 2048 (docs/performance.md).
 """
 
 from __future__ import annotations
@@ -77,12 +84,16 @@ def padded_rows(m: int) -> int:
     return -(-m // step) * step
 
 
-# tile_max_rows() of a tile kernel that takes every batch size (the AVX2 one).
+# tile_max_rows() of a tile kernel that takes every batch size (the panel ones).
 ANY_ROWS = 2**31 - 1
+# The compiled kernels' panel linears: float32 FMAs on bf16 weights in panels of 16 (AVX2) or
+# 32 (AVX-512) output columns.
+PANEL_KINDS = ("avx2", "avx512")
 
 
 def tile_kind() -> str:
-    """The small-batch kernel the compiled kernels have here: "amx", "avx2" or ""."""
+    """The small-batch kernel the compiled kernels have here: "amx", "avx512" or "avx2"
+    (float32 FMAs on bf16 panels, every batch size) or ""."""
     ops = cpu_ops()
     return ops.tile_kind() if ops is not None else ""
 
@@ -99,7 +110,15 @@ def tiles_supported(weight: torch.Tensor) -> bool:
     if weight.dtype != torch.bfloat16 or weight.device.type != "cpu":
         return False
     kind = tile_kind()
-    return kind == "avx2" or (kind == "amx" and weight.shape[1] % 32 == 0)
+    return kind in PANEL_KINDS or (kind == "amx" and weight.shape[1] % 32 == 0)
+
+
+def panels_by_default() -> bool:
+    """Whether ``auto`` multiplies bf16 linears on panels (which take every batch): on an
+    AVX-512 CPU without AMX, where the float32 FMA rate is about twice oneDNN's bf16 one,
+    and on an AVX2 CPU, where oneDNN has no bf16 kernels at all."""
+    kind = tile_kind()
+    return kind == "avx512" or (kind == "avx2" and widened(torch.bfloat16))
 
 
 class PackedLinear(nn.Module):

@@ -26,13 +26,14 @@ from fluidserve.model.attention import (
 from fluidserve.model.host_memory import keep_freed_memory
 from fluidserve.model.inputs import StepInputs
 from fluidserve.model.linear import (
+    PANEL_KINDS,
     linear_weight_bytes,
     pack_linear_layers,
     packed_linear_supported,
+    panels_by_default,
     tile_kind,
     tiles_cover_every_batch,
     tiles_supported,
-    widened,
 )
 from fluidserve.model.llama import Shard, TensorParallel
 from fluidserve.model.loader import DTYPES, load_model, resolve_dtype
@@ -67,7 +68,7 @@ class WorkerSpec:
         if not self.packed_linear():
             return False
         panels = self.linear_backend == "tiles" or (
-            self.linear_backend == "auto" and widened(torch.bfloat16))  # as choose_tiles
+            self.linear_backend == "auto" and panels_by_default())  # as choose_tiles
         return not (panels and self.dtype == "bfloat16" and self.device == "cpu"
                     and tiles_cover_every_batch())
 
@@ -256,8 +257,8 @@ def choose_tiles(backend: str, model: torch.nn.Module, device: torch.device) -> 
     elif not any(tiles_supported(w) for w in weights):
         why = "needs the compiled kernels on a CPU with AMX or AVX2"
     if why is None and backend == "auto":
-        if tile_kind() == "avx2":
-            return widened(torch.bfloat16)  # else oneDNN's own bf16 kernels
+        if tile_kind() in PANEL_KINDS:
+            return panels_by_default()  # else oneDNN's own bf16 kernels
         extra, available = linear_weight_bytes(model), available_memory()
         if available is not None and extra > TILE_COPY_MEMORY_SHARE * available:
             log.info("linear weights not copied into tiles: %.1f GB would exceed %d%% of the"

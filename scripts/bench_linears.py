@@ -6,8 +6,8 @@ weight from memory as a decode step does (one weight reused sixteen times would 
 cache and flatter the kernel). For each row count: the median time of the whole stack over
 a few rounds, the weight bytes read per second, and the arithmetic rate. Prints JSON lines.
 With ``--backend tiles`` the stack multiplies on tile copies (``--linear-backend tiles``: AMX
-tiles or AVX2 panels); ``--backend both`` builds both stacks and alternates them round by
-round, so that the two are compared side by side.
+tiles, AVX-512 or AVX2 panels); ``--backend both`` builds both stacks and alternates them
+round by round, so that the two are compared side by side.
 
     python scripts/bench_linears.py 1 16 32 48 64 128 256
     python scripts/bench_linears.py --backend both 1 40 256 2048
@@ -34,7 +34,8 @@ def build(backend: str) -> list[PackedLinear]:
     stack = [PackedLinear(nn.Linear(i, o, bias=False).to(torch.bfloat16),
                           tiles=backend == "tiles") for _ in range(LAYERS) for i, o in SHAPES]
     if backend == "tiles" and stack[0].tiles is None:
-        raise SystemExit("no tile kernel here (needs AMX or AVX2 and the compiled kernels)")
+        raise SystemExit("no tile kernel here (needs AMX, AVX-512 or AVX2 and the compiled"
+                         " kernels)")
     return stack
 
 

@@ -1505,24 +1505,6 @@ inline void panel_rows(const float* x, int64_t ldx, const uint16_t* w, int64_t k
 }
 #undef FS_PANEL_ROWS
 
-template <bool PF>
-inline void panel_group(int rows, const float* x, int64_t ldx, const uint16_t* w, int64_t kn,
-                        bool first, float (*part)[kPanelCols], const char* pf = nullptr) {
-  switch (rows) {
-    case 1: return panel_rows<1, PF>(x, ldx, w, kn, first, part, pf);
-    case 2: return panel_rows<2, PF>(x, ldx, w, kn, first, part, pf);
-    case 3: return panel_rows<3, PF>(x, ldx, w, kn, first, part, pf);
-    case 4: return panel_rows<4, PF>(x, ldx, w, kn, first, part, pf);
-    case 5: return panel_rows<5, PF>(x, ldx, w, kn, first, part, pf);
-    case 6: return panel_rows<6, PF>(x, ldx, w, kn, first, part, pf);
-    case 7: return panel_rows<7, PF>(x, ldx, w, kn, first, part, pf);
-    case 8: return panel_rows<8, PF>(x, ldx, w, kn, first, part, pf);
-    case 9: return panel_rows<9, PF>(x, ldx, w, kn, first, part, pf);
-    case 10: return panel_rows<10, PF>(x, ldx, w, kn, first, part, pf);
-    case 11: return panel_rows<11, PF>(x, ldx, w, kn, first, part, pf);
-    default: return panel_rows<12, PF>(x, ldx, w, kn, first, part, pf);
-  }
-}
 #else
 // Row I's two accumulators to (store) or from its partial sums (when the group has row I).
 template <int I, int R, bool store>
@@ -1590,19 +1572,17 @@ inline void panel_rows(const float* x, int64_t ldx, const uint16_t* w, int64_t k
   part_rows<R, true>(part, c0a, c0b, c1a, c1b, c2a, c2b, c3a, c3b, c4a, c4b, c5a, c5b);
 }
 
-template <bool PF>
-inline void panel_group(int rows, const float* x, int64_t ldx, const uint16_t* w, int64_t kn,
-                        bool first, float (*part)[16], const char* pf = nullptr) {
-  switch (rows) {
-    case 1: return panel_rows<1, PF>(x, ldx, w, kn, first, part, pf);
-    case 2: return panel_rows<2, PF>(x, ldx, w, kn, first, part, pf);
-    case 3: return panel_rows<3, PF>(x, ldx, w, kn, first, part, pf);
-    case 4: return panel_rows<4, PF>(x, ldx, w, kn, first, part, pf);
-    case 5: return panel_rows<5, PF>(x, ldx, w, kn, first, part, pf);
-    default: return panel_rows<6, PF>(x, ldx, w, kn, first, part, pf);
-  }
-}
 #endif
+
+// panel_rows for a group of ``rows`` rows (1 to kPanelRows), the row count a template argument.
+template <bool PF, int R = 1>
+inline void panel_group(int rows, const float* x, int64_t ldx, const uint16_t* w, int64_t kn,
+                        bool first, float (*part)[kPanelCols], const char* pf = nullptr) {
+  if constexpr (R < kPanelRows) {
+    if (rows > R) return panel_group<PF, R + 1>(rows, x, ldx, w, kn, first, part, pf);
+  }
+  return panel_rows<R, PF>(x, ldx, w, kn, first, part, pf);
+}
 
 // Rows r of y, columns n0..n0+kPanelCols (fewer at the end of N), from their finished sums.
 template <typename T>

@@ -322,6 +322,32 @@ def test_linear_backend_tiles_is_chosen_where_it_can_run(tiny_model_dir, monkeyp
                              linear_backend="tiles").worker.tile_linear
 
 
+@pytest.mark.skipif(ops is None or not os.path.exists("/proc/cpuinfo"),
+                    reason="needs the compiled kernels and /proc/cpuinfo")
+def test_the_linear_kernel_built_is_the_widest_the_cpu_has():
+    """Kernels are built with -march=native: AMX tiles where the CPU has AMX, else panels on
+    512-bit registers where it has AVX-512 (which ``auto`` then always uses: oneDNN's bf16
+    kernels there run at about half the float32 FMA rate), else on AVX2."""
+    from fluidserve.model.linear import panels_by_default
+
+    flags: set[str] = set()
+    for line in open("/proc/cpuinfo"):
+        if line.startswith("flags"):
+            flags = set(line.split(":", 1)[1].split())
+            break
+    if {"amx_bf16", "amx_tile", "avx512bw"} <= flags:
+        expected = "amx"
+    elif {"avx512f", "avx512bw"} <= flags:
+        expected = "avx512"
+    elif {"avx2", "fma"} <= flags:
+        expected = "avx2"
+    else:
+        expected = ""
+    assert TILE_KIND == expected
+    if expected == "avx512":
+        assert panels_by_default()
+
+
 @needs_panels
 @pytest.mark.parametrize("n,k,bias", [(96, 64, False), (100, 96, True), (1536, 1024, False),
                                       (1024, 2816, True), (40, 33, True)])

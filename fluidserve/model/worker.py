@@ -255,7 +255,7 @@ def choose_tiles(backend: str, model: torch.nn.Module, device: torch.device) -> 
     if device.type != "cpu" or not weights or weights[0].dtype != torch.bfloat16:
         why = "needs bfloat16 weights on the CPU"
     elif not any(tiles_supported(w) for w in weights):
-        why = "needs the compiled kernels on a CPU with AMX or AVX2"
+        why = "needs the compiled kernels on a CPU with AMX, AVX-512 or AVX2"
     if why is None and backend == "auto":
         if tile_kind() in PANEL_KINDS:
             return panels_by_default()  # else oneDNN's own bf16 kernels

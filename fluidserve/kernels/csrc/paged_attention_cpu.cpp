@@ -1388,11 +1388,12 @@ bool kernel_long_runs(const Batch&, int64_t, int, const std::vector<uint8_t>&, c
 //
 // With AVX-512 (and no AMX: a Xeon whose matrix unit is absent or hidden, Skylake to Emerald
 // Rapids) the same scheme runs on 512-bit registers: panels of 32 columns, the unpacks
-// widening 16 columns per register, 8 rows a group (16 accumulators). There oneDNN's bf16
+// widening 16 columns per register, 12 rows a group (24 accumulators). There oneDNN's bf16
 // kernels (VDPBF16PS) reach only about half the float32 FMA rate: on a 2-core Emerald Rapids
 // class VM, a [2048, 1024] x [1024, 5632] product ran at 172 GFLOP/s in bf16 and 314 in
 // float32 through oneDNN, and at 173 on the AVX2 panels, whose 256-bit FMAs are half the
-// machine's width.
+// machine's width; on these panels, at 245-282 (docs/performance.md). Only that CPU has been
+// measured: `--linear-backend packed` keeps oneDNN where its bf16 kernels might be faster.
 constexpr int64_t kTileMaxRows = std::numeric_limits<int32_t>::max();
 constexpr int64_t kRowBlock = 48;
 #if defined(__AVX512F__) && defined(__AVX512BW__)
@@ -1470,7 +1471,7 @@ inline void part_row512(float (*part)[kPanelCols], __m512& a, __m512& b) {
 }
 #define FS_PANEL_ROWS(X) X(0) X(1) X(2) X(3) X(4) X(5) X(6) X(7) X(8) X(9) X(10) X(11)
 
-// As the AVX2 panel_rows below, on 32-column panels: 16 FMAs per two unpacks at 8 rows.
+// As the AVX2 panel_rows below, on 32-column panels: 24 FMAs per two unpacks at 12 rows.
 // With PF one line of the stream ``pf`` on is prefetched every k-step (64 bytes a step).
 template <int R, bool PF>
 inline void panel_rows(const float* x, int64_t ldx, const uint16_t* w, int64_t kn, bool first,

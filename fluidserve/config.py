@@ -69,7 +69,7 @@ class ModelConfig:
         " batches of up to 64 tokens multiply on a second copy in AMX tiles (their products"
         " ~20% faster at 1-64 rows; twice the linear weights' memory), on an AVX-512 or AVX2"
         " CPU every batch multiplies on one copy in 32- or 16-column panels (float32 FMAs;"
-        " AVX-512 without AMX: 1.6-2x oneDNN's bf16 kernels at 1-2048 rows; AVX2: 2-3x"
+        " AVX-512 without AMX: 1.2-1.7x oneDNN's bf16 kernels at 1-2048 rows; AVX2: 2-3x"
         " oneDNN on widened weights at 1-16 rows, 1.3x at 40, even from 256); eager:"
         " F.linear; auto: tiles for bfloat16 where the CPU has AMX and the copy takes at most"
         " a quarter of the available memory, has AVX-512 (without AMX), or has AVX2 but no"

@@ -99,7 +99,7 @@ BF16_BACKENDS = [b for b in BACKENDS if b[1] != "triton" or b[0] == "cuda"] + [
 def test_bfloat16_logits_close_to_transformers(hf_models, arch, backends):
     device, attention, linear = backends
     if linear == "tiles" and not tiles_available():
-        pytest.skip("no tile kernel here (needs AMX or AVX2)")
+        pytest.skip("no tile kernel here (needs AMX, AVX-512 or AVX2)")
     ex = ModelExecutor(hf_models[arch], dtype="bfloat16", device=device, num_blocks=16,
                        block_size=BS, attention_backend=attention, linear_backend=linear)
     ids = list(range(5, 40))

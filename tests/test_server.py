@@ -223,10 +223,18 @@ BAD = [
     ("top_p zero", "/v1/completions", {"prompt": "x", "top_p": 0}, 400),
     ("n > 1", "/v1/completions", {"prompt": "x", "n": 3}, 400),
     ("logprobs too many", "/v1/completions", {"prompt": "x", "logprobs": 99}, 400),
+    ("min_tokens over max_tokens", "/v1/completions",
+     {"prompt": "x", "max_tokens": 3, "min_tokens": 4}, 400),
+    ("min_tokens over the default max_tokens", "/v1/completions",
+     {"prompt": "x", "min_tokens": 17}, 400),
     ("empty stop string", "/v1/completions", {"prompt": "x", "stop": [""]}, 400),
     ("unknown model", "/v1/completions", {"prompt": "x", "model": "gpt-9"}, 404),
     ("no messages", "/v1/chat/completions", {"messages": []}, 400),
     ("bad role", "/v1/chat/completions", {"messages": [{"role": "wizard", "content": "x"}]}, 400),
+    ("tool calls in the history", "/v1/chat/completions",
+     {"messages": [{"role": "user", "content": "x"}, {"role": "assistant", "tool_calls": [
+         {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}]},
+         {"role": "tool", "tool_call_id": "c1", "content": "4"}]}, 400),
     ("body not an object", "/v1/chat/completions", [1, 2], 400),
     ("unknown route", "/v1/engines", {}, 404),
 ]

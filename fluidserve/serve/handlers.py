@@ -131,6 +131,11 @@ def admit(state: ServerState, body, ids: list[int], chat: bool):
         raise ApiError(400, f"this model's context window is {max_len} tokens; the prompt has"
                        f" {len(ids)} and max_tokens is {max_tokens}", param="max_tokens",
                        code=CONTEXT_LENGTH_EXCEEDED)
+    if body.min_tokens > max_tokens:
+        state.metrics.rejected.labels("invalid").inc()
+        default = "" if requested is not None else " (the default: no max_tokens was given)"
+        raise ApiError(400, f"min_tokens must be at most max_tokens, which is {max_tokens}"
+                       f"{default}; got min_tokens={body.min_tokens}", param="min_tokens")
     info = state.engine.info
     why = admission_error(len(ids), max_tokens, max_len, info.block_size,
                           admissible_blocks(info.num_kv_blocks,

@@ -163,7 +163,7 @@ class _Common(BaseModel):
             stop_token_ids=tuple(self.stop_token_ids or ()),
             ignore_eos=self.ignore_eos,
             logprobs=logprobs,
-            min_tokens=min(self.min_tokens, max_tokens),
+            min_tokens=self.min_tokens,
         )
 
     @property
@@ -212,6 +212,10 @@ class ChatMessage(BaseModel):
 
     role: Literal["system", "user", "assistant", "developer", "tool"]
     content: str | list[TextPart] | None = None
+    # The template sees role and text only: an earlier turn's tool calls would vanish from
+    # the prompt, so a history that holds any is refused rather than rendered without them.
+    tool_calls: NoItems | None = Field(None, description="Not supported: must be empty.")
+    function_call: Unsupported = Field(None, description=NOT_SUPPORTED)
 
     def text(self) -> str:
         if isinstance(self.content, list):

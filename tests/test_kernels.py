@@ -28,7 +28,7 @@ pytestmark = pytest.mark.skipif(ops is None, reason=f"no compiled kernels: {buil
 @pytest.mark.parametrize("prefill", [True, False], ids=["prefill-kernel", "aten"])
 def test_native_attention_matches_reference(dtype, shape, min_long_run, prefill):
     """Long runs take the prefill kernel (bf16; AMX tiles with head_dim a multiple of 32, or
-    the AVX2 panels, where the CPU has them) or ATen's flash attention; short ones and
+    the AVX2 or AVX-512 panels, where the CPU has them) or ATen's flash attention; short ones and
     decodes this file's other kernel."""
     h, hkv, d, bs = shape
     q, k, v, k_cache, v_cache, meta, tables = batch(h, hkv, d, bs, dtype)
@@ -125,7 +125,9 @@ def test_long_runs_take_the_prefill_kernel_the_cpu_has():
     # Kernels are built with -march=native: what the CPU has, the build has.
     if {"amx_bf16", "amx_tile"} <= flags:
         expected = "amx"
-    elif {"avx2", "fma"} <= flags and "avx512f" not in flags:
+    elif {"avx512f", "avx512bw"} <= flags:
+        expected = "avx512"
+    elif {"avx2", "fma"} <= flags:
         expected = "avx2"
     else:
         expected = ""
@@ -136,8 +138,8 @@ def test_long_runs_take_the_prefill_kernel_the_cpu_has():
         assert A.min_long_run(ops, torch.bfloat16) == A.MIN_LONG_RUN
     finally:
         ops.use_prefill_kernel(before)
-    assert A.min_long_run(ops, torch.bfloat16) == (A.MIN_LONG_RUN_AVX2 if expected == "avx2"
-                                                   else A.MIN_LONG_RUN)
+    assert A.min_long_run(ops, torch.bfloat16) == A.MIN_LONG_RUN_PANELS.get(expected,
+                                                                            A.MIN_LONG_RUN)
     assert A.min_long_run(ops, torch.float32) == A.MIN_LONG_RUN
     # The two paths round differently (P in bf16 in the kernels), so the outputs differ
     # exactly when a prefill kernel ran; both are checked against the reference above.

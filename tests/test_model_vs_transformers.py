@@ -88,8 +88,9 @@ def test_chunked_prefill_and_decode_logits_match_transformers(hf_models, arch, b
 # Triton's interpreter cannot load bfloat16: without a GPU the Triton path is checked in
 # float32 (above) and float16 (in test_triton_kernels.py). bf16 adds the linears on tile
 # copies, where the CPU has a tile kernel: AMX tiles (the 35-token prompt is within their 64
-# rows, so every linear runs on them) or the AVX2 panels (every batch). On a CPU whose oneDNN
-# has no bf16 kernels, "packed" is oneDNN on weights widened to float32.
+# rows, so every linear runs on them) or the AVX2 or AVX-512 panels (every batch); the prompt
+# is a long run, so attention takes the prefill kernel there. On a CPU whose oneDNN has no
+# bf16 kernels, "packed" is oneDNN on weights widened to float32.
 BF16_BACKENDS = [b for b in BACKENDS if b[1] != "triton" or b[0] == "cuda"] + [
     ("cpu", "native", "tiles")]
 

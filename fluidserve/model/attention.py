@@ -30,20 +30,28 @@ import torch
 import torch.nn.functional as F
 
 # Runs of at least this many query tokens take the compiled kernel's prefill path (bf16 on
-# AMX tiles or AVX2 panels where the CPU has them, else ATen's flash attention): faster than
+# AMX tiles or the panels where the CPU has them, else ATen's flash attention): faster than
 # the per-token work items once a run has many queries (measured at 16 queries and up).
 MIN_LONG_RUN = 16
-# On an AVX2 CPU the per-token items of bf16 runs keep their 16-lane vectors on the stack, and
-# the panels' prefill kernel is faster from two query tokens up (sixteen layers, four runs of
-# 2 / 4 / 8 tokens: 0.80x / 0.43x / 0.25x the items' time; 2-core EPYC, Zen 3).
-MIN_LONG_RUN_AVX2 = 2
+# The panels' prefill kernel takes 16 query tokens at a time on AVX2 and 32 on AVX-512, and
+# the per-token items are slower or faster beside it. On an AVX2 CPU the items of bf16 runs
+# keep their 16-lane vectors on the stack, and the kernel is faster from two query tokens up
+# (sixteen layers, four runs of 2 / 4 / 8 tokens: 0.80x / 0.43x / 0.25x the items' time;
+# 2-core EPYC, Zen 3). With AVX-512 the items run in registers and a run shorter than a
+# 32-token tile pays for the whole tile: four runs of 16 / 24 / 32 / 64 tokens after 512
+# cached took 32.7 / 38.2 / 34.3 / 57.6 ms on the kernel and 22.5 / 38.1 / 44.2 / 92.4 ms on
+# the items (2-core Emerald Rapids class Xeon; ``scripts/bench_attention.py --prefill 4x32@512
+# --min-long-run 2 1000000000``).
+MIN_LONG_RUN_PANELS = {"avx2": 2, "avx512": 32}
 
 
 def min_long_run(ops: ModuleType, dtype: torch.dtype) -> int:
     """The shortest run (in query tokens) that the compiled CPU kernel ``ops`` gives to its
     prefill path for a ``dtype`` model (asked each step: the kernel can be switched off)."""
     kernel = ops.prefill_kernel() if hasattr(ops, "prefill_kernel") else ""
-    return MIN_LONG_RUN_AVX2 if dtype == torch.bfloat16 and kernel == "avx2" else MIN_LONG_RUN
+    if dtype != torch.bfloat16:
+        return MIN_LONG_RUN
+    return MIN_LONG_RUN_PANELS.get(kernel, MIN_LONG_RUN)
 
 
 @dataclass

@@ -133,7 +133,7 @@ def test_bad_input_files_and_shapes_are_one_line_errors(tiny_model_dir, tmp_path
     garbled.write_text('{"type": "iteration"}\nnot json\n')
     cases = [
         (("simulate", "--cost-model", "cpu", "--num-prompts", "2", "--cpu-profile",
-          str(tmp_path / "missing.json")), "--cpu-profile", "No such file"),
+          str(tmp_path / "missing.json")), "--cpu-profile", "one of the shipped: epyc-zen3"),
         (("simulate", "--cost-model", "cpu", "--num-prompts", "2", "--cpu-profile",
           str(not_a_profile)), "--cpu-profile", "not a `fluidserve profile` result"),
         (("simulate", "--cost-model", "cpu", "--num-prompts", "2", "--cpu-calibration",

@@ -17,7 +17,14 @@ from fluidserve.core.scheduler.output import RunnerOutput
 from fluidserve.core.token_budget import find_token_budget
 from fluidserve.engine.engine import LLMEngine, VirtualClock
 from fluidserve.sampling_params import SamplingParams
-from fluidserve.sim.cost_model import CPUCostModel, GPUCostModel, PlanShape, load_cpu_profile
+from fluidserve.sim.cost_model import (
+    SHIPPED_CPU_PROFILES,
+    CPUCostModel,
+    GPUCostModel,
+    PlanShape,
+    load_cpu_profile,
+    nearest_cpu_profile,
+)
 from fluidserve.sim.run import reference_batch
 from fluidserve.sim.simulate import CostModelExecutor, simulate
 
@@ -198,8 +205,9 @@ def _prefill(n: int, cached: int = 0) -> PlanShape:
     return PlanShape(n, ((n, cached),) if n > 1 else (), (cached + 1,) if n == 1 else (), 1)
 
 
-def test_cpu_cost_model_reproduces_its_profile():
-    prof = load_cpu_profile(None)
+@pytest.mark.parametrize("name", sorted(SHIPPED_CPU_PROFILES))
+def test_cpu_cost_model_reproduces_its_profile(name):
+    prof = load_cpu_profile(name)
     m = CPUCostModel(prof)
     for p in prof["iteration_time"]:
         assert m.stage_times(_prefill(p["tokens"]))[0] == pytest.approx(p["time_s"], rel=0.15)
@@ -211,6 +219,18 @@ def test_cpu_cost_model_reproduces_its_profile():
         c = p["chunk_size"]
         total = sum(m.stage_times(_prefill(c, c * i))[0] for i in range(p["prompt"] // c))
         assert total == pytest.approx(p["time_s"], rel=0.15)
+
+
+def test_the_default_cpu_profile_is_the_one_taken_on_this_kind_of_cpu():
+    """The engine runs the AVX-512 panels on AVX-512 without AMX and the AVX2 panels on AVX2:
+    each has its shipped profile, and the default is the one of this CPU's kind."""
+    assert nearest_cpu_profile("fpu sse2 avx2 fma avx512f avx512bw avx512_bf16") == "xeon-emr"
+    assert nearest_cpu_profile("avx2 fma") == "epyc-zen3"
+    assert nearest_cpu_profile("avx2 fma avx512f avx512bw amx_tile amx_bf16") == "epyc-zen3"
+    assert load_cpu_profile(None) == load_cpu_profile(nearest_cpu_profile())
+    emr, zen3 = (CPUCostModel(load_cpu_profile(n)) for n in ("xeon-emr", "epyc-zen3"))
+    # The Xeon's AVX-512 prefill is about twice the EPYC's AVX2 one.
+    assert emr.stage_times(_prefill(512))[0] < 0.7 * zen3.stage_times(_prefill(512))[0]
 
 
 def _served(base: CPUCostModel, noise=lambda shape, rng: 1.0, n: int = 300,
@@ -326,6 +346,19 @@ def test_find_token_budget_reports_an_unreachable_slo(capsys):
                  "--budget-decodes", "8", "--budget-context", "512"]) == 0
     ok = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert ok["token_budget"] > 8 and ok["iteration_time_s"] <= 0.2 and ok["error"] is None
+
+
+def test_a_shipped_cpu_profile_is_chosen_by_name(capsys):
+    """--cpu-profile NAME prices with that CPU's shipped profile: the Xeon's faster steps fit
+    a larger budget under the same TBT SLO."""
+    budgets = {}
+    for name in ("epyc-zen3", "xeon-emr"):
+        assert main(["simulate", "--cost-model", "cpu", "--cpu-profile", name,
+                     "--find-token-budget", "--tbt-slo", "0.2", "--budget-decodes", "8",
+                     "--budget-context", "512"]) == 0
+        budgets[name] = json.loads(capsys.readouterr().out.strip().splitlines()[-1])[
+            "token_budget"]
+    assert 0 < budgets["epyc-zen3"] < budgets["xeon-emr"]
 
 
 def test_cpu_jitter_seed_redraws_iteration_times_of_the_same_workload(tmp_path, capsys):

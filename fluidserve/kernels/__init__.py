@@ -27,7 +27,8 @@ _cache: dict[str, ModuleType | None] = {}
 _errors: dict[str, str] = {}
 
 
-def _cpu_flags() -> str:
+def cpu_flags() -> str:
+    """This CPU's instruction-set flags (/proc/cpuinfo), space-separated."""
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
             if line.startswith("flags"):
@@ -46,7 +47,7 @@ def _build_key(sources: list[Path]) -> str:
         # would rebuild each other's binary on every first use.
         h.update(str(src.resolve()).encode())
         h.update(src.read_bytes())
-    h.update(" ".join((torch.__version__, *_CFLAGS, _cpu_flags())).encode())
+    h.update(" ".join((torch.__version__, *_CFLAGS, cpu_flags())).encode())
     return h.hexdigest()[:16]
 
 

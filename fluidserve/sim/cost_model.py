@@ -348,17 +348,40 @@ def read_telemetry(paths: list[str]) -> list[list[dict]]:
 
 
 PROFILE_KEYS = ("iteration_time", "decode", "chunked_prefill")
+# The shipped `fluidserve profile` results (the 250M benchmark model in bf16, 2 threads), by
+# the CPU they were taken on: the engine runs other kernels on other instruction sets, and
+# one CPU's prices are far off another's (the EPYC's priced served runs on the Xeon's at
+# 2.4-2.6x their median TTFT, docs/simulator.md).
+SHIPPED_CPU_PROFILES = {
+    "epyc-zen3": "cpu_profile_250m_bf16.json",  # 2-core AMD EPYC (Zen 3): the AVX2 panels
+    "xeon-emr": "cpu_profile_250m_bf16_avx512.json",  # 2-core Xeon, AVX-512 without AMX
+}
+
+
+def nearest_cpu_profile(flags: str | None = None) -> str:
+    """The shipped profile nearest this CPU (or one with these instruction-set ``flags``):
+    xeon-emr where the engine runs its AVX-512 panels (AVX-512 without AMX), else epyc-zen3
+    (the AVX2 panels; also the stand-in for CPUs no profile was taken on)."""
+    from fluidserve.kernels import cpu_flags
+
+    f = set((cpu_flags() if flags is None else flags).split())
+    if {"avx512f", "avx512bw"} <= f and not {"amx_tile", "amx_bf16"} <= f:
+        return "xeon-emr"
+    return "epyc-zen3"
 
 
 def load_cpu_profile(path: str | None) -> dict:
-    """A `fluidserve profile` result: ``path``'s, or the shipped one."""
-    if not path:
-        text = resources.files("fluidserve.sim").joinpath("cpu_profile_250m_bf16.json")
+    """A `fluidserve profile` result: ``path``'s, a shipped one by name
+    (``SHIPPED_CPU_PROFILES``), or with no path the shipped one nearest this CPU."""
+    name = path or nearest_cpu_profile()
+    if name in SHIPPED_CPU_PROFILES:
+        text = resources.files("fluidserve.sim").joinpath(SHIPPED_CPU_PROFILES[name])
         return json.loads(text.read_text())
     try:
         profile = json.loads(Path(path).read_text())
     except OSError as e:
-        raise ConfigError(f"--cpu-profile {path}: {e.strerror or e}") from None
+        raise ConfigError(f"--cpu-profile {path}: {e.strerror or e} (a profile.json, or one"
+                          f" of the shipped: {', '.join(SHIPPED_CPU_PROFILES)})") from None
     except json.JSONDecodeError as e:
         raise ConfigError(f"--cpu-profile {path}: not JSON ({e})") from None
     missing = [k for k in PROFILE_KEYS if not isinstance(profile, dict) or k not in profile]

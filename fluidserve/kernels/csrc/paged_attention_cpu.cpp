@@ -941,7 +941,8 @@ std::vector<LongItem> long_items(const Batch& b, const std::vector<Run>& runs, i
 
 #ifdef __AVX512F__
 // 2^t for t <= 0 on 16 lanes: 2^round(t) times kExp2Poly(t - round(t)). With ``clamp``,
-// -inf (a masked score) gives 0; without, t must be finite.
+// -inf (a masked score) gives 2^-126, nothing beside a softmax row's sum of at least 1;
+// without, t must be finite.
 template <bool clamp>
 inline __m512 exp2_neg(__m512 t) {
   if constexpr (clamp) t = _mm512_max_ps(t, _mm512_set1_ps(-126.0f));
@@ -1681,7 +1682,7 @@ struct Lanes {
     return _mm512_mask_blend_ps(_mm512_cmpgt_epi32_mask(_mm512_set1_epi32(key), pos), s,
                                 _mm512_set1_ps(kNegInf));
   }
-  static F exp2_neg(F t) { return ::exp2_neg<true>(t); }  // -inf: 2^-126, negligible
+  static F exp2_neg(F t) { return ::exp2_neg<true>(t); }
   static I bits(F v) { return _mm512_castps_si512(v); }
   static I srli(I v, int n) { return _mm512_srli_epi32(v, n); }
   static I add_i(I a, I b) { return _mm512_add_epi32(a, b); }

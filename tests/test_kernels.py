@@ -10,13 +10,24 @@ import sys
 import pytest
 import torch
 
-from fluidserve.kernels import build_error, cpu_ops
+from fluidserve.kernels import build_error, cpu_flags, cpu_ops
 from fluidserve.model import attention as A
 
 from .attention_cases import batch, check_elementwise_ops, reference
 
 ops = cpu_ops()
 pytestmark = pytest.mark.skipif(ops is None, reason=f"no compiled kernels: {build_error()}")
+
+
+def kind_built_here() -> str:
+    """The kernels' kind that this CPU's flags imply (they are built with -march=native: what
+    the CPU has, the build has): "amx", "avx512" (panels of 32 columns), "avx2" or ""."""
+    flags = set(cpu_flags().split())
+    if {"amx_bf16", "amx_tile", "avx512bw"} <= flags:
+        return "amx"
+    if {"avx512f", "avx512bw"} <= flags:
+        return "avx512"
+    return "avx2" if {"avx2", "fma"} <= flags else ""
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -116,21 +127,7 @@ def test_long_runs_take_the_prefill_kernel_the_cpu_has():
         finally:
             ops.use_prefill_kernel(before)
         outs.append(out)
-    flags = set()
-    if os.path.exists("/proc/cpuinfo"):
-        for line in open("/proc/cpuinfo"):
-            if line.startswith("flags"):
-                flags = set(line.split(":", 1)[1].split())
-                break
-    # Kernels are built with -march=native: what the CPU has, the build has.
-    if {"amx_bf16", "amx_tile"} <= flags:
-        expected = "amx"
-    elif {"avx512f", "avx512bw"} <= flags:
-        expected = "avx512"
-    elif {"avx2", "fma"} <= flags:
-        expected = "avx2"
-    else:
-        expected = ""
+    expected = kind_built_here()
     assert ops.prefill_kernel() == expected
     before = ops.use_prefill_kernel(False)
     try:  # switched off, it is ATen's, and the engine gives it no short runs
@@ -332,19 +329,7 @@ def test_the_linear_kernel_built_is_the_widest_the_cpu_has():
     kernels there run at about half the float32 FMA rate), else on AVX2."""
     from fluidserve.model.linear import panels_by_default
 
-    flags: set[str] = set()
-    for line in open("/proc/cpuinfo"):
-        if line.startswith("flags"):
-            flags = set(line.split(":", 1)[1].split())
-            break
-    if {"amx_bf16", "amx_tile", "avx512bw"} <= flags:
-        expected = "amx"
-    elif {"avx512f", "avx512bw"} <= flags:
-        expected = "avx512"
-    elif {"avx2", "fma"} <= flags:
-        expected = "avx2"
-    else:
-        expected = ""
+    expected = kind_built_here()
     assert TILE_KIND == expected
     if expected == "avx512":
         assert panels_by_default()

@@ -7,8 +7,9 @@ a batch of B decodes then replays the graph of the smallest captured size >= B, 
 padded so that they change nothing: slot -1 (no KV write), context 0 (attention over nothing).
 Batches with a prefill chunk, and decode batches above the largest size, run eagerly.
 
-Every input a graph reads lives in a device tensor at a fixed address; a step fills pinned host
-twins and sends them with asynchronous copies, ordered before the replay on the same stream.
+Every input a graph reads lives at a fixed address in one device buffer; a step fills its pinned
+host twin and sends it with one asynchronous copy, ordered before the replay on the same stream
+(the GPU waits on the host between two steps: one copy, not one per input).
 The capture itself is a parameter so that the bookkeeping (layout, padding, which graph runs)
 is tested on the CPU, where ``capture=lambda step: step`` replays eagerly.
 """
@@ -62,8 +63,9 @@ class DecodeGraphs:
     """One captured decode step per batch size, for one worker (whole model, one device)."""
 
     # The inputs a graph reads: name -> value of a padding row (slot -1: no KV write; context
-    # 0: attends to nothing). Each is its own device tensor, filled by an asynchronous copy
-    # from a pinned host twin.
+    # 0: attends to nothing). Each is a view of one device buffer, laid out as these vectors
+    # (``top`` entries each) and then the block tables (``top`` rows of ``width``), so that
+    # rows 0..size of everything are one prefix of it, sent by one copy from a pinned twin.
     PAD = {"tokens": 0, "positions": 0, "slots": -1, "ctx": 0}
 
     def __init__(self, worker, max_batch: int, capture: Callable[[Step], Step] | None = None
@@ -75,11 +77,11 @@ class DecodeGraphs:
         dev, top = worker.device, self.sizes[-1]
         self.width = -(-worker.spec.max_model_len // worker.spec.block_size)  # table columns
         pin = dev.type == "cuda"
-        shapes = {name: (top,) for name in self.PAD} | {"tables": (top, self.width)}
-        self.host = {k: torch.zeros(v, dtype=torch.int32, pin_memory=pin)
-                     for k, v in shapes.items()}
-        self.np = {k: t.numpy() for k, t in self.host.items()}
-        self.dev = {k: torch.zeros(v, dtype=torch.int32, device=dev) for k, v in shapes.items()}
+        n_vec = len(self.PAD) * top
+        self.host_buf = torch.zeros(n_vec + top * self.width, dtype=torch.int32,
+                                    pin_memory=pin)
+        self.dev_buf = torch.zeros_like(self.host_buf, device=dev)
+        self.np, self.dev = self._views(self.host_buf.numpy(), top), self._views(self.dev_buf, top)
         self.cu_q = torch.arange(top + 1, dtype=torch.int32, device=dev)  # one token per run
         self.logits_idx = torch.arange(top, device=dev)
         attn = worker.model.layers[0].self_attn if worker.model.layers else None
@@ -106,6 +108,12 @@ class DecodeGraphs:
         if dev.type == "cuda":
             torch.cuda.synchronize(dev)
 
+    def _views(self, buf, top: int) -> dict:
+        """name -> the input's view of ``buf`` (numpy array or tensor)."""
+        views = {name: buf[i * top:(i + 1) * top] for i, name in enumerate(self.PAD)}
+        views["tables"] = buf[len(self.PAD) * top:].reshape(top, self.width)
+        return views
+
     def _step(self, b: int, tiles) -> Step:
         w, d = self.worker, self.dev
         meta = AttentionMetadata(slot_mapping=d["slots"][:b], cu_q=self.cu_q[: b + 1],
@@ -124,10 +132,11 @@ class DecodeGraphs:
 
     def _send(self, n: int, size: int) -> None:
         """Pad rows n..size, then copy rows 0..size of every input to the device."""
-        for name, value in self.PAD.items():
-            self.np[name][n:size] = value
-        for name in self.host:
-            self.dev[name][:size].copy_(self.host[name][:size], non_blocking=True)
+        if n < size:
+            for name, value in self.PAD.items():
+                self.np[name][n:size] = value
+        end = len(self.PAD) * self.sizes[-1] + size * self.width
+        self.dev_buf[:end].copy_(self.host_buf[:end], non_blocking=True)
 
     def run(self, inputs: StepInputs, size: int) -> torch.Tensor:
         """[n, vocab] logits of a decode-only batch of n <= size rows."""

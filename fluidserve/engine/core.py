@@ -309,10 +309,10 @@ class EngineCore:
             return
         self._stall_hinted = True
         log.warning(
-            "an iteration of %d tokens (%d of them prefill) took %.1f s: %d running streams"
-            " waited that long for their next token. --scheduler sarathi --token-budget auto"
-            " --tbt-slo SECONDS sizes each iteration's prefill chunk to a time-between-tokens"
-            " bound (or lower --token-budget, now %s).", plan.num_tokens,
+            "an iteration of %d tokens (%d of them prefill) took %.1f s: the %d stream(s)"
+            " decoding beside it waited that long for a token. --scheduler sarathi"
+            " --token-budget auto --tbt-slo SECONDS sizes each iteration's prefill chunk to"
+            " a time-between-tokens bound (or lower --token-budget, now %s).", plan.num_tokens,
             plan.num_prefill_tokens, seconds, plan.num_decode_tokens,
             self.scheduler.limits.token_budget)
 

@@ -8,8 +8,7 @@ padded so that they change nothing: slot -1 (no KV write), context 0 (attention 
 Batches with a prefill chunk, and decode batches above the largest size, run eagerly.
 
 Every input a graph reads lives at a fixed address in one device buffer; a step fills its pinned
-host twin and sends it with one asynchronous copy, ordered before the replay on the same stream
-(the GPU waits on the host between two steps: one copy, not one per input).
+host twin and sends it with one asynchronous copy, ordered before the replay on the same stream.
 The capture itself is a parameter so that the bookkeeping (layout, padding, which graph runs)
 is tested on the CPU, where ``capture=lambda step: step`` replays eagerly.
 """
@@ -64,8 +63,9 @@ class DecodeGraphs:
 
     # The inputs a graph reads: name -> value of a padding row (slot -1: no KV write; context
     # 0: attends to nothing). Each is a view of one device buffer, laid out as these vectors
-    # (``top`` entries each) and then the block tables (``top`` rows of ``width``), so that
-    # rows 0..size of everything are one prefix of it, sent by one copy from a pinned twin.
+    # (``top`` entries each, every one starting on 64 bytes as a tensor of its own would) and
+    # then the block tables (``top`` rows of ``width``): the vectors and the tables' first
+    # rows are one prefix of it, sent by one copy from a pinned twin.
     PAD = {"tokens": 0, "positions": 0, "slots": -1, "ctx": 0}
 
     def __init__(self, worker, max_batch: int, capture: Callable[[Step], Step] | None = None
@@ -77,9 +77,9 @@ class DecodeGraphs:
         dev, top = worker.device, self.sizes[-1]
         self.width = -(-worker.spec.max_model_len // worker.spec.block_size)  # table columns
         pin = dev.type == "cuda"
-        n_vec = len(self.PAD) * top
-        self.host_buf = torch.zeros(n_vec + top * self.width, dtype=torch.int32,
-                                    pin_memory=pin)
+        self.stride = -(-top // 16) * 16  # int32 entries per vector: 64-byte aligned starts
+        self.host_buf = torch.zeros(len(self.PAD) * self.stride + top * self.width,
+                                    dtype=torch.int32, pin_memory=pin)
         self.dev_buf = torch.zeros_like(self.host_buf, device=dev)
         self.np, self.dev = self._views(self.host_buf.numpy(), top), self._views(self.dev_buf, top)
         self.cu_q = torch.arange(top + 1, dtype=torch.int32, device=dev)  # one token per run
@@ -110,8 +110,9 @@ class DecodeGraphs:
 
     def _views(self, buf, top: int) -> dict:
         """name -> the input's view of ``buf`` (numpy array or tensor)."""
-        views = {name: buf[i * top:(i + 1) * top] for i, name in enumerate(self.PAD)}
-        views["tables"] = buf[len(self.PAD) * top:].reshape(top, self.width)
+        at = self.stride
+        views = {name: buf[i * at:i * at + top] for i, name in enumerate(self.PAD)}
+        views["tables"] = buf[len(self.PAD) * at:].reshape(top, self.width)
         return views
 
     def _step(self, b: int, tiles) -> Step:
@@ -131,11 +132,12 @@ class DecodeGraphs:
         return next(s for s in self.sizes if s >= n)
 
     def _send(self, n: int, size: int) -> None:
-        """Pad rows n..size, then copy rows 0..size of every input to the device."""
+        """Pad rows n..size, then copy to the device the vectors and rows 0..size of the
+        tables (what a graph of ``size`` rows reads, in one copy)."""
         if n < size:
             for name, value in self.PAD.items():
                 self.np[name][n:size] = value
-        end = len(self.PAD) * self.sizes[-1] + size * self.width
+        end = len(self.PAD) * self.stride + size * self.width
         self.dev_buf[:end].copy_(self.host_buf[:end], non_blocking=True)
 
     def run(self, inputs: StepInputs, size: int) -> torch.Tensor:

@@ -402,8 +402,9 @@ def test_the_engines_queue_window_bounds_how_long_sjf_holds_a_prompt_back(window
 
 
 def test_a_fixed_budget_that_stalls_streams_says_once_how_to_bound_it(caplog):
-    """A hybrid iteration over STALL_HINT_S under a fixed budget: one warning naming the
-    adaptive budget; none when iterations are short, none under `auto`."""
+    """Hybrid iterations over STALL_HINT_S under a fixed budget (three here): one warning,
+    at the second, naming the adaptive budget; none when iterations are short, none under
+    `auto` (whose run has such iterations too)."""
     import logging
 
     from fluidserve.engine.core import STALL_HINT_S
@@ -425,3 +426,24 @@ def test_a_fixed_budget_that_stalls_streams_says_once_how_to_bound_it(caplog):
     assert hints(*fixed(1e-4)) == []  # 51 ms iterations
     ex = FakeExecutor(per_token=slow)
     assert hints(auto_core(ex, 1.5), ex) == []
+
+
+def test_the_stall_hint_waits_for_a_second_slow_hybrid_iteration(caplog):
+    """A single slow hybrid iteration (a kernel compiled on first use, say) says nothing; the
+    second does; decode-only or prefill-only iterations never count."""
+    import logging
+
+    from fluidserve.core.scheduler.output import ScheduledChunk, SchedulerOutput
+
+    cfg = EngineConfig.create(scheduler="sarathi", token_budget=512, max_num_seqs=64)
+    core = EngineCore(cfg, FakeExecutor(per_token=1e-4), VirtualClock())
+    p = SamplingParams(max_tokens=8)
+    decode = ScheduledChunk("d", 40, (5,), (0, 1, 2), True, p, 0, 3, True)
+    prefill = ScheduledChunk("p", 0, (5,) * 300, tuple(range(3, 22)), False, p, 0, 0)
+    with caplog.at_level(logging.WARNING, logger="fluidserve.engine.core"):
+        for chunks in ([decode], [prefill], [decode, prefill]):
+            core._hint_stall(SchedulerOutput(1, chunks), 3.0)
+        assert not caplog.records
+        core._hint_stall(SchedulerOutput(2, [decode, prefill]), 3.0)
+    (rec,) = caplog.records
+    assert "301 tokens (300 of them prefill) took 3.0 s: the 1 stream(s)" in rec.getMessage()

@@ -40,7 +40,8 @@ from fluidserve.request import Request, RequestStatus
 log = logging.getLogger(__name__)
 
 # A hybrid iteration this long (s) made the streams beside its prefill wait as long for a
-# token: under a fixed token budget the engine says once how to bound it.
+# token: under a fixed token budget the engine says once how to bound it, at the second such
+# iteration (a first one may be a one-off: a kernel compiled on first use).
 STALL_HINT_S = 1.0
 
 
@@ -142,7 +143,7 @@ class EngineCore:
         self.faults: dict[str, int] = {}  # fault point -> passes left that raise (testing)
         # Testing (messages.ForceEos): output indices made EOS, for all requests or by id.
         self.force_eos_at: frozenset[int] | dict[str, set[int]] = frozenset()
-        self._stall_hinted = False
+        self._slow_hybrids = 0  # hybrid iterations over STALL_HINT_S under a fixed budget
 
     def notify(self) -> None:
         """Something changed the scheduler's state from outside (a disaggregated cluster's
@@ -272,7 +273,7 @@ class EngineCore:
             self.budget.observe_gaps(plan, self._token_gaps(plan, end))
         touched = self.scheduler.update(plan, result, end)
         self.telemetry.record_iteration(plan, start, end - start)
-        if end - start > STALL_HINT_S and not self._stall_hinted and self.emit_outputs:
+        if end - start > STALL_HINT_S and self._slow_hybrids < 2 and self.emit_outputs:
             self._hint_stall(plan, end - start)
         if self._budget_model is not None:
             self._budget_model.observe(plan, end - start)
@@ -307,7 +308,9 @@ class EngineCore:
         bounds it (the adaptive budget already plans every iteration for its SLO)."""
         if self.budget is not None or not plan.num_decode_tokens or not plan.num_prefill_tokens:
             return
-        self._stall_hinted = True
+        self._slow_hybrids += 1
+        if self._slow_hybrids < 2:
+            return
         log.warning(
             "an iteration of %d tokens (%d of them prefill) took %.1f s: the %d stream(s)"
             " decoding beside it waited that long for a token. --scheduler sarathi"

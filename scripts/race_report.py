@@ -19,9 +19,13 @@ def _row(name: str, unit: str, v, f, target: str, better: str) -> str:
 
 
 def weight_bytes(model_dir: str) -> int:
+    """bf16 bytes a decode step reads: every weight but the embedding table, of which it
+    reads one row (a tied table is read whole, as the LM head)."""
     from fluidserve.model.arch import read_arch
 
-    return read_arch(model_dir).num_params * 2  # bf16; the tied embedding is read as lm_head
+    a = read_arch(model_dir)
+    untied_embedding = 0 if a.tie_word_embeddings else a.vocab_size * a.hidden_size
+    return (a.num_params - untied_embedding) * 2
 
 
 def model_words(model_dir: str) -> str:

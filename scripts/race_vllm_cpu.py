@@ -280,7 +280,8 @@ def main() -> int:
     ap.add_argument("--workloads", default=",".join(WORKLOADS),
                     help=f"Which of the workloads to run (default all: {','.join(WORKLOADS)}).")
     ap.add_argument("--engines", default="vllm,fluidserve",
-                    help="Which engines run the workloads (default both: vllm,fluidserve).")
+                    help="Which engines run the workloads (default both: vllm,fluidserve); the"
+                    " capacity part runs its own list (--vllm-budgets, --capacity-variants).")
     ap.add_argument("--shape", default="200m-gqa", choices=sorted(SHAPES),
                     help="The model both engines serve (build-model's shapes; default 200m-gqa,"
                     " the documented races; 1b-gqa: TinyLlama-1.1B's shape).")
@@ -291,6 +292,9 @@ def main() -> int:
         ap.error(f"--workloads: {', '.join(bad)} not among {', '.join(WORKLOADS)}")
     if bad := [e for e in engines if e not in ("vllm", "fluidserve")]:
         ap.error(f"--engines: {', '.join(bad)} not among vllm, fluidserve")
+    if args.doc and args.shape != "200m-gqa":
+        ap.error("--doc writes the documented race's section (the 200m-gqa model); write the"
+                 " report of another shape to --out only")
     try:
         for name, size in parse_sizes(args.sizes).items():
             WORKLOADS[name].update(size)
@@ -327,6 +331,9 @@ def main() -> int:
     result["commands"] = [command]
     if args.capacity_only and (out / "race.json").exists():  # (else the capacity part alone)
         kept = json.loads((out / "race.json").read_text())
+        if Path(kept["model"]) != model:
+            ap.error(f"--capacity-only: {out / 'race.json'} raced {kept['model']}, not {model}"
+                     " (--shape)")
         result = kept | {"capacity_started": result["started"],
                          "capacity_machine": result["machine"],
                          "commands": [*kept.get("commands", []), command]}

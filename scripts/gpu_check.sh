@@ -12,8 +12,9 @@
 #   OUT=runs/gpu-check bash scripts/gpu_check.sh
 #   OUT=/tmp/o KEY_S=150 BENCH_S=300 TESTS_S=120 MODES=graphs,skinny,skinny-proj-pdl bash scripts/gpu_check.sh
 #
-# Not a test: nothing depends on a GPU. Exit status: the tests' (0: all passed; 124: a part ran
-# out of its time, what ran of it passed unless the log says otherwise).
+# Not a test: nothing depends on a GPU. Exit status: the tests' (0: all passed; 124: a test
+# part ran out of its time, and what ran of it passed unless its log says otherwise); the
+# benchmark's and the profile's are printed, not returned.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-runs/gpu-check}
@@ -39,7 +40,7 @@ FILES="tests/test_triton_kernels.py tests/test_cuda_graphs.py tests/test_sampler
 cat "$OUT/machine.txt"
 
 tests() {  # name, limit, -k expression
-  timeout "$2" "$PY" -m pytest -q -p no:cacheprovider -rfE $FILES -k "$3" \
+  timeout -k 10 "$2" "$PY" -m pytest -q -p no:cacheprovider -rfE $FILES -k "$3" \
     > "$OUT/pytest-$1.log" 2>&1
   local rc=$?
   tail -n 8 "$OUT/pytest-$1.log"
@@ -53,7 +54,7 @@ tests key "$KEY_S" "$KEY"
 key_rc=$?
 
 echo "== decode steps (limit ${BENCH_S} s): $MODES"
-timeout "$BENCH_S" "$PY" scripts/bench_cuda.py --out "$OUT" --batch-sizes 1 \
+timeout -k 10 "$BENCH_S" "$PY" scripts/bench_cuda.py --out "$OUT" --batch-sizes 1 \
   --contexts "$CONTEXTS" --steps 30 --rounds 3 --modes "$MODES" --no-linears \
   > "$OUT/bench.log" 2>&1
 echo "bench: exit $?"
@@ -65,7 +66,7 @@ rest_rc=$?
 
 if [ "$PROFILE_S" -gt 0 ]; then
   echo "== fluidserve profile --quick --device cuda (limit ${PROFILE_S} s)"
-  timeout "$PROFILE_S" "$PY" -m fluidserve.cli profile --quick --device cuda \
+  timeout -k 10 "$PROFILE_S" "$PY" -m fluidserve.cli profile --quick --device cuda \
     --no-plots --model "$OUT/../model-llama3-8b" --output-dir "$OUT/profile" \
     > "$OUT/profile.log" 2>&1
   echo "profile: exit $?"

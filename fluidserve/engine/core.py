@@ -273,7 +273,7 @@ class EngineCore:
             self.budget.observe_gaps(plan, self._token_gaps(plan, end))
         touched = self.scheduler.update(plan, result, end)
         self.telemetry.record_iteration(plan, start, end - start)
-        if end - start > STALL_HINT_S and self._slow_hybrids < 2 and self.emit_outputs:
+        if end - start > STALL_HINT_S and self.emit_outputs:
             self._hint_stall(plan, end - start)
         if self._budget_model is not None:
             self._budget_model.observe(plan, end - start)
@@ -306,8 +306,9 @@ class EngineCore:
     def _hint_stall(self, plan: SchedulerOutput, seconds: float) -> None:
         """Say once that a fixed budget's prefill work stalled running streams, and what
         bounds it (the adaptive budget already plans every iteration for its SLO)."""
-        if self.budget is not None or not plan.num_decode_tokens or not plan.num_prefill_tokens:
-            return
+        if self._slow_hybrids >= 2 or self.budget is not None or not plan.num_decode_tokens \
+                or not plan.num_prefill_tokens:
+            return  # said already, or the adaptive budget, or no stream waited on a prefill
         self._slow_hybrids += 1
         if self._slow_hybrids < 2:
             return

@@ -147,6 +147,15 @@ class SchedulerConfig:
         " long prompt under sjf waits for its own window at most (0: one window; it may wait"
         " for as long as shorter prompts keep arriving). Disaggregated prefill instances use"
         " --prefill-sched-batch instead.")
+    async_scheduling: bool = knob(
+        False, "Schedule and launch the next iteration while the last one still runs: a"
+        " request's next decode reads the token in flight on the device, so the host's work"
+        " between iterations (applying tokens, streaming, scheduling, building inputs)"
+        " overlaps the device's instead of leaving it idle. A token sampled after its request"
+        " stopped (EOS, a stop token or string) is computed and dropped. For CUDA: on the CPU"
+        " a batch runs when it is launched, so nothing overlaps and each token reaches its"
+        " stream one iteration later. One model process only (no --tensor/"
+        "--pipeline-parallel-size > 1, no --disaggregate).")
 
     def __post_init__(self) -> None:
         if self.policy not in SCHEDULERS + SLO_SCHEDULERS:
@@ -332,6 +341,13 @@ class EngineConfig:
                 raise TypeError(f"unknown engine option {key!r}; valid: {sorted(_KNOB_SECTION)}")
             parts[section][name] = value
         return cls(**{name: SECTIONS[name](**kw) for name, kw in parts.items()})
+
+    def __post_init__(self) -> None:
+        if self.scheduler.async_scheduling and (self.parallel.world_size > 1
+                                                or self.disagg.disaggregate):
+            raise ConfigError("--async-scheduling runs the model in one process: it does not"
+                              " combine with --tensor-parallel-size/--pipeline-parallel-size"
+                              " > 1 or --disaggregate")
 
     def knobs(self) -> dict:
         """The flat knob names and values (the inverse of ``create``)."""

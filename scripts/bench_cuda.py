@@ -26,6 +26,11 @@ A benchmark program, not a test (it needs a CUDA GPU; nothing else depends on it
    with the sync), which tell where the step's time beyond the forward pass goes.
 5. A per-kernel profile of one decode step at batch 1 (torch.profiler, Python launches) on the
    layer-by-layer and the few-rows paths: where GPU time goes.
+6. Requests decoding through the engine core (``--engine-batches``; skip with
+   ``--engine-tokens 0``), in the ``--engine-mode`` graphs: the median gap between a request's
+   tokens, synchronous (the host applies a step's tokens, schedules and builds the next step
+   while the GPU idles) and with asynchronous scheduling (the next step is launched first),
+   side by side in interleaved rounds: the decode step a client sees, less HTTP.
 
 Writes ``bench_cuda.json`` to --out and prints a table of the step times last.
 """
@@ -144,6 +149,59 @@ def host_breakdown(ex: ModelExecutor, plans) -> dict:
             for key, dt in zip(parts, (t1 - t0, t2 - t1, t3 - t2), strict=True):
                 parts[key].append(dt * 1e6)
     return {k: statistics.median(v) for k, v in parts.items()}
+
+
+def capture_async(ex: ModelExecutor, mode: str, max_batch: int, last: torch.Tensor
+                  ) -> DecodeGraphs:
+    """``mode``'s graphs with the placeholder read of asynchronous scheduling captured in."""
+    ex.worker.last_tokens = last
+    try:
+        return capture(ex, mode, max_batch)
+    finally:
+        ex.worker.last_tokens = None
+
+
+def engine_gaps(ex: ModelExecutor, model: str, graphs: dict, last: torch.Tensor, batch: int,
+                ctx: int, tokens: int, rounds: int) -> dict:
+    """Median gap (ms) between the tokens of ``batch`` requests of ``ctx`` prompt tokens
+    decoding ``tokens`` each through the engine core, synchronous (``graphs["sync"]``) and
+    with asynchronous scheduling (``graphs["async"]``, captured by ``capture_async``), in
+    interleaved rounds on the same executor. ``last``: the sampled-token buffer the async
+    graphs read."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from fluidserve.config import EngineConfig
+    from fluidserve.engine.core import EngineCore
+    from fluidserve.engine.messages import AddRequest
+
+    waiter = ThreadPoolExecutor(1) if ex.device.type == "cuda" else None
+    params = SamplingParams(max_tokens=tokens, temperature=0.0, ignore_eos=True)
+    prompt = [100 + i % 1000 for i in range(ctx)]
+    gaps: dict[str, list[float]] = {"sync": [], "async": []}
+    try:
+        for _ in range(rounds):
+            for name, runs in gaps.items():
+                on = name == "async"
+                ex.worker.graphs = graphs.get(name)
+                ex.worker.last_tokens = last if on else None
+                ex.resolves_placeholders, ex._waiter = on, waiter if on else None
+                cfg = EngineConfig.create(model=model, device=ex.device.type,
+                                          async_scheduling=on, token_budget=2048,
+                                          max_num_seqs=max(batch, 8))
+                core = EngineCore(cfg, ex)
+                for i in range(batch):
+                    core.add(AddRequest(f"{name}{i}", prompt, params, None))
+                seen = []
+                while core.has_unfinished():
+                    seen += [d.tbt for d in core.step().outputs if d.tbt is not None]
+                runs.append(statistics.median(seen) * 1e3)
+    finally:
+        ex.worker.last_tokens, ex.resolves_placeholders, ex._waiter = None, False, None
+        if waiter is not None:
+            waiter.shutdown()
+    out = {f"{k}_gap_ms": statistics.median(v) for k, v in gaps.items()}
+    return {"batch": batch, "context": ctx, "tokens": tokens, **out,
+            "async_over_sync": out["async_gap_ms"] / out["sync_gap_ms"]}
 
 
 def kernel_profile(ex: ModelExecutor, tables, ctx: int, mode: str) -> list[dict]:
@@ -270,6 +328,12 @@ def main() -> None:
     ap.add_argument("--modes", default=",".join(MODES), help=f"Of {', '.join(MODES)}.")
     ap.add_argument("--no-linears", action="store_true",
                     help="Skip timing the projections alone.")
+    ap.add_argument("--engine-mode", default="skinny", choices=MODES[2:],
+                    help="Graphs the engine-core runs replay.")
+    ap.add_argument("--engine-batches", default="1,8",
+                    help="Requests decoding together in the engine-core runs.")
+    ap.add_argument("--engine-tokens", type=int, default=64,
+                    help="Tokens each request decodes in the engine-core runs (0: skip).")
     args = ap.parse_args()
     modes = args.modes.split(",")
     if unknown := set(modes) - set(MODES):
@@ -330,6 +394,21 @@ def main() -> None:
         except Exception as e:  # noqa: BLE001 - a profiler that cannot run here
             profiles[mode] = [{"kernel": f"profiler failed: {e!r}"[:200], "calls": 0,
                                "ms_per_step": 0.0}]
+    engine = []
+    if args.engine_tokens:  # optional: the step times above stand without it
+        try:
+            mode = args.engine_mode
+            set_mode(ex, mode, graphs)
+            last = torch.zeros(256, dtype=torch.int32, device=ex.device)
+            both = {"sync": graphs.get(mode) or capture(ex, mode, top),
+                    "async": capture_async(ex, mode, top, last)}
+            set_mode(ex, mode, graphs)
+            for b in (int(x) for x in args.engine_batches.split(",")):
+                engine.append({"mode": mode, **engine_gaps(ex, model, both, last, b, 128,
+                                                           args.engine_tokens, 2)})
+                print(json.dumps(engine[-1]), flush=True)
+        except Exception:  # noqa: BLE001
+            traceback.print_exc()
     gpu = subprocess.run(["nvidia-smi", "--query-gpu=name,driver_version,clocks.max.sm,"
                           "clocks.max.mem", "--format=csv,noheader"], capture_output=True,
                          text=True).stdout.strip()
@@ -343,7 +422,7 @@ def main() -> None:
                          "weights_over_measured_copy": floor_measured * 1e3},
         "linears": linears,
         "skinny_tuned": {str(k): v.__dict__ for k, v in triton_ops.SKINNY_TUNED.items()},
-        "decode": results, "kernel_profile_bs1_ctx512": profiles,
+        "decode": results, "kernel_profile_bs1_ctx512": profiles, "engine": engine,
     }
     (out / "bench_cuda.json").write_text(json.dumps(summary, indent=1))
     print(f"{'batch':>5} {'ctx':>5} | " + " | ".join(f"{m:>22}" for m in modes))
@@ -358,6 +437,10 @@ def main() -> None:
     print(f"floor: {floor_datasheet * 1e3:.2f} ms (datasheet), {floor_measured * 1e3:.2f} ms"
           f" (measured copy {peaks['memory_bandwidth_bytes_per_s'] / 1e12:.2f} TB/s; reads"
           f" {peaks['read_bandwidth_bytes_per_s'] / 1e12:.2f} TB/s)")
+    for e in engine:
+        print(f"engine core, {e['mode']}, batch {e['batch']}: token gap {e['sync_gap_ms']:.2f}"
+              f" ms synchronous, {e['async_gap_ms']:.2f} ms asynchronous"
+              f" ({e['async_over_sync']:.3f}x)")
     for mode, rows in profiles.items():
         print(f"-- {mode}")
         for p in rows:

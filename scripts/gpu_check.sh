@@ -2,10 +2,11 @@
 # The CUDA path checked and measured on a GPU in one command, in the order that makes a short
 # lease count: the card and versions; the tests of the one-row decode chain on the card (CUDA
 # graphs with the few-rows path and its PDL launches, one launch per projection, RoPE with the
-# KV write, the logits against transformers on CUDA); the decode-step benchmark of the
-# Llama-3-8B shape at batch 1 (scripts/bench_cuda.py); then the rest of the CUDA tests
-# (every dtype and fold of the kernels); with PROFILE_S > 0, last, `fluidserve profile --quick
-# --device cuda` on the benchmark's model. Each part has its own time limit, so a slow part
+# KV write, the logits against transformers on CUDA, asynchronous scheduling); the decode-step
+# benchmark of the Llama-3-8B shape at batch 1, and its token gaps through the engine core
+# with and without asynchronous scheduling (scripts/bench_cuda.py); then the rest of the CUDA
+# tests (every dtype and fold of the kernels); with PROFILE_S > 0, last, `fluidserve profile
+# --quick --device cuda` on the benchmark's model. Each part has its own time limit, so a slow part
 # leaves the others their time; everything lands in OUT (bench_cuda.json, pytest-*.log, ...).
 # tests/test_triton_compile.py (the sm_90 machine code) needs no GPU and runs with the suite.
 #
@@ -28,9 +29,9 @@ mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 PY=${PYTHON:-python3}
 KEY="test_cuda_graphs or single_row_takes_one_launch or rope_and_write_kv or argmax_rows"
-KEY="$KEY or (test_model_vs_transformers and cuda)"
+KEY="$KEY or (test_model_vs_transformers and cuda) or (test_async_scheduling and cuda)"
 FILES="tests/test_triton_kernels.py tests/test_cuda_graphs.py tests/test_sampler.py
-  tests/test_model_vs_transformers.py"
+  tests/test_model_vs_transformers.py tests/test_async_scheduling.py"
 
 {
   date -u
@@ -56,12 +57,14 @@ key_rc=$?
 echo "== decode steps (limit ${BENCH_S} s): $MODES"
 timeout -k 10 "$BENCH_S" "$PY" scripts/bench_cuda.py --out "$OUT" --batch-sizes 1 \
   --contexts "$CONTEXTS" --steps 30 --rounds 3 --modes "$MODES" --no-linears \
+  --engine-batches 1 \
   > "$OUT/bench.log" 2>&1
 echo "bench: exit $?"
 tail -n 24 "$OUT/bench.log"
 
 echo "== the other CUDA tests (limit ${TESTS_S} s)"
-tests rest "$TESTS_S" "not ($KEY) and not (test_model_vs_transformers and not cuda)"
+tests rest "$TESTS_S" "not ($KEY) and not (test_model_vs_transformers and not cuda)
+  and not test_async_scheduling"
 rest_rc=$?
 
 if [ "$PROFILE_S" -gt 0 ]; then

@@ -100,3 +100,50 @@ def test_capture_sizes_and_when_graphs_are_used():
     assert cuda_graph_batch(cfg.replace(enforce_eager=True)) == 0
     assert cuda_graph_batch(cfg.replace(device="cpu")) == 0
     assert cuda_graph_batch(cfg.replace(tensor_parallel_size=2)) == 0
+
+
+@pytest.mark.parametrize("capture", CAPTURES)
+def test_graphed_decodes_read_tokens_in_flight_on_the_device(hf_models, capture,
+                                                            few_key_splits):
+    """Asynchronous scheduling: a decode whose input token the previous step is still
+    sampling reads it on the device, inside the graph; logits as with the token known."""
+    from fluidserve.core.scheduler.base import PLACEHOLDER
+    from fluidserve.model.inputs import prepare_inputs
+
+    device = "cuda" if CUDA else "cpu"
+    make = lambda attention, **kw: ModelExecutor(  # noqa: E731
+        hf_models["llama"], dtype="float32", device=device, num_blocks=64, block_size=16,
+        max_model_len=256, attention_backend=attention, linear_backend="eager", **kw)
+    graphed, eager = make("triton", async_scheduling=True, max_num_seqs=8), make("eager")
+    counting = Counting() if capture == "eager-replay" else None
+    graphed.worker.graphs = DecodeGraphs(graphed.worker, 4, counting)
+    tables = {"a": (5, 9, 2), "b": (11, 3), "c": (20, 21)}
+    first = SchedulerOutput(0, [chunk("a", 0, 20, tables["a"]), chunk("b", 0, 9, tables["b"]),
+                                chunk("c", 0, 17, tables["c"])])
+    known = graphed.submit(first).result().sampled
+    assert known == eager.execute(first).sampled
+
+    def decode(rid, start, token):
+        return ScheduledChunk(rid, start, (token,), tables[rid], True, GREEDY, 0, 1,
+                              is_decode=True)
+
+    # Two decodes of tokens in flight (graph of 2), then three with one token known (of 4).
+    steps = [[("a", 20), ("b", 9)], [("a", 21), ("c", 17), ("b", 10)]]
+    for i, rows in enumerate(steps):
+        in_flight = {rid for rid, _ in steps[i - 1]} if i else {"a", "b"}
+        plan = SchedulerOutput(i + 1, [decode(r, s, PLACEHOLDER if r in in_flight else known[r])
+                                       for r, s in rows])
+        real = SchedulerOutput(i + 1, [decode(r, s, known[r]) for r, s in rows])
+        x = prepare_inputs(plan, 16, graphed._rows)
+        assert graphed.worker.graphs.size_for(x) == (2, 4)[i]
+        assert (x.token_ids < 0).sum() == len(in_flight)
+        with torch.inference_mode():
+            got = graphed.worker.forward(x).clone()  # (the graph's output is overwritten)
+            want = eager.logits(real)
+        torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4, msg=f"step {i}")
+        # As the engine runs it (the KV writes again, the same): its tokens, for the next.
+        sampled = graphed.submit(plan).result().sampled
+        assert sampled == eager.execute(real).sampled
+        known.update(sampled)
+    if counting is not None:  # captured 4, 2, 1 -> indices 0, 1, 2; each step ran twice
+        assert counting.replays == [1, 1, 0, 0]

@@ -17,7 +17,7 @@ from concurrent.futures import Future
 from concurrent.futures import wait as futures_wait
 from typing import Protocol
 
-from fluidserve.config import EngineConfig
+from fluidserve.config import ConfigError, EngineConfig
 from fluidserve.core.block_manager import BlockManager
 from fluidserve.core.scheduler import (
     RequestRejected,
@@ -132,6 +132,15 @@ class EngineCore:
                     pads_rows=getattr(executor, "pads_rows", False))
             self.budget = budget_policy
             self.scheduler.budget_policy = budget_policy
+        # Batches in flight at once: the pipeline's stages; with asynchronous scheduling at
+        # least two, the next one launched while the host applies the last one's tokens.
+        self.depth = executor.depth
+        if sc.async_scheduling:
+            if not getattr(executor, "resolves_placeholders", False):
+                raise ConfigError("--async-scheduling needs the single-process model executor"
+                                  f" (not {type(executor).__name__})")
+            self.scheduler.async_scheduling = True
+            self.depth = max(self.depth, 2)
         # Batches submitted and not yet applied: (plan, future of its RunnerOutput, start).
         self.in_flight: deque[tuple[SchedulerOutput, Future, float]] = deque()
         self._changed = True  # requests added, ended or advanced since the last empty plan
@@ -144,6 +153,7 @@ class EngineCore:
         # Testing (messages.ForceEos): output indices made EOS, for all requests or by id.
         self.force_eos_at: frozenset[int] | dict[str, set[int]] = frozenset()
         self._slow_hybrids = 0  # hybrid iterations over STALL_HINT_S under a fixed budget
+        self._last_end = float("-inf")  # when the last batch completed
 
     def notify(self) -> None:
         """Something changed the scheduler's state from outside (a disaggregated cluster's
@@ -222,7 +232,7 @@ class EngineCore:
 
     @property
     def pipeline_full(self) -> bool:
-        return len(self.in_flight) >= self.executor.depth
+        return len(self.in_flight) >= self.depth
 
     def fill(self) -> None:
         """Schedule and submit batches until ``depth`` are in flight or nothing is left; each
@@ -261,7 +271,11 @@ class EngineCore:
             log.error("batch of iteration %d failed: %s", plan.iteration, e)
             message = f"internal error while executing the batch: {e}"
             return self.make_outputs(self.fail([c.request_id for c in plan.chunks], message))
-        return self.complete(plan, result, start, self.clock.completed(result))
+        end = self.clock.completed(result)
+        if self.scheduler.async_scheduling:
+            # It was scheduled while the one before ran: its iteration began when that ended.
+            start, self._last_end = max(start, self._last_end), end
+        return self.complete(plan, result, start, end)
 
     def complete(self, plan: SchedulerOutput, result: RunnerOutput, start: float, end: float
                  ) -> EngineCoreOutputs:
@@ -289,7 +303,7 @@ class EngineCore:
         for req in touched:
             self.telemetry.record_token(req)
             lp = logprobs.get(req.request_id)
-            d = RequestDelta(req.request_id, [req.output_token_ids[-1]], req.finish_reason,
+            d = RequestDelta(req.request_id, [result.sampled[req.request_id]], req.finish_reason,
                              new_logprobs=[lp] if lp is not None else [],
                              num_prompt_tokens=req.num_prompt_tokens)
             times = req.token_times

@@ -78,7 +78,7 @@ class Telemetry:
     def record_token(self, req: Request) -> None:
         if self.tokens.maxlen == 0:
             return
-        idx = len(req.output_token_ids) - 1
+        idx = len(req.token_times) - 1  # (its outputs may end in a token still in flight)
         self.tokens.append(TokenEvent(req.request_id, idx, req.token_times[idx]))
 
     def record_finished(self, req: Request, row: dict | None = None) -> None:

@@ -7,8 +7,11 @@ a batch of B decodes then replays the graph of the smallest captured size >= B, 
 padded so that they change nothing: slot -1 (no KV write), context 0 (attention over nothing).
 Batches with a prefill chunk, and decode batches above the largest size, run eagerly.
 
-Every input a graph reads lives at a fixed address in one device buffer; a step fills its pinned
+Every input a graph reads lives at a fixed address in one device buffer; a step fills a pinned
 host twin and sends it with one asynchronous copy, ordered before the replay on the same stream.
+There are two twins, used in turn: with asynchronous scheduling the next step fills one while
+the copy from the other may still wait behind the step in flight. With it, too, the graph reads
+placeholder token ids from the previous step's sampled tokens (``worker.resolve_placeholders``).
 The capture itself is a parameter so that the bookkeeping (layout, padding, which graph runs)
 is tested on the CPU, where ``capture=lambda step: step`` replays eagerly.
 """
@@ -78,10 +81,14 @@ class DecodeGraphs:
         self.width = -(-worker.spec.max_model_len // worker.spec.block_size)  # table columns
         pin = dev.type == "cuda"
         self.stride = -(-top // 16) * 16  # int32 entries per vector: 64-byte aligned starts
-        self.host_buf = torch.zeros(len(self.PAD) * self.stride + top * self.width,
-                                    dtype=torch.int32, pin_memory=pin)
-        self.dev_buf = torch.zeros_like(self.host_buf, device=dev)
-        self.np, self.dev = self._views(self.host_buf.numpy(), top), self._views(self.dev_buf, top)
+        size = len(self.PAD) * self.stride + top * self.width
+        self.host_bufs = [torch.zeros(size, dtype=torch.int32, pin_memory=pin) for _ in "ab"]
+        self.host_views = [self._views(b.numpy(), top) for b in self.host_bufs]
+        # When each twin's last copy has been made (None: never used, or on the CPU).
+        self.sent: list = [None, None]
+        self.turn = 0
+        self.dev_buf = torch.zeros(size, dtype=torch.int32, device=dev)
+        self.dev = self._views(self.dev_buf, top)
         self.cu_q = torch.arange(top + 1, dtype=torch.int32, device=dev)  # one token per run
         self.logits_idx = torch.arange(top, device=dev)
         attn = worker.model.layers[0].self_attn if worker.model.layers else None
@@ -122,6 +129,12 @@ class DecodeGraphs:
                                  block_size=w.spec.block_size, runs=[], backend="triton",
                                  tiles=tiles)
         tokens, positions, idx = d["tokens"][:b], d["positions"][:b], self.logits_idx[:b]
+        if w.last_tokens is not None:
+            from fluidserve.model.worker import resolve_placeholders
+
+            last = w.last_tokens
+            return lambda: w.model(resolve_placeholders(tokens, last), positions, meta,
+                                   w.kv_caches, idx)
         return lambda: w.model(tokens, positions, meta, w.kv_caches, idx)
 
     def size_for(self, inputs: StepInputs) -> int | None:
@@ -131,22 +144,37 @@ class DecodeGraphs:
             return None
         return next(s for s in self.sizes if s >= n)
 
-    def _send(self, n: int, size: int) -> None:
-        """Pad rows n..size, then copy to the device the vectors and rows 0..size of the
-        tables (what a graph of ``size`` rows reads, in one copy)."""
+    def _host(self) -> dict:
+        """The views of the next host twin, once the copy last made from it is done (two
+        steps ago: long done, unless the host ran far ahead of the device)."""
+        self.turn ^= 1
+        if self.sent[self.turn] is not None:
+            self.sent[self.turn].synchronize()
+        return self.host_views[self.turn]
+
+    def _send(self, n: int, size: int, views: dict | None = None) -> None:
+        """Pad rows n..size of the twin ``views`` (by default the next one), then copy to the
+        device the vectors and rows 0..size of the tables (what a graph of ``size`` rows
+        reads, in one copy)."""
+        views = views if views is not None else self._host()
         if n < size:
             for name, value in self.PAD.items():
-                self.np[name][n:size] = value
+                views[name][n:size] = value
         end = len(self.PAD) * self.stride + size * self.width
-        self.dev_buf[:end].copy_(self.host_buf[:end], non_blocking=True)
+        self.dev_buf[:end].copy_(self.host_bufs[self.turn][:end], non_blocking=True)
+        if self.dev_buf.device.type == "cuda":
+            event = self.sent[self.turn] or torch.cuda.Event()
+            event.record()
+            self.sent[self.turn] = event
 
     def run(self, inputs: StepInputs, size: int) -> torch.Tensor:
         """[n, vocab] logits of a decode-only batch of n <= size rows."""
         n = len(inputs.ctx_lens)
-        self.np["tokens"][:n] = inputs.token_ids
-        self.np["positions"][:n] = inputs.positions
-        self.np["slots"][:n] = inputs.slot_mapping
-        self.np["ctx"][:n] = inputs.ctx_lens
-        self.np["tables"][:n, : inputs.block_tables.shape[1]] = inputs.block_tables
-        self._send(n, size)
+        h = self._host()
+        h["tokens"][:n] = inputs.token_ids
+        h["positions"][:n] = inputs.positions
+        h["slots"][:n] = inputs.slot_mapping
+        h["ctx"][:n] = inputs.ctx_lens
+        h["tables"][:n, : inputs.block_tables.shape[1]] = inputs.block_tables
+        self._send(n, size, h)
         return self.steps[size]()[:n]

@@ -1,4 +1,5 @@
-"""Keep the C allocator from handing large activations back to the kernel between iterations.
+"""Host memory: the C allocator kept from handing large activations back to the kernel between
+iterations, and pinned staging for the small copies of each step's inputs to a GPU.
 
 glibc's malloc serves large blocks with a fresh ``mmap`` and returns them with ``munmap`` when
 freed (and trims the top of its heap once enough is free there). A forward pass allocates and
@@ -17,6 +18,9 @@ import ctypes
 import ctypes.util
 import logging
 import os
+
+import numpy as np
+import torch
 
 log = logging.getLogger(__name__)
 
@@ -45,3 +49,17 @@ def keep_freed_memory(mmap_threshold: int = 1 << 30, trim_threshold: int = (1 <<
         log.debug("mallopt refused the allocator thresholds; large activations stay on mmap")
     _done = ok
     return ok
+
+
+def to_device(values: np.ndarray | list, device: torch.device, dtype: torch.dtype | None = None
+              ) -> torch.Tensor:
+    """A small host array (or list) as a tensor on ``device``. On CUDA it goes through pinned
+    memory, so the copy is queued behind the work already on the stream without waiting for
+    it: a copy from pageable memory waits, and would keep the host from preparing the next
+    step while the device runs this one. On the CPU a numpy array is shared, not copied."""
+    t = torch.from_numpy(values) if isinstance(values, np.ndarray) else torch.tensor(values)
+    if dtype is not None:
+        t = t.to(dtype)
+    if device.type != "cuda":
+        return t
+    return t.pin_memory().to(device, non_blocking=True)

@@ -52,7 +52,13 @@ class StepInputs:
         return [(cu[i], cu[i + 1] - cu[i], ctx[i]) for i in range(len(ctx))]
 
 
-def prepare_inputs(plan: SchedulerOutput, block_size: int) -> StepInputs:
+def prepare_inputs(plan: SchedulerOutput, block_size: int, rows: dict[str, int] | None = None
+                   ) -> StepInputs:
+    """The plan's model inputs. ``rows`` (asynchronous scheduling): for each request sampled
+    by the batch submitted before this one, its row in that batch's sampled tokens; a decode
+    of a token still in flight (``PLACEHOLDER``) gets token id ``-(row + 1)``, which the
+    worker reads from that row on the device (0 for a request that batch did not sample:
+    its own batch failed, and so does the request)."""
     bs = block_size
     ids: list[int] = []
     pos: list[int] = []
@@ -63,7 +69,10 @@ def prepare_inputs(plan: SchedulerOutput, block_size: int) -> StepInputs:
     sampled = []
     for c in plan.chunks:
         q0, n = len(ids), len(c.token_ids)
-        ids.extend(c.token_ids)
+        if rows is not None and c.token_ids[0] < 0:  # (only a decode's can be)
+            ids.append(-1 - rows.get(c.request_id, -1))
+        else:
+            ids.extend(c.token_ids)
         ctx = c.start + n
         pos.extend(range(c.start, ctx))
         lens.append(n)

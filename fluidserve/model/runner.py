@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import logging
 import time
-from concurrent.futures import Future
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 from fluidserve.core.scheduler.output import RunnerOutput, SchedulerOutput
@@ -18,6 +19,8 @@ from fluidserve.model.worker import (
     resolve_max_model_len,
 )
 
+log = logging.getLogger(__name__)
+
 
 def runner_output(request_ids: list[str], tokens: list[int], logprobs: list, seconds: float
                   ) -> RunnerOutput:
@@ -28,9 +31,14 @@ def runner_output(request_ids: list[str], tokens: list[int], logprobs: list, sec
 
 class ModelExecutor:
     """Runs the real model in this process. The engine calls ``submit``; tests and the
-    profiler may call ``execute`` / ``logits`` directly."""
+    profiler may call ``execute`` / ``logits`` directly.
 
-    depth = 1  # batches in flight
+    With ``async_scheduling`` a batch's decodes may take their input token from the batch
+    submitted before it, still in flight (``PLACEHOLDER``): ``submit`` queues the batch on the
+    device and returns, and a thread waits for its tokens to reach the host; on the CPU, where
+    the forward pass runs in ``submit``, the future is done when it returns."""
+
+    depth = 1  # batches in flight (the engine keeps two with asynchronous scheduling)
 
     def __init__(
         self,
@@ -47,6 +55,7 @@ class ModelExecutor:
         cuda_graph_max_batch: int = 0,
         max_num_seqs: int | None = None,
         watermark: float = 0.0,
+        async_scheduling: bool = False,
     ) -> None:
         """``max_num_seqs`` (and the admission ``watermark``): size a memory-sized cache to
         no more than that many sequences of the context window can use."""
@@ -57,8 +66,17 @@ class ModelExecutor:
                                                max_seqs=max_num_seqs, max_len=max_len,
                                                watermark=watermark)
         spec = WorkerSpec(str(model_dir), dtype, device, block_size, blocks, max_len,
-                          attention_backend, linear_backend, cuda_graph_max_batch)
+                          attention_backend, linear_backend, cuda_graph_max_batch,
+                          async_scheduling, max_num_seqs or WorkerSpec.max_num_seqs)
         self.worker = Worker(spec)
+        self.resolves_placeholders = async_scheduling
+        self._rows: dict[str, int] = {}  # request id -> its row in the last batch's tokens
+        self._waiter = ThreadPoolExecutor(1, thread_name_prefix="fluidserve-tokens") \
+            if async_scheduling and self.worker.device.type == "cuda" else None
+        if async_scheduling and self._waiter is None:
+            log.warning("--async-scheduling on the CPU: a batch runs when it is submitted, so"
+                        " each token reaches its stream one iteration later, and the host's"
+                        " work between iterations overlaps nothing (it is meant for CUDA)")
         self.arch, self.model = self.worker.arch, self.worker.model
         self.kv_caches, self.device = self.worker.kv_caches, self.worker.device
         self.attention = self.worker.attention
@@ -67,10 +85,34 @@ class ModelExecutor:
         self.max_model_len = spec.max_model_len
 
     def submit(self, plan: SchedulerOutput) -> Future:
+        if self.resolves_placeholders and not plan.is_empty:
+            return self._submit_async(plan)
         fut: Future = Future()
         try:
             fut.set_result(self.execute(plan))
         except Exception as e:
+            fut.set_exception(e)
+        return fut
+
+    def _submit_async(self, plan: SchedulerOutput) -> Future:
+        t0 = time.perf_counter()
+        try:
+            inputs = prepare_inputs(plan, self.block_size, self._rows)
+            collect = self.worker.launch(inputs)
+            ids = inputs.sampling.request_ids
+            self._rows = {rid: i for i, rid in enumerate(ids)}
+
+            def finish() -> RunnerOutput:
+                tokens, logprobs = collect()
+                return runner_output(ids, tokens, logprobs, time.perf_counter() - t0)
+
+            if self._waiter is not None:
+                return self._waiter.submit(finish)
+            fut: Future = Future()
+            fut.set_result(finish())
+        except Exception as e:
+            self._rows = {}  # (the placeholders of the next batch belong to failed requests)
+            fut = Future()
             fut.set_exception(e)
         return fut
 
@@ -95,4 +137,5 @@ class ModelExecutor:
         return self.forward(plan).float()
 
     def shutdown(self) -> None:
-        pass
+        if self._waiter is not None:
+            self._waiter.shutdown(wait=True)

@@ -10,8 +10,11 @@ one copy of the sampled ids to the host.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
+from fluidserve.model.host_memory import to_device
 from fluidserve.model.inputs import SamplingMetadata
 
 _MASK64 = (1 << 64) - 1
@@ -61,49 +64,87 @@ def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
     return logits.max(dim=-1).indices
 
 
-def sample(
-    logits: torch.Tensor, meta: SamplingMetadata
-) -> tuple[list[int], list[tuple[float, list[tuple[int, float]]] | None]]:
-    """logits: [S, V], one row per sampled request. Returns token ids and logprobs."""
+@dataclass
+class DeviceSample:
+    """A batch's sampled tokens (and requested logprobs) as tensors, before they reach the
+    host: ``sample_on_device`` makes it without waiting for the device, ``to_host`` reads it.
+    ``rows``/``ks``: the rows that asked for logprobs, and how many top entries each."""
+
+    tokens: torch.Tensor  # [R] int64
+    rows: list[int]
+    ks: list[int]
+    chosen: torch.Tensor | None = None  # [len(rows)] logprob of each sampled token
+    top_v: torch.Tensor | None = None  # [len(rows), max(ks)]
+    top_i: torch.Tensor | None = None
+
+    def copy_to_host(self) -> DeviceSample:
+        """Its tensors copied into pinned host memory, asynchronously: read them after the
+        device's work up to here is done (an event recorded after this call)."""
+        def host(t):
+            if t is None:
+                return None
+            h = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+            return h.copy_(t, non_blocking=True)
+
+        return DeviceSample(host(self.tokens), self.rows, self.ks, host(self.chosen),
+                            host(self.top_v), host(self.top_i))
+
+
+def sample_on_device(logits: torch.Tensor, meta: SamplingMetadata) -> DeviceSample:
+    """logits: [S, V], one row per sampled request. Queues the sampling on the logits' device
+    and returns without waiting for it (every choice that depends on the batch's parameters
+    is made on the host)."""
+    dev = logits.device
     tokens = greedy_tokens(logits)
     rows = [i for i, t in enumerate(meta.temperature) if t != 0.0]
     if rows:
-        tokens[rows] = _sample_rows(logits[rows].float(), meta, rows)
-    token_list = tokens.tolist()
-    logprobs: list = [None] * len(token_list)
+        tokens.index_copy_(0, to_device(rows, dev, torch.int64),
+                           _sample_rows(logits[rows].float(), meta, rows))
     want = [i for i, k in enumerate(meta.logprobs) if k is not None]
-    if want:
-        _logprobs(logits[want].float(), [token_list[i] for i in want],
-                  [meta.logprobs[i] for i in want], want, logprobs)
+    if not want:
+        return DeviceSample(tokens, [], [])
+    ks = [meta.logprobs[i] for i in want]
+    lp = torch.log_softmax(logits[want].float(), dim=-1)
+    picked = tokens.index_select(0, to_device(want, dev, torch.int64))
+    chosen = lp.gather(1, picked[:, None]).squeeze(1)
+    top_v, top_i = torch.topk(lp, max(ks)) if max(ks) else (lp[:, :0], lp[:, :0].long())
+    return DeviceSample(tokens, want, ks, chosen, top_v, top_i)
+
+
+Logprobs = tuple[float, list[tuple[int, float]]]
+
+
+def to_host(s: DeviceSample) -> tuple[list[int], list[Logprobs | None]]:
+    """Token ids and logprobs (None for rows that did not ask) as Python values."""
+    token_list = s.tokens.tolist()
+    logprobs: list = [None] * len(token_list)
+    if s.rows:
+        chosen, top_v, top_i = s.chosen.tolist(), s.top_v.tolist(), s.top_i.tolist()
+        for j, (row, k) in enumerate(zip(s.rows, s.ks, strict=True)):
+            logprobs[row] = (chosen[j], list(zip(top_i[j][:k], top_v[j][:k], strict=True)))
     return token_list, logprobs
+
+
+def sample(logits: torch.Tensor, meta: SamplingMetadata
+           ) -> tuple[list[int], list[Logprobs | None]]:
+    """logits: [S, V], one row per sampled request. Returns token ids and logprobs."""
+    return to_host(sample_on_device(logits, meta))
 
 
 def _sample_rows(logits: torch.Tensor, meta: SamplingMetadata, rows: list[int]) -> torch.Tensor:
     dev = logits.device
-    temp = torch.tensor([meta.temperature[i] for i in rows], device=dev)
+    temp = to_device([meta.temperature[i] for i in rows], dev, torch.float32)
     logits = logits / temp[:, None]
-    top_k = torch.tensor([meta.top_k[i] for i in rows], device=dev)
-    top_p = torch.tensor([meta.top_p[i] for i in rows], device=dev)
-    if bool((top_k > 0).any() or (top_p < 1).any()):
+    if any(meta.top_k[i] > 0 or meta.top_p[i] < 1 for i in rows):
+        top_k = to_device([meta.top_k[i] for i in rows], dev, torch.int64)
+        top_p = to_device([meta.top_p[i] for i in rows], dev, torch.float32)
         threshold = filter_threshold(logits, top_k, top_p)
         logits = logits.masked_fill(logits < threshold[:, None], float("-inf"))
     cdf = logits.softmax(-1).cumsum(-1)
-    u = torch.tensor([uniform(meta.seeds[i], meta.output_index[i]) for i in rows], device=dev,
-                     dtype=cdf.dtype)
+    u = to_device([uniform(meta.seeds[i], meta.output_index[i]) for i in rows], dev,
+                  cdf.dtype)
     target = (u * cdf[:, -1])[:, None]
     picked = torch.searchsorted(cdf, target, right=True).squeeze(1)
     # Rounding can put the target at the very top: take the last token with mass.
     last = (logits > float("-inf")).long().cumsum(-1).argmax(-1)
     return torch.minimum(picked, last)
-
-
-def _logprobs(logits: torch.Tensor, tokens: list[int], ks: list[int], rows: list[int],
-              out: list) -> None:
-    lp = torch.log_softmax(logits, dim=-1)
-    chosen = lp.gather(1, torch.tensor(tokens, device=lp.device)[:, None]).squeeze(1).tolist()
-    kmax = max(ks)
-    top_v, top_i = (torch.topk(lp, kmax) if kmax else (lp[:, :0], lp[:, :0].long()))
-    top_v, top_i = top_v.tolist(), top_i.tolist()
-    for j, row in enumerate(rows):
-        k = ks[j]
-        out[row] = (chosen[j], list(zip(top_i[j][:k], top_v[j][:k], strict=True)))

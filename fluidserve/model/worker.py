@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -23,7 +24,7 @@ from fluidserve.model.attention import (
     new_kv_cache,
     triton_unsupported,
 )
-from fluidserve.model.host_memory import keep_freed_memory
+from fluidserve.model.host_memory import keep_freed_memory, to_device
 from fluidserve.model.inputs import StepInputs
 from fluidserve.model.linear import (
     PANEL_KINDS,
@@ -37,7 +38,7 @@ from fluidserve.model.linear import (
 )
 from fluidserve.model.llama import Shard, TensorParallel
 from fluidserve.model.loader import DTYPES, load_model, resolve_dtype
-from fluidserve.model.sampler import sample
+from fluidserve.model.sampler import sample_on_device, to_host
 
 log = logging.getLogger(__name__)
 
@@ -55,6 +56,10 @@ class WorkerSpec:
     attention_backend: str = "auto"
     linear_backend: str = "auto"
     cuda_graph_max_batch: int = 0  # decode batches up to this size replay CUDA graphs (0: off)
+    # Asynchronous scheduling: a step's token ids may name a row of the previous step's
+    # sampled tokens (``inputs.prepare_inputs``), of which there are at most max_num_seqs.
+    async_scheduling: bool = False
+    max_num_seqs: int = 256
 
     def packed_linear(self) -> bool:
         """Whether the workers run their linears prepacked (and pad a batch's rows as
@@ -151,6 +156,10 @@ class Worker:
         self.attention = choose_attention(spec.attention_backend, spec.block_size,
                                           self.arch.head_dim, self.device)
         self.tp_size, self.pp_size = shard.tp_size, shard.pp_size
+        # The last step's sampled tokens, where the next step's placeholders read them.
+        self.last_tokens = torch.zeros(max(spec.max_num_seqs, spec.cuda_graph_max_batch, 1),
+                                       dtype=torch.int32, device=self.device) \
+            if spec.async_scheduling else None
         self.graphs = None
         if spec.cuda_graph_max_batch and self.attention == "triton" \
                 and self.device.type == "cuda" and shard.tp_size == shard.pp_size == 1:
@@ -169,10 +178,10 @@ class Worker:
             self.comm_wait = 0.0
             return self.graphs.run(inputs, size)
         meta = AttentionMetadata(
-            slot_mapping=torch.from_numpy(inputs.slot_mapping).to(dev),
-            cu_q=torch.from_numpy(inputs.cu_q).to(dev),
-            ctx_lens=torch.from_numpy(inputs.ctx_lens).to(dev),
-            block_tables=torch.from_numpy(inputs.block_tables).to(dev),
+            slot_mapping=to_device(inputs.slot_mapping, dev),
+            cu_q=to_device(inputs.cu_q, dev),
+            ctx_lens=to_device(inputs.ctx_lens, dev),
+            block_tables=to_device(inputs.block_tables, dev),
             block_size=self.spec.block_size,
             runs=inputs.runs() if self.attention == "eager" else [],
             backend=self.attention,
@@ -185,15 +194,17 @@ class Worker:
                 meta.tiles = attention_tiles(inputs.cu_q, attn.h // attn.hkv, attn.hkv, dev)
         self.comm_wait = 0.0  # seconds blocked on the neighbouring stages this step
         if sh.first:
-            x = torch.from_numpy(inputs.token_ids).to(dev)
+            x = to_device(inputs.token_ids, dev)
+            if self.last_tokens is not None:
+                x = resolve_placeholders(x, self.last_tokens)
         else:
             x = torch.empty(inputs.num_tokens, self.arch.hidden_size, device=dev,
                             dtype=DTYPES[self.spec.dtype])
             t = time.perf_counter()
             torch.distributed.recv(x, src=self._rank(sh.pp_rank - 1))
             self.comm_wait += time.perf_counter() - t
-        out = self.model(x, torch.from_numpy(inputs.positions).to(dev), meta, self.kv_caches,
-                         torch.from_numpy(inputs.logits_idx).to(dev))
+        out = self.model(x, to_device(inputs.positions, dev), meta, self.kv_caches,
+                         to_device(inputs.logits_idx, dev))
         if not sh.last:
             t = time.perf_counter()
             torch.distributed.send(out, dst=self._rank(sh.pp_rank + 1))
@@ -202,14 +213,44 @@ class Worker:
 
     def execute(self, inputs: StepInputs) -> tuple[list[int], list] | None:
         """Run the step; the sampled tokens and logprobs on the sampling worker, else None."""
+        collect = self.launch(inputs)
+        return collect() if collect is not None else None
+
+    def launch(self, inputs: StepInputs) -> Callable[[], tuple[list[int], list]] | None:
+        """Queue the step (forward pass, sampling, the copy of its tokens to the host) and
+        return, on the sampling worker, the call that waits for its tokens and logprobs; on
+        a CPU the step has run by then. With asynchronous scheduling the sampled tokens also
+        stay on the device, where the next step's placeholders read them."""
         with torch.inference_mode():
             out = self.forward(inputs)
             if not self.shard.last or self.shard.tp_rank != 0:
                 return None
-            tokens, logprobs = sample(out, inputs.sampling)
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-        return tokens, logprobs
+            sampled = sample_on_device(out, inputs.sampling)
+            if self.last_tokens is not None:
+                n = len(sampled.tokens)
+                if n > len(self.last_tokens):
+                    raise ValueError(f"{n} sampled rows in one step: more than the"
+                                     f" {len(self.last_tokens)} of max_num_seqs")
+                self.last_tokens[:n].copy_(sampled.tokens)
+        if self.device.type != "cuda":
+            return lambda: to_host(sampled)
+        host = sampled.copy_to_host()
+        done = torch.cuda.Event()
+        done.record()
+
+        def collect() -> tuple[list[int], list]:
+            done.synchronize()
+            return to_host(host)
+
+        return collect
+
+
+def resolve_placeholders(tokens: torch.Tensor, last: torch.Tensor) -> torch.Tensor:
+    """Token ids with each ``-(r + 1)`` replaced by row r of ``last``, the previous step's
+    sampled tokens (a decode scheduled while the step that samples its input was in flight).
+    Runs on the device, inside a captured graph too: no host round trip."""
+    rows = (-1 - tokens).clamp(0, len(last) - 1)
+    return torch.where(tokens < 0, last[rows].to(tokens.dtype), tokens)
 
 
 def choose_attention(backend: str, block_size: int, head_dim: int, device: torch.device) -> str:

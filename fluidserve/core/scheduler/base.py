@@ -17,6 +17,10 @@ from fluidserve.core.queue_policy import WaitingQueue
 from fluidserve.core.scheduler.output import RunnerOutput, ScheduledChunk, SchedulerOutput
 from fluidserve.request import Request, RequestStatus
 
+#: With asynchronous scheduling, an output token that a batch still in flight is sampling: the
+#: executor reads it from that batch's sampled tokens on the device, and ``update`` writes it in.
+PLACEHOLDER = -1
+
 
 class RequestRejected(ValueError):
     """The request can never run (too long for the context window or the KV cache)."""
@@ -71,6 +75,13 @@ class Scheduler(ABC):
       but it never advances a request's computed tokens.
     - ``update(output, result, now)`` is the only place request state advances: computed
       tokens, sampled tokens, stop conditions, finishing and freeing KV blocks.
+
+    With ``async_scheduling`` (set by the engine) a request may run in the next batch while
+    its last one is still in flight, so that the executor launches batch N+1 before N's
+    tokens reach the host: ``schedule`` then advances the computed tokens of what it schedules
+    and appends a ``PLACEHOLDER`` for each token it samples, and ``update`` only writes the
+    sampled tokens in. A decode of a token still in flight reads it on the device; a token
+    sampled after its request stopped is dropped.
     """
 
     #: Registry name; set by subclasses.
@@ -85,6 +96,7 @@ class Scheduler(ABC):
         self.iteration = 0
         self.num_preemptions = 0
         self._busy: frozenset[str] = frozenset()
+        self.async_scheduling = False
 
     # ------------------------------------------------------------------ requests in/out
     def add_request(self, req: Request) -> None:
@@ -101,6 +113,9 @@ class Scheduler(ABC):
     def finish(self, req: Request, status: RequestStatus, now: float | None = None) -> None:
         if req.status.finished:
             return
+        out = req.output_token_ids
+        while out and out[-1] == PLACEHOLDER:  # sampled in flight after it stopped: dropped
+            out.pop()
         self.waiting.remove(req.request_id)
         if req in self.running:
             self.running.remove(req)
@@ -136,6 +151,11 @@ class Scheduler(ABC):
         self.iteration += 1
         table = self.bm.table
         chunks = [batch.chunk(r, n, d, table(r.request_id)) for r, n, d in batch.entries]
+        if self.async_scheduling:
+            for (req, n, _), c in zip(batch.entries, chunks, strict=True):
+                req.num_computed_tokens += n
+                if c.samples:
+                    req.output_token_ids.append(PLACEHOLDER)
         budget = batch.budget if math.isfinite(batch.budget) else None
         return SchedulerOutput(self.iteration, chunks, self._preempted, budget)
 
@@ -143,25 +163,31 @@ class Scheduler(ABC):
         """Advance state after an iteration; returns requests that got a token or finished."""
         touched = []
         requests, running, sampled = self.requests, RequestStatus.RUNNING, result.sampled
+        advance = not self.async_scheduling  # (else ``schedule`` advanced them)
         for chunk in output.chunks:
             req = requests.get(chunk.request_id)
             if req is None or req.status is not running:
                 continue  # aborted while the iteration ran
-            req.num_computed_tokens += len(chunk.token_ids)
+            if advance:
+                req.num_computed_tokens += len(chunk.token_ids)
             if not chunk.samples:
                 continue
             token = sampled[chunk.request_id]
-            req.output_token_ids.append(token)
+            out = req.output_token_ids
+            if advance:
+                out.append(token)
+            else:
+                out[chunk.output_index] = token
             req.token_times.append(now)
             touched.append(req)
-            stop = self._stop_status(req, token)
+            stop = self._stop_status(req, token, chunk.output_index + 1)
             if stop is not None:
                 self.finish(req, stop, now)
         return touched
 
-    def _stop_status(self, req: Request, token: int) -> RequestStatus | None:
+    def _stop_status(self, req: Request, token: int, n: int) -> RequestStatus | None:
+        """How ``req`` stops, if its ``n``-th output token ``token`` stops it."""
         p = req.params
-        n = len(req.output_token_ids)
         if n >= p.max_tokens:
             return RequestStatus.FINISHED_LENGTH
         if n < p.min_tokens:
@@ -214,12 +240,15 @@ class Scheduler(ABC):
         not fit together could evict each other's recompute forever. While requests are in
         flight (``busy``), ``req`` is not preempted but waits, keeping its blocks: it may
         only lack blocks that in-flight requests hold, and evicting itself each time could
-        let two requests take turns throwing their progress away forever.
+        let two requests take turns throwing their progress away forever. Requests in flight
+        are never victims (with asynchronous scheduling ``req`` may be one of them).
         """
         total = req.num_computed_tokens + n
+        busy = self._busy
         while not self.bm.allocate(req.request_id, total):
-            victim = next(r for r in reversed(self.running) if r.request_id not in batch.ids)
-            if victim is req and self._busy:
+            victim = next((r for r in reversed(self.running)
+                           if r.request_id not in batch.ids and r.request_id not in busy), None)
+            if victim is None or (victim is req and busy):
                 self._short = True
                 return False
             self._preempt(victim)
@@ -238,7 +267,8 @@ class Scheduler(ABC):
         self._preempted.append(req.request_id)
 
     def _new_batch(self, budget: float) -> Batch:
-        return Batch(budget, self._busy)
+        # Requests in flight may join the next batch only with asynchronous scheduling.
+        return Batch(budget, frozenset() if self.async_scheduling else self._busy)
 
     def _schedule_decodes(self, batch: Batch) -> None:
         # The hot loop of every iteration (and of the simulator): kept free of extra calls.
@@ -246,8 +276,9 @@ class Scheduler(ABC):
         for req in list(self.running):
             out = req.output_token_ids
             if req.status is not running or req.request_id in taken or not out or \
-                    req.num_computed_tokens != len(req.prompt_token_ids) + len(out) - 1:
-                continue  # not a decode (or already scheduled / in flight)
+                    req.num_computed_tokens != len(req.prompt_token_ids) + len(out) - 1 or \
+                    len(out) >= req.params.max_tokens:
+                continue  # not a decode (or already scheduled / in flight / its last token is)
             if allocate(req.request_id, req.num_computed_tokens + 1) or \
                     self._reserve(req, 1, batch):
                 batch.add(req, 1, is_decode=True)

@@ -1,0 +1,219 @@
+"""Asynchronous scheduling: batch N+1 is scheduled and launched while batch N is in flight.
+
+Its decodes read their input token, still in flight, on the device; ``update`` writes the
+tokens in. Whatever the policy, budget, memory pressure or stop condition, the outputs must be
+the synchronous engine's, token for token, and nothing may leak (blocks, placeholders).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from fluidserve.config import SCHEDULERS, ConfigError, EngineConfig
+from fluidserve.core.block_manager import BlockManager
+from fluidserve.core.scheduler import RunnerOutput, SchedulerLimits, make_scheduler
+from fluidserve.core.scheduler.base import PLACEHOLDER
+from fluidserve.engine.llm import LLM
+from fluidserve.request import Request
+from fluidserve.sampling_params import SamplingParams
+from tests.test_engine import PROMPTS, greedy
+
+GREEDY = [greedy(i) for i in range(len(PROMPTS))]
+DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_model_dir):
+    llm = LLM(model=str(tiny_model_dir), scheduler="sarathi", token_budget=4096)
+    return [o.token_ids for o in llm.generate(PROMPTS, GREEDY)]
+
+
+def async_llm(model_dir, **kw) -> LLM:
+    llm = LLM(model=str(model_dir), async_scheduling=True, **kw)
+    assert llm.engine.core.depth == 2 and llm.engine.scheduler.async_scheduling
+    return llm
+
+
+def assert_clean(llm: LLM) -> None:
+    bm = llm.engine.block_manager
+    assert bm.num_free_blocks == bm.num_blocks
+    assert not llm.engine.scheduler.requests and not llm.engine.core.in_flight
+
+
+class Recording:
+    """Wraps an executor's submit: records each plan and how many were in flight at once."""
+
+    def __init__(self, llm: LLM) -> None:
+        self.core, ex = llm.engine.core, llm.engine.executor
+        self.plans, self.in_flight, self._submit = [], [], ex.submit
+        ex.submit = self
+
+    def __call__(self, plan):
+        self.plans.append(plan)
+        self.in_flight.append(len(self.core.in_flight))
+        return self._submit(plan)
+
+
+@pytest.mark.parametrize("scheduler", SCHEDULERS)
+@pytest.mark.parametrize("budget", [8, 512])
+def test_greedy_outputs_match_the_synchronous_engine(tiny_model_dir, reference, scheduler,
+                                                     budget):
+    llm = async_llm(tiny_model_dir, scheduler=scheduler, token_budget=budget, block_size=8)
+    rec = Recording(llm)
+    outs = llm.generate(PROMPTS, GREEDY)
+    assert [o.token_ids for o in outs] == reference
+    assert all(PLACEHOLDER not in o.token_ids and o.finish_reason == "length" for o in outs)
+    assert_clean(llm)
+    # The point of it: batches launched while another is in flight, decodes of tokens in
+    # flight among them.
+    assert max(rec.in_flight) == 1
+    assert any(c.token_ids == (PLACEHOLDER,) for p in rec.plans for c in p.chunks)
+
+
+def test_a_prompt_chunked_over_batches_in_flight_continues_at_once(tiny_model_dir, reference):
+    # One long prompt alone, budget 8: its chunks run in consecutive batches, each scheduled
+    # while the one before is in flight, and never overlap.
+    llm = async_llm(tiny_model_dir, token_budget=8, block_size=8)
+    rec = Recording(llm)
+    out = llm.generate(PROMPTS[3], GREEDY[3])[0]
+    assert out.token_ids == reference[3]
+    assert all(len(p.chunks) == 1 for p in rec.plans)
+    starts = [p.chunks[0].start for p in rec.plans]
+    assert starts == list(range(0, len(out.prompt_token_ids), 8)) + list(
+        range(len(out.prompt_token_ids), len(out.prompt_token_ids) + len(out.token_ids) - 1))
+    assert rec.in_flight[0] == 0 and set(rec.in_flight[1:]) == {1}
+
+
+def test_preemption_under_tiny_kv_cache_loses_nothing(tiny_model_dir, reference):
+    llm = async_llm(tiny_model_dir, token_budget=32, block_size=8, num_kv_blocks=14)
+    outs = llm.generate(PROMPTS, GREEDY)
+    assert llm.engine.scheduler.num_preemptions > 0
+    assert [o.token_ids for o in outs] == reference
+    assert_clean(llm)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_seeded_sampling_and_logprobs_match_the_synchronous_engine(tiny_model_dir, device):
+    # On CUDA: decodes replay CUDA graphs, tokens come back through pinned copies and a
+    # waiting thread, greedy and sampled rows in the same batches.
+    params = [SamplingParams(max_tokens=11, temperature=0.9 if i % 3 else 0.0, top_p=0.9,
+                             top_k=50, seed=10 + i, ignore_eos=True,
+                             logprobs=2 if i % 2 else None)
+              for i in range(len(PROMPTS))]
+    sync = LLM(model=str(tiny_model_dir), token_budget=16, device=device).generate(PROMPTS,
+                                                                                 params)
+    llm = async_llm(tiny_model_dir, token_budget=16, device=device)
+    got = llm.generate(PROMPTS, params)
+    assert [o.token_ids for o in got] == [o.token_ids for o in sync]
+    for a, b in zip(got, sync, strict=True):
+        assert len(a.logprobs) == len(b.logprobs)
+        for x, y in zip(a.logprobs, b.logprobs, strict=True):
+            assert x[0] == pytest.approx(y[0], abs=1e-5)
+            assert [t for t, _ in x[1]] == [t for t, _ in y[1]]
+    assert_clean(llm)
+    llm.engine.shutdown()
+
+
+def test_a_token_sampled_after_its_request_stopped_is_dropped(tiny_model_dir, reference):
+    # EOS at output 3 (and 6): the decode after it was launched before the EOS was known.
+    llm = async_llm(tiny_model_dir)
+    eos = llm.tokenizer.eos_token_id
+    llm.engine.core.force_eos_at = frozenset({3, 6})
+    base = dict(max_tokens=10, temperature=0.0)
+    stop, ignored, min5 = llm.generate(
+        [PROMPTS[2]] * 3, [SamplingParams(**base), SamplingParams(**base, ignore_eos=True),
+                           SamplingParams(**base, min_tokens=5)])
+    assert stop.finish_reason == "stop" and stop.token_ids == reference[2][:3] + [eos]
+    assert ignored.finish_reason == "length" and len(ignored.token_ids) == 10
+    assert min5.finish_reason == "stop" and len(min5.token_ids) == 7
+    tok = reference[1][3]
+    by_id = llm.generate(PROMPTS[1], SamplingParams(max_tokens=20, temperature=0.0,
+                                                    stop_token_ids=(tok,)))[0]
+    assert by_id.token_ids == reference[1][: reference[1].index(tok) + 1]
+    # A stop string ends the request from the front end, with a batch of it still in flight.
+    full = llm.generate(PROMPTS[1], greedy(1))[0]
+    word = full.text.strip().split()[1] if len(full.text.split()) > 1 else full.text[2:5]
+    cut = llm.generate(PROMPTS[1], SamplingParams(max_tokens=20, temperature=0.0,
+                                                  ignore_eos=True, stop=(word,)))[0]
+    assert cut.finish_reason == "stop" and cut.text == full.text[: full.text.find(word)]
+    assert_clean(llm)
+    tokens = [e for e in llm.engine.telemetry.tokens if e.request_id == stop.request_id]
+    assert [e.token_index for e in tokens] == [0, 1, 2, 3]
+
+
+def test_a_failed_batch_fails_its_requests_and_the_engine_goes_on(tiny_model_dir, reference):
+    llm = async_llm(tiny_model_dir)
+    worker, calls = llm.engine.executor.worker, []
+    real = worker.launch
+
+    def flaky(inputs):
+        calls.append(inputs)
+        if len(calls) == 3:
+            raise RuntimeError("boom")
+        return real(inputs)
+
+    worker.launch = flaky
+    bad = llm.generate(PROMPTS[0], greedy(0))[0]
+    assert bad.finish_reason == "error" and "boom" in bad.error
+    # The batch launched after the failed one read its placeholder as token 0, and was dropped.
+    assert calls[3].token_ids.tolist() == [0]
+    worker.launch = real
+    assert llm.generate(PROMPTS[:2], GREEDY[:2])[1].token_ids == reference[1]
+    assert_clean(llm)
+
+
+def test_the_waiting_thread_path_matches(tiny_model_dir, reference):
+    # On CUDA a thread waits for each batch's tokens; the same path, on the CPU.
+    from concurrent.futures import ThreadPoolExecutor
+
+    llm = async_llm(tiny_model_dir, token_budget=16)
+    llm.engine.executor._waiter = ThreadPoolExecutor(1)
+    try:
+        assert [o.token_ids for o in llm.generate(PROMPTS, GREEDY)] == reference
+    finally:
+        llm.engine.shutdown()
+    assert_clean(llm)
+
+
+def test_scheduler_advances_at_schedule_and_writes_tokens_in():
+    bm = BlockManager(16, 4)
+    s = make_scheduler("sarathi", SchedulerLimits(8, 4, 64), bm)
+    s.async_scheduling = True
+    req = Request("a", [5, 6, 7], SamplingParams(max_tokens=3, temperature=0.0), 0.0)
+    s.add_request(req)
+    p1 = s.schedule(0.0)
+    assert req.num_computed_tokens == 3 and req.output_token_ids == [PLACEHOLDER]
+    p2 = s.schedule(0.0, frozenset({"a"}))  # while p1 is in flight
+    (c,) = p2.chunks
+    assert (c.start, c.token_ids, c.output_index) == (3, (PLACEHOLDER,), 1)
+    p3 = s.schedule(0.0, frozenset({"a"}))  # the last token (max_tokens 3) is in flight
+    (c,) = p3.chunks
+    assert (c.start, c.token_ids, c.output_index) == (4, (PLACEHOLDER,), 2)
+    assert s.schedule(0.0, frozenset({"a"})).is_empty  # max_tokens: nothing more to sample
+    s.update(p1, RunnerOutput({"a": 40}, 0.0), 1.0)
+    assert req.output_token_ids == [40, PLACEHOLDER, PLACEHOLDER]
+    s.update(p2, RunnerOutput({"a": 41}, 0.0), 2.0)
+    s.update(p3, RunnerOutput({"a": 42}, 0.0), 3.0)
+    assert req.output_token_ids == [40, 41, 42] and req.finish_reason == "length"
+    assert bm.num_free_blocks == 16
+
+
+def test_a_stop_drops_the_placeholders_after_it():
+    bm = BlockManager(16, 4)
+    s = make_scheduler("sarathi", SchedulerLimits(8, 4, 64), bm)
+    s.async_scheduling = True
+    req = Request("a", [5, 6, 7], SamplingParams(max_tokens=9, stop_token_ids=(40,)), 0.0)
+    s.add_request(req)
+    p1 = s.schedule(0.0)
+    s.schedule(0.0, frozenset({"a"}))
+    assert s.update(p1, RunnerOutput({"a": 40}, 0.0), 1.0) == [req]
+    assert req.output_token_ids == [40] and req.finish_reason == "stop"
+    assert bm.num_free_blocks == 16
+
+
+def test_async_scheduling_needs_one_model_process():
+    with pytest.raises(ConfigError, match="one process"):
+        EngineConfig.create(async_scheduling=True, pipeline_parallel_size=2)
+    with pytest.raises(ConfigError, match="one process"):
+        EngineConfig.create(async_scheduling=True, disaggregate=True)

@@ -46,6 +46,7 @@ import traceback
 from pathlib import Path
 
 import torch
+from engine_gaps import engine_gaps
 
 from fluidserve.core.scheduler.output import ScheduledChunk, SchedulerOutput
 from fluidserve.kernels import triton_ops
@@ -159,49 +160,6 @@ def capture_async(ex: ModelExecutor, mode: str, max_batch: int, last: torch.Tens
         return capture(ex, mode, max_batch)
     finally:
         ex.worker.last_tokens = None
-
-
-def engine_gaps(ex: ModelExecutor, model: str, graphs: dict, last: torch.Tensor, batch: int,
-                ctx: int, tokens: int, rounds: int) -> dict:
-    """Median gap (ms) between the tokens of ``batch`` requests of ``ctx`` prompt tokens
-    decoding ``tokens`` each through the engine core, synchronous (``graphs["sync"]``) and
-    with asynchronous scheduling (``graphs["async"]``, captured by ``capture_async``), in
-    interleaved rounds on the same executor. ``last``: the sampled-token buffer the async
-    graphs read."""
-    from concurrent.futures import ThreadPoolExecutor
-
-    from fluidserve.config import EngineConfig
-    from fluidserve.engine.core import EngineCore
-    from fluidserve.engine.messages import AddRequest
-
-    waiter = ThreadPoolExecutor(1) if ex.device.type == "cuda" else None
-    params = SamplingParams(max_tokens=tokens, temperature=0.0, ignore_eos=True)
-    prompt = [100 + i % 1000 for i in range(ctx)]
-    gaps: dict[str, list[float]] = {"sync": [], "async": []}
-    try:
-        for _ in range(rounds):
-            for name, runs in gaps.items():
-                on = name == "async"
-                ex.worker.graphs = graphs.get(name)
-                ex.worker.last_tokens = last if on else None
-                ex.resolves_placeholders, ex._waiter = on, waiter if on else None
-                cfg = EngineConfig.create(model=model, device=ex.device.type,
-                                          async_scheduling=on, token_budget=2048,
-                                          max_num_seqs=max(batch, 8))
-                core = EngineCore(cfg, ex)
-                for i in range(batch):
-                    core.add(AddRequest(f"{name}{i}", prompt, params, None))
-                seen = []
-                while core.has_unfinished():
-                    seen += [d.tbt for d in core.step().outputs if d.tbt is not None]
-                runs.append(statistics.median(seen) * 1e3)
-    finally:
-        ex.worker.last_tokens, ex.resolves_placeholders, ex._waiter = None, False, None
-        if waiter is not None:
-            waiter.shutdown()
-    out = {f"{k}_gap_ms": statistics.median(v) for k, v in gaps.items()}
-    return {"batch": batch, "context": ctx, "tokens": tokens, **out,
-            "async_over_sync": out["async_gap_ms"] / out["sync_gap_ms"]}
 
 
 def kernel_profile(ex: ModelExecutor, tables, ctx: int, mode: str) -> list[dict]:

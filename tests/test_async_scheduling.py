@@ -71,6 +71,20 @@ def test_greedy_outputs_match_the_synchronous_engine(tiny_model_dir, reference, 
     assert any(c.token_ids == (PLACEHOLDER,) for p in rec.plans for c in p.chunks)
 
 
+@pytest.mark.parametrize("scheduler", ["sarathi", "sarathi_slack"])
+def test_the_adaptive_budget_plans_batches_in_flight(tiny_model_dir, reference, scheduler):
+    llm = async_llm(tiny_model_dir, scheduler=scheduler, token_budget="auto", tbt_slo=0.05)
+    rec = Recording(llm)
+    assert [o.token_ids for o in llm.generate(PROMPTS, GREEDY)] == reference
+    assert_clean(llm)
+    assert max(rec.in_flight) == 1
+    # Its iteration-time model learned from iterations timed from when each began (the
+    # one before it ended), not from when it was scheduled.
+    iters = list(llm.engine.telemetry.iterations)
+    assert all(b.start >= a.start + a.duration - 1e-9
+               for a, b in zip(iters[:-1], iters[1:], strict=True))
+
+
 def test_a_prompt_chunked_over_batches_in_flight_continues_at_once(tiny_model_dir, reference):
     # One long prompt alone, budget 8: its chunks run in consecutive batches, each scheduled
     # while the one before is in flight, and never overlap.

@@ -491,8 +491,9 @@ def attention_tiles(cu_q: np.ndarray, group: int, num_kv_heads: int,
     run = np.repeat(np.arange(len(q_lens), dtype=np.int32), counts)
     first = np.repeat(np.cumsum(counts) - counts, counts)
     tok = ((np.arange(len(run)) - first) * per_tile).astype(np.int32)
-    return AttentionTiles(torch.from_numpy(run).to(device), torch.from_numpy(tok).to(device),
-                          block_m, splits)
+    from fluidserve.model.host_memory import to_device
+
+    return AttentionTiles(to_device(run, device), to_device(tok, device), block_m, splits)
 
 
 @triton.jit

@@ -231,3 +231,33 @@ def test_async_scheduling_needs_one_model_process():
         EngineConfig.create(async_scheduling=True, pipeline_parallel_size=2)
     with pytest.raises(ConfigError, match="one process"):
         EngineConfig.create(async_scheduling=True, disaggregate=True)
+
+
+def test_served_with_its_engine_core_in_a_process_of_its_own(tiny_model_dir):
+    """Over HTTP: the engine-core process polls for new requests between batches in flight."""
+    import asyncio
+
+    import httpx
+
+    from tests.server_utils import InProcessServer
+
+    offline = LLM(model=str(tiny_model_dir), max_model_len=512)
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    want = [o.text for o in offline.generate(PROMPTS, [params] * len(PROMPTS))]
+
+    async def one(c: httpx.AsyncClient, i: int) -> tuple[str, int]:
+        r = await c.post("/v1/completions", json={
+            "prompt": PROMPTS[i % len(PROMPTS)], "max_tokens": 12, "temperature": 0,
+            "ignore_eos": True})
+        body = r.json()
+        return body["choices"][0]["text"], body["usage"]["completion_tokens"]
+
+    async def main(url: str):
+        async with httpx.AsyncClient(base_url=url, timeout=120) as c:
+            return await asyncio.gather(*(one(c, i) for i in range(16)))
+
+    with InProcessServer(tiny_model_dir, engine_kw={"async_scheduling": True}) as srv:
+        got = asyncio.run(main(srv.url))
+        assert [text for text, _ in got] == [want[i % len(PROMPTS)] for i in range(16)]
+        assert all(n == 12 for _, n in got)
+        assert srv.kv_idle()

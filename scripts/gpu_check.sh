@@ -29,6 +29,7 @@ mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 PY=${PYTHON:-python3}
 KEY="test_cuda_graphs or single_row_takes_one_launch or rope_and_write_kv or argmax_rows"
+KEY="$KEY or sampling_on_the_device"
 KEY="$KEY or (test_model_vs_transformers and cuda) or (test_async_scheduling and cuda)"
 FILES="tests/test_triton_kernels.py tests/test_cuda_graphs.py tests/test_sampler.py
   tests/test_model_vs_transformers.py tests/test_async_scheduling.py"

@@ -261,3 +261,60 @@ def test_served_with_its_engine_core_in_a_process_of_its_own(tiny_model_dir):
         assert [text for text, _ in got] == [want[i % len(PROMPTS)] for i in range(16)]
         assert all(n == 12 for _, n in got)
         assert srv.kv_idle()
+
+
+def run_in_flight(num_blocks: int, prompts: list[int], max_tokens: int = 12):
+    """A scheduler driven as the asynchronous engine drives it (two batches in flight, fake
+    tokens); returns the preempted ids in order and the number of batches."""
+    from collections import deque
+
+    bm = BlockManager(num_blocks, 4)
+    s = make_scheduler("sarathi", SchedulerLimits(16, 8, 256), bm)
+    s.async_scheduling = True
+    for i, n in enumerate(prompts):
+        s.add_request(Request(f"r{i}", [3] * n, SamplingParams(max_tokens=max_tokens,
+                                                               ignore_eos=True), float(i)))
+    in_flight, preempted, batches = deque(), [], 0
+    while s.requests or in_flight:
+        assert batches < 2000, "no progress"
+        while len(in_flight) < 2:
+            plan = s.schedule(0.0, frozenset(c.request_id for p in in_flight for c in p.chunks))
+            preempted += plan.preempted
+            if plan.is_empty:
+                break
+            in_flight.append(plan)
+            batches += 1
+        plan = in_flight.popleft()
+        s.update(plan, RunnerOutput({c.request_id: 7 for c in plan.chunks if c.samples}, 0.0),
+                 0.0)
+    assert bm.num_free_blocks == num_blocks
+    return preempted, batches
+
+
+@pytest.mark.parametrize("num_blocks, prompts", [(5, [3, 5]), (8, [5, 6, 7, 8])])
+def test_a_request_in_flight_never_evicts_one_admitted_before_it(num_blocks, prompts):
+    # Too few blocks for all: the latest admitted make room, never the first (which, not in
+    # flight after it went short of a block, would be the first candidate a newer request in
+    # flight met past itself).
+    preempted, _ = run_in_flight(num_blocks, prompts)
+    assert preempted and "r0" not in preempted
+
+
+def test_a_request_id_still_in_flight_cannot_be_reused(tiny_model_dir):
+    from fluidserve.core.scheduler import RequestRejected
+
+    llm = async_llm(tiny_model_dir)
+    eng = llm.engine
+    eng.core.force_eos_at = {"x": {2}}  # it stops at its third token...
+    eng.add_request("x", PROMPTS[1], SamplingParams(max_tokens=10, temperature=0.0))
+    while not any(o.finished for o in eng.step()):
+        pass
+    assert eng.core.in_flight  # ...with the decode of a fourth launched
+    with pytest.raises(RequestRejected, match="still in a batch in flight"):
+        eng.add_request("x", PROMPTS[1], greedy(1))
+    while eng.has_unfinished():
+        eng.step()
+    eng.add_request("x", PROMPTS[1], greedy(1))  # once that batch is applied, it is free
+    while eng.has_unfinished():
+        eng.step()
+    assert_clean(llm)

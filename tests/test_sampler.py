@@ -105,3 +105,39 @@ def test_logprobs_are_normalized_and_include_the_chosen_token(k):
     assert tokens == [1] and math.isclose(chosen, float(ref[1]), rel_tol=1e-6)
     assert [t for t, _ in top] == [1, 0, 2][:k]
     assert all(math.isclose(v, float(ref[t]), rel_tol=1e-6) for t, v in top)
+
+
+@pytest.mark.parametrize("device", ["cpu"] + (["cuda"] if torch.cuda.is_available() else []))
+def test_sampling_on_the_device_waits_for_nothing_and_reads_back_as_sample(device):
+    """A mixed batch (greedy, temperature, top-k, top-p, logprobs) queued by
+    sample_on_device reads back as sample() returns it; on CUDA, torch's sync debug mode
+    checks that queueing it (and the copy to pinned memory) never waits for the device: with
+    asynchronous scheduling the next step is launched behind it."""
+    from fluidserve.model.sampler import sample_on_device, to_host
+
+    logits = torch.randn(6, 50, generator=torch.Generator().manual_seed(0)).to(device)
+    params = [SamplingParams(temperature=0.0), SamplingParams(temperature=0.8),
+              SamplingParams(temperature=1.0, top_k=5), SamplingParams(top_p=0.5),
+              SamplingParams(temperature=0.0, logprobs=3),
+              SamplingParams(temperature=1.0, logprobs=2)]
+    meta = SamplingMetadata([f"r{i}" for i in range(6)], [p.temperature for p in params],
+                            [p.top_k for p in params], [p.top_p for p in params],
+                            list(range(6)), [4] * 6, [p.logprobs for p in params])
+    want_tokens, want_lps = sample_meta(logits, meta)
+    cuda = device == "cuda"
+    if cuda:
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+    try:
+        queued = sample_on_device(logits, meta)
+        queued = queued.copy_to_host() if cuda else queued
+    finally:
+        if cuda:
+            torch.cuda.set_sync_debug_mode(0)
+            torch.cuda.synchronize()
+    tokens, lps = to_host(queued)
+    assert tokens == want_tokens
+    assert [lp is None for lp in lps] == [k is None for k in meta.logprobs]
+    for got, want in zip(lps, want_lps, strict=True):
+        if want is not None:
+            assert got[0] == pytest.approx(want[0]) and got[1] == want[1]

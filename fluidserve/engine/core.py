@@ -172,6 +172,10 @@ class EngineCore:
         ids = msg.prompt_token_ids
         if self.vocab_size is not None and any(not 0 <= t < self.vocab_size for t in ids):
             raise RequestRejected(f"prompt token ids must be in [0, {self.vocab_size})")
+        if any(c.request_id == msg.request_id for plan, _, _ in self.in_flight
+               for c in plan.chunks):
+            raise RequestRejected(f"request id {msg.request_id!r} is still in a batch in"
+                                  " flight (it ended only just now): use a new id")
         p = msg.params
         seed = p.seed if p.seed is not None else self._rng.getrandbits(63)
         now = self.clock.now() if msg.arrival_time is None else msg.arrival_time
@@ -268,6 +272,7 @@ class EngineCore:
         except ExecutorDead:
             raise
         except Exception as e:  # one bad batch must not take the engine down
+            self._last_end = self.clock.now()
             log.error("batch of iteration %d failed: %s", plan.iteration, e)
             message = f"internal error while executing the batch: {e}"
             return self.make_outputs(self.fail([c.request_id for c in plan.chunks], message))

@@ -35,6 +35,8 @@ import torch
 import triton
 import triton.language as tl
 
+from fluidserve.model.host_memory import to_device
+
 _DOT_PRECISION = {torch.float32: "ieee", torch.bfloat16: "tf32", torch.float16: "tf32"}
 
 
@@ -491,8 +493,6 @@ def attention_tiles(cu_q: np.ndarray, group: int, num_kv_heads: int,
     run = np.repeat(np.arange(len(q_lens), dtype=np.int32), counts)
     first = np.repeat(np.cumsum(counts) - counts, counts)
     tok = ((np.arange(len(run)) - first) * per_tile).astype(np.int32)
-    from fluidserve.model.host_memory import to_device
-
     return AttentionTiles(to_device(run, device), to_device(tok, device), block_m, splits)
 
 

@@ -71,8 +71,15 @@ class ModelExecutor:
         self.worker = Worker(spec)
         self.resolves_placeholders = async_scheduling
         self._rows: dict[str, int] = {}  # request id -> its row in the last batch's tokens
-        self._waiter = ThreadPoolExecutor(1, thread_name_prefix="fluidserve-tokens") \
-            if async_scheduling and self.worker.device.type == "cuda" else None
+        self._waiter = None
+        if async_scheduling and self.worker.device.type == "cuda":
+            import torch
+
+            # (on the model's device: a fresh thread would wait on device 0's context)
+            index = self.worker.device.index
+            self._waiter = ThreadPoolExecutor(
+                1, thread_name_prefix="fluidserve-tokens", initializer=torch.cuda.set_device,
+                initargs=(torch.cuda.current_device() if index is None else index,))
         if async_scheduling and self._waiter is None:
             log.warning("--async-scheduling on the CPU: a batch runs when it is submitted, so"
                         " each token reaches its stream one iteration later, and the host's"

@@ -97,15 +97,17 @@ def sample_on_device(logits: torch.Tensor, meta: SamplingMetadata) -> DeviceSamp
     dev = logits.device
     tokens = greedy_tokens(logits)
     rows = [i for i, t in enumerate(meta.temperature) if t != 0.0]
-    if rows:
-        tokens.index_copy_(0, to_device(rows, dev, torch.int64),
-                           _sample_rows(logits[rows].float(), meta, rows))
+    if rows:  # (indexing by a list would copy it to the device and wait)
+        idx = to_device(rows, dev, torch.int64)
+        tokens.index_copy_(0, idx, _sample_rows(logits.index_select(0, idx).float(), meta,
+                                                rows))
     want = [i for i, k in enumerate(meta.logprobs) if k is not None]
     if not want:
         return DeviceSample(tokens, [], [])
     ks = [meta.logprobs[i] for i in want]
-    lp = torch.log_softmax(logits[want].float(), dim=-1)
-    picked = tokens.index_select(0, to_device(want, dev, torch.int64))
+    idx = to_device(want, dev, torch.int64)
+    lp = torch.log_softmax(logits.index_select(0, idx).float(), dim=-1)
+    picked = tokens.index_select(0, idx)
     chosen = lp.gather(1, picked[:, None]).squeeze(1)
     top_v, top_i = torch.topk(lp, max(ks)) if max(ks) else (lp[:, :0], lp[:, :0].long())
     return DeviceSample(tokens, want, ks, chosen, top_v, top_i)

@@ -244,17 +244,24 @@ class Scheduler(ABC):
         are never victims (with asynchronous scheduling ``req`` may be one of them).
         """
         total = req.num_computed_tokens + n
-        busy = self._busy
         while not self.bm.allocate(req.request_id, total):
-            victim = next((r for r in reversed(self.running)
-                           if r.request_id not in batch.ids and r.request_id not in busy), None)
-            if victim is None or (victim is req and busy):
+            victim = self._victim(req, batch)
+            if victim is req and self._busy:
                 self._short = True
                 return False
             self._preempt(victim)
             if victim is req:
                 return False
         return True
+
+    def _victim(self, req: Request, batch: Batch) -> Request:
+        """The latest admitted running request that is neither in ``batch`` nor in flight,
+        if it was admitted after ``req``; else ``req`` itself."""
+        busy = self._busy
+        for r in reversed(self.running):
+            if r is req or (r.request_id not in batch.ids and r.request_id not in busy):
+                return r
+        return req
 
     def _preempt(self, req: Request) -> None:
         self.running.remove(req)
@@ -273,11 +280,12 @@ class Scheduler(ABC):
     def _schedule_decodes(self, batch: Batch) -> None:
         # The hot loop of every iteration (and of the simulator): kept free of extra calls.
         running, taken, allocate = RequestStatus.RUNNING, batch.ids, self.bm.allocate
+        in_flight = self.async_scheduling
         for req in list(self.running):
             out = req.output_token_ids
             if req.status is not running or req.request_id in taken or not out or \
                     req.num_computed_tokens != len(req.prompt_token_ids) + len(out) - 1 or \
-                    len(out) >= req.params.max_tokens:
+                    in_flight and len(out) >= req.params.max_tokens:
                 continue  # not a decode (or already scheduled / in flight / its last token is)
             if allocate(req.request_id, req.num_computed_tokens + 1) or \
                     self._reserve(req, 1, batch):

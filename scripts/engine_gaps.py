@@ -28,8 +28,8 @@ def engine_gaps(ex: ModelExecutor, model: str, graphs: dict, last: torch.Tensor,
                 ctx: int, tokens: int, rounds: int) -> dict:
     """Median gap (ms) between the tokens of ``batch`` requests of ``ctx`` prompt tokens
     decoding ``tokens`` each through the engine core (and the median time to their first
-    token), synchronous (``graphs["sync"]``) and
-    with asynchronous scheduling (``graphs["async"]``, captured by ``capture_async``), in
+    token), synchronous (``graphs["sync"]``) and with asynchronous scheduling
+    (``graphs["async"]``, captured by bench_cuda's ``capture_async``; none: eager steps), in
     interleaved rounds on the same executor. ``last``: the sampled-token buffer the async
     graphs read."""
     from concurrent.futures import ThreadPoolExecutor
@@ -73,7 +73,6 @@ def engine_gaps(ex: ModelExecutor, model: str, graphs: dict, last: torch.Tensor,
     out |= {f"{k}_ttft_ms": statistics.median(v) for k, v in ttft.items()}
     return {"batch": batch, "context": ctx, "tokens": tokens, **out,
             "async_over_sync": out["async_gap_ms"] / out["sync_gap_ms"]}
-
 
 
 def main() -> None:

@@ -64,8 +64,8 @@ echo "bench: exit $?"
 tail -n 24 "$OUT/bench.log"
 
 echo "== the other CUDA tests (limit ${TESTS_S} s)"
-tests rest "$TESTS_S" "not ($KEY) and not (test_model_vs_transformers and not cuda)
-  and not test_async_scheduling"
+REST="not ($KEY) and not (test_model_vs_transformers and not cuda)"
+tests rest "$TESTS_S" "$REST and not test_async_scheduling"
 rest_rc=$?
 
 if [ "$PROFILE_S" -gt 0 ]; then

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
@@ -92,45 +93,40 @@ class ModelExecutor:
         self.max_model_len = spec.max_model_len
 
     def submit(self, plan: SchedulerOutput) -> Future:
-        if self.resolves_placeholders and not plan.is_empty:
-            return self._submit_async(plan)
         fut: Future = Future()
         try:
-            fut.set_result(self.execute(plan))
+            if not (self.resolves_placeholders and not plan.is_empty):
+                fut.set_result(self.execute(plan))
+            elif self._waiter is not None:
+                return self._waiter.submit(self._launch(plan))
+            else:
+                fut.set_result(self._launch(plan)())
         except Exception as e:
-            fut.set_exception(e)
-        return fut
-
-    def _submit_async(self, plan: SchedulerOutput) -> Future:
-        t0 = time.perf_counter()
-        try:
-            inputs = prepare_inputs(plan, self.block_size, self._rows)
-            collect = self.worker.launch(inputs)
-            ids = inputs.sampling.request_ids
-            self._rows = {rid: i for i, rid in enumerate(ids)}
-
-            def finish() -> RunnerOutput:
-                tokens, logprobs = collect()
-                return runner_output(ids, tokens, logprobs, time.perf_counter() - t0)
-
-            if self._waiter is not None:
-                return self._waiter.submit(finish)
-            fut: Future = Future()
-            fut.set_result(finish())
-        except Exception as e:
-            self._rows = {}  # (the placeholders of the next batch belong to failed requests)
-            fut = Future()
             fut.set_exception(e)
         return fut
 
     def execute(self, plan: SchedulerOutput) -> RunnerOutput:
-        t0 = time.perf_counter()
+        """Run the batch and wait for its tokens."""
         if plan.is_empty:
             return RunnerOutput({}, 0.0)
-        inputs = prepare_inputs(plan, self.block_size)
-        tokens, logprobs = self.worker.execute(inputs)
-        return runner_output(inputs.sampling.request_ids, tokens, logprobs,
-                             time.perf_counter() - t0)
+        return self._launch(plan)()
+
+    def _launch(self, plan: SchedulerOutput) -> Callable[[], RunnerOutput]:
+        """Queue the batch; returns the call that waits for its RunnerOutput. With
+        asynchronous scheduling its placeholders read the rows of the batch launched before
+        it, and its own rows are kept for the next one."""
+        t0 = time.perf_counter()
+        rows = self._rows if self.resolves_placeholders else None
+        try:
+            inputs = prepare_inputs(plan, self.block_size, rows)
+            collect = self.worker.launch(inputs)
+        except Exception:
+            self._rows = {}  # (the placeholders of the next batch belong to failed requests)
+            raise
+        ids = inputs.sampling.request_ids
+        if self.resolves_placeholders:
+            self._rows = {rid: i for i, rid in enumerate(ids)}
+        return lambda: runner_output(ids, *collect(), time.perf_counter() - t0)
 
     def forward(self, plan: SchedulerOutput):
         """Run the batch (writing its KV); [S, vocab] logits of the sampling chunks."""

@@ -426,7 +426,7 @@ void attend_decode(const WorkItem& w, const Batch& b, const T* q, T* out, const 
   // The block kAhead on is prefetched line by line between this block's loads (each kv
   // head's first rows prefetch that kv head's lines), not in one burst before them: a burst
   // of 128 prefetches fills the line-fill buffers and stalls everything queued behind it
-  // (half the kernel's samples sat on them; 40 decodes of 290 tokens: 14.2 -> 12.0 ms on two
+  // (half the kernel's samples sat on them; 40 decodes of 290 tokens: 13.9 -> 11.9 ms on two
   // cores of an Emerald Rapids class Xeon). Where every group of rows is the common case of
   // the loops below; else (and in the AVX2 loops, tuned on their own CPU) one burst.
   const bool spread = !kAvx2Item && G % 4 == 0;

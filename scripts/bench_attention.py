@@ -11,13 +11,16 @@ engine's does (one cache reused would sit in the CPU's caches and flatter the ke
 
 For each: the median time of the sixteen layers and, for decode, the KV bytes read per
 second. ``--against FILE`` builds a second variant of the kernel source and times both in
-the same rounds, interleaved, with the largest difference of their outputs: how a kernel
-change is judged on a machine whose speed drifts by more than the change. ``--min-long-run``
-times the kernel at several thresholds of the prefill path the same way (default: the
-engine's for bf16 here). Prints JSON lines.
+the same rounds, interleaved, with the largest difference of their outputs (several files:
+each its own variant, labelled by file name): how a kernel change is judged on a machine
+whose speed drifts by more than the change. ``--march`` builds them all for another
+instruction set (``x86-64-v3``: the AVX2 paths). ``--min-long-run`` times the kernel at
+several thresholds of the prefill path the same way (default: the engine's for bf16 here).
+Prints JSON lines.
 
     python scripts/bench_attention.py
     python scripts/bench_attention.py --against /tmp/variant.cpp --threads 2
+    python scripts/bench_attention.py --march x86-64-v3 --against /tmp/a.cpp /tmp/b.cpp
     python scripts/bench_attention.py --prefill 4x8@512 --min-long-run 2 1000000000
 """
 
@@ -32,7 +35,7 @@ from pathlib import Path
 
 import torch
 
-from fluidserve.kernels import _CFLAGS, build_error, cpu_ops
+from fluidserve.kernels import build_error, cflags, cpu_ops
 from fluidserve.model.attention import min_long_run
 
 H, HKV, D, BS, LAYERS = 16, 4, 64, 16, 16
@@ -66,11 +69,12 @@ def prefill_case(s: int, p: int, gen: torch.Generator, cached: int = 0) -> tuple
     return caches, meta, qkv, 0
 
 
-def variant(path: Path):
+def variant(path: Path, index: int = 0, march: str = "native"):
     from torch.utils.cpp_extension import load
 
     build = Path(tempfile.mkdtemp(prefix="fluidserve-attn-variant-"))
-    return load(name="fluidserve_attn_variant", sources=[str(path)], extra_cflags=list(_CFLAGS),
+    return load(name=f"fluidserve_attn_variant{index}", sources=[str(path)],
+                extra_cflags=cflags(march),
                 extra_ldflags=["-fopenmp", "-lm"], build_directory=str(build), verbose=False)
 
 
@@ -81,16 +85,23 @@ def main() -> None:
                     help="runs x tokens[@cached context] (default 8x256)")
     ap.add_argument("--threads", type=int, nargs="*", default=[2, 1])
     ap.add_argument("--rounds", type=int, default=9)
-    ap.add_argument("--against", type=Path, help="a variant of the kernel source to time beside")
+    ap.add_argument("--against", type=Path, nargs="+", default=[],
+                    help="variants of the kernel source to time beside it")
+    ap.add_argument("--march", default="native",
+                    help="build the kernel and its variants for this -march (x86-64-v3: the"
+                    " AVX2 paths on a CPU that has wider ones)")
     ap.add_argument("--min-long-run", type=int, nargs="*",
                     help="thresholds (query tokens) of the prefill path to time side by side")
     args = ap.parse_args()
-    ops = cpu_ops()
+    ops = cpu_ops(args.march)
     if ops is None:
-        raise SystemExit(f"no compiled kernels: {build_error()}")
+        raise SystemExit(f"no compiled kernels: {build_error(args.march)}")
     kernels = {"kernel": ops}
-    if args.against is not None:
-        kernels["variant"] = variant(args.against)
+    for i, path in enumerate(args.against):
+        label = "variant" if len(args.against) == 1 else path.stem
+        if label in kernels:
+            raise SystemExit(f"--against: two variants named {label!r}")
+        kernels[label] = variant(path, i, args.march)
     gen = torch.Generator().manual_seed(0)
     dn, dc = (int(x) for x in args.decode.split("x"))
     runs, _, cached = args.prefill.partition("@")

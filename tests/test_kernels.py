@@ -30,27 +30,49 @@ def kind_built_here() -> str:
     return "avx2" if {"avx2", "fma"} <= flags else ""
 
 
+AVX2_MARCH = "x86-64-v3"  # AVX2, FMA, F16C, BMI1/2, LZCNT, MOVBE
+
+
+@pytest.fixture(scope="module", params=["native", "avx2"])
+def kernels(request):
+    """The kernels as built for this CPU, and as built for AVX2 and FMA alone (the EPYC's
+    paths: decode loops on eight-lane registers, panels of 16 columns), so that those paths
+    are tested on every CPU that can run them; where AVX2 is what this CPU has, the two are
+    one build."""
+    if request.param == "native":
+        return ops
+    if not {"avx2", "fma", "f16c", "bmi1", "bmi2", "movbe", "abm"} <= set(cpu_flags().split()):
+        pytest.skip(f"the CPU cannot run a -march={AVX2_MARCH} build")
+    if kind_built_here() == "avx2":
+        return ops
+    built = cpu_ops(AVX2_MARCH)
+    assert built is not None, build_error(AVX2_MARCH)  # a compiler built the native ones
+    assert built.tile_kind() == "avx2" and built.prefill_kernel() == "avx2"
+    return built
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("shape", [(16, 4, 64, 16), (4, 2, 16, 16), (8, 8, 32, 32),
-                                   (32, 1, 64, 16), (8, 2, 128, 16)],
+                                   (32, 1, 64, 16), (8, 2, 128, 16), (12, 2, 64, 16)],
                          ids=lambda s: "h{}-kv{}-d{}-bs{}".format(*s))
 @pytest.mark.parametrize("min_long_run", [1, A.MIN_LONG_RUN, 10**9],
                          ids=["all-flash", "default", "all-kernel"])
 @pytest.mark.parametrize("prefill", [True, False], ids=["prefill-kernel", "aten"])
-def test_native_attention_matches_reference(dtype, shape, min_long_run, prefill):
+def test_native_attention_matches_reference(kernels, dtype, shape, min_long_run, prefill):
     """Long runs take the prefill kernel (bf16; AMX tiles with head_dim a multiple of 32, or
     the AVX2 or AVX-512 panels, where the CPU has them) or ATen's flash attention; short ones and
-    decodes this file's other kernel."""
+    decodes this file's other kernel (groups of six query heads a kv head: a partial group
+    of rows in the decode loops)."""
     h, hkv, d, bs = shape
     q, k, v, k_cache, v_cache, meta, tables = batch(h, hkv, d, bs, dtype)
     kc, vc = k_cache.clone(), v_cache.clone()
     out = torch.empty_like(q)
-    before = ops.use_prefill_kernel(prefill)
+    before = kernels.use_prefill_kernel(prefill)
     try:
-        ops.paged_attention(out, q, k, v, kc, vc, meta.slot_mapping, meta.cu_q, meta.ctx_lens,
-                            meta.block_tables, d**-0.5, min_long_run)
+        kernels.paged_attention(out, q, k, v, kc, vc, meta.slot_mapping, meta.cu_q,
+                                meta.ctx_lens, meta.block_tables, d**-0.5, min_long_run)
     finally:
-        ops.use_prefill_kernel(before)
+        kernels.use_prefill_kernel(before)
     # The kernel wrote the new keys and values where the eager writer puts them.
     A.write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
     assert torch.equal(kc, k_cache) and torch.equal(vc, v_cache)
@@ -90,7 +112,7 @@ def test_attention_reads_queries_keys_and_values_through_their_strides(dtype, mi
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_a_lone_decode_split_over_threads_matches_reference(dtype):
+def test_a_lone_decode_split_over_threads_matches_reference(kernels, dtype):
     """A batch of fewer decodes than threads splits each decode's heads over the threads
     (whole kv-head groups): the output is the one of a single item, exactly."""
     q, k, v, k_cache, v_cache, meta, tables = batch(16, 4, 64, 16, dtype, seed=4,
@@ -101,9 +123,9 @@ def test_a_lone_decode_split_over_threads_matches_reference(dtype):
         for threads in (1, 2, 3):
             torch.set_num_threads(threads)
             out = torch.empty_like(q)
-            ops.paged_attention(out, q, k, v, k_cache.clone(), v_cache.clone(),
-                                meta.slot_mapping, meta.cu_q, meta.ctx_lens, meta.block_tables,
-                                0.125, A.MIN_LONG_RUN)
+            kernels.paged_attention(out, q, k, v, k_cache.clone(), v_cache.clone(),
+                                    meta.slot_mapping, meta.cu_q, meta.ctx_lens,
+                                    meta.block_tables, 0.125, A.MIN_LONG_RUN)
             outs.append(out)
     finally:
         torch.set_num_threads(before)
@@ -246,8 +268,6 @@ def test_attention_benchmark_reports_both_cases_per_thread_count():
 TILE_KIND = ops.tile_kind() if ops is not None else ""
 AMX = TILE_KIND == "amx"
 needs_amx = pytest.mark.skipif(not AMX, reason="the CPU has no AMX tiles")
-needs_panels = pytest.mark.skipif(TILE_KIND not in ("avx2", "avx512"),
-                                  reason="no panel kernel (AVX2 or AVX-512) is built here")
 
 
 @needs_amx
@@ -335,29 +355,32 @@ def test_the_linear_kernel_built_is_the_widest_the_cpu_has():
         assert panels_by_default()
 
 
-@needs_panels
 @pytest.mark.parametrize("n,k,bias", [(96, 64, False), (100, 96, True), (1536, 1024, False),
                                       (1024, 2816, True), (40, 33, True)])
-def test_panel_linear_rounds_the_float32_product_and_is_the_same_for_every_batch(n, k, bias):
+def test_panel_linear_rounds_the_float32_product_and_is_the_same_for_every_batch(kernels, n,
+                                                                                  k, bias):
     """The AVX2 or AVX-512 kernel on bf16 panels (16 or 32 columns): the float32 product of
     the bf16 operands, rounded once to bf16 (within a unit in the last place of the exact
     product's rounding, where float32 sums in another order tip it), and each row's result
     independent of the rows beside it, whatever their number (groups of six rows on AVX2,
     twelve on AVX-512, partial groups, row blocks of 48), and a partial last panel."""
+    if kernels.tile_kind() not in ("avx2", "avx512"):
+        pytest.skip("this build's linears are AMX tiles (tested above), not panels")
     g = torch.Generator().manual_seed(n + k)
     w = (torch.randn(n, k, generator=g) * 0.05).bfloat16()
     b = torch.randn(n, generator=g).bfloat16() if bias else None
-    panels = ops.tile_pack(w)
+    panels = kernels.tile_pack(w)
+    assert panels.shape[2] == (32 if kernels.tile_kind() == "avx512" else 16)
     x = torch.randn(100, k, generator=g).bfloat16()
-    full = ops.tile_linear(x, panels, n, b)
+    full = kernels.tile_linear(x, panels, n, b)
     ref = x.double() @ w.double().T + (b.double() if bias else 0)
     ulp = torch.finfo(torch.bfloat16).eps * ref.abs()  # one unit in the last place, ~
     assert ((full.double() - ref).abs() <= ulp + 1e-6).all()
     assert (full == ref.bfloat16()).float().mean() > 0.98
     for m in (1, 2, 5, 6, 7, 11, 12, 13, 17, 40, 48, 49, 97):
-        y = ops.tile_linear(x[:m], panels, n, b)
+        y = kernels.tile_linear(x[:m], panels, n, b)
         assert y.shape == (m, n) and torch.equal(y, full[:m]), m
     with pytest.raises(RuntimeError, match="does not match"):
-        ops.tile_linear(torch.randn(4, k + 1).bfloat16(), panels, n, None)
+        kernels.tile_linear(torch.randn(4, k + 1).bfloat16(), panels, n, None)
     with pytest.raises(RuntimeError, match="bf16"):
-        ops.tile_linear(x.float(), panels, n, None)
+        kernels.tile_linear(x.float(), panels, n, None)

@@ -5,6 +5,10 @@ The C++ sources ship in the package and are compiled with the machine's own comp
 the torch version and the CPU's instruction-set flags, so a cache shared between machines never
 loads a binary built for another CPU. When no compiler is available, or the build fails, callers
 fall back to the eager PyTorch code (the reference implementation) and say so once.
+
+``cpu_ops(march="x86-64-v3")`` builds the same sources for another instruction set (there:
+AVX2 and FMA, the kernels' AVX2 paths), so that those paths are tested and timed on a CPU
+that would build its wider ones natively.
 """
 
 from __future__ import annotations
@@ -21,7 +25,13 @@ from types import ModuleType
 log = logging.getLogger(__name__)
 
 _SOURCES = ("paged_attention_cpu.cpp",)
-_CFLAGS = ("-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-std=c++20")
+_CFLAGS = ("-O3", "-fopenmp", "-fno-math-errno", "-std=c++20")
+
+
+def cflags(march: str = "native") -> list[str]:
+    """The compiler flags of a build for ``-march=MARCH``."""
+    return [*_CFLAGS, f"-march={march}"]
+
 _lock = threading.Lock()
 _cache: dict[str, ModuleType | None] = {}
 _errors: dict[str, str] = {}
@@ -38,7 +48,7 @@ def cpu_flags() -> str:
     return platform.processor()
 
 
-def _build_key(sources: list[Path]) -> str:
+def _build_key(sources: list[Path], march: str) -> str:
     import torch
 
     h = hashlib.sha256()
@@ -47,42 +57,44 @@ def _build_key(sources: list[Path]) -> str:
         # would rebuild each other's binary on every first use.
         h.update(str(src.resolve()).encode())
         h.update(src.read_bytes())
-    h.update(" ".join((torch.__version__, *_CFLAGS, cpu_flags())).encode())
+    h.update(" ".join((torch.__version__, *cflags(march), cpu_flags())).encode())
     return h.hexdigest()[:16]
 
 
-def cpu_ops() -> ModuleType | None:
-    """The compiled CPU kernels, or None when they cannot be built here (see ``build_error``)."""
+def cpu_ops(march: str = "native") -> ModuleType | None:
+    """The compiled CPU kernels (built for ``-march=MARCH``), or None when they cannot be built
+    here (see ``build_error``)."""
     with _lock:
-        if "cpu" not in _cache:
-            _cache["cpu"] = _build_cpu()
-        return _cache["cpu"]
+        if march not in _cache:
+            _cache[march] = _build_cpu(march)
+        return _cache[march]
 
 
-def build_error() -> str | None:
-    return _errors.get("cpu")
+def build_error(march: str = "native") -> str | None:
+    return _errors.get(march)
 
 
-def _build_cpu() -> ModuleType | None:
+def _build_cpu(march: str) -> ModuleType | None:
     from fluidserve.model.builder import cache_root
 
     if os.environ.get("FLUIDSERVE_NO_KERNELS"):
-        _errors["cpu"] = "disabled by FLUIDSERVE_NO_KERNELS"
+        _errors[march] = "disabled by FLUIDSERVE_NO_KERNELS"
         return None
     try:
         from torch.utils.cpp_extension import load
 
         srcdir = resources.files("fluidserve.kernels").joinpath("csrc")
         sources = [Path(str(srcdir.joinpath(s))) for s in _SOURCES]
-        key = _build_key(sources)
+        key = _build_key(sources, march)
         build_dir = cache_root() / "kernels" / key
         build_dir.mkdir(parents=True, exist_ok=True)
         if not (build_dir / f"fluidserve_cpu_{key}.so").exists():
-            log.info("compiling fluidserve CPU kernels into %s (once per machine)", build_dir)
+            log.info("compiling fluidserve CPU kernels (-march=%s) into %s (once per machine)",
+                     march, build_dir)
         return load(
             name=f"fluidserve_cpu_{key}",
             sources=[str(s) for s in sources],
-            extra_cflags=list(_CFLAGS),
+            extra_cflags=cflags(march),
             extra_ldflags=["-fopenmp", "-lm"],
             build_directory=str(build_dir),
             verbose=False,
@@ -90,7 +102,7 @@ def _build_cpu() -> ModuleType | None:
     except Exception as e:  # no compiler, missing headers, a failed build: use eager code
         lines = str(e).strip().splitlines() or [""]
         first = next((ln for ln in lines if "error:" in ln), lines[-1])  # the compiler's own
-        _errors["cpu"] = f"{type(e).__name__}: {first.strip()[:300]}"
-        log.warning("compiled CPU kernels unavailable (%s); using eager attention",
-                    _errors["cpu"])
+        _errors[march] = f"{type(e).__name__}: {first.strip()[:300]}"
+        log.warning("compiled CPU kernels (-march=%s) unavailable (%s); using eager attention",
+                    march, _errors[march])
         return None

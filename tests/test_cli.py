@@ -113,10 +113,14 @@ def test_profile_quick_writes_json_and_plots(tiny_model_dir, tmp_path):
     )
     result = json.loads(out.stdout.strip().splitlines()[-1])
     assert {s["scheduler"] for s in result["stall"]} == {"vllm", "sarathi"}
-    for p in (*result["iteration_time"], *result["decode"], *result["chunked_prefill"]):
+    for p in (*result["iteration_time"], *result["decode"], *result["chunked_prefill"],
+              *result["batched_prefill"]):
         assert len(p["samples_s"]) == 1 and p["time_s"] == p["samples_s"][0]
+    assert [(p["prompts"], p["tokens"]) for p in result["batched_prefill"]] == [(4, 64), (2, 128)]
+    assert all(p["vs_one_prompt"] > 0 for p in result["batched_prefill"])
     # the summary for a person, before the JSON line
     assert "iteration time: 1 tok" in out.stdout and "engine overhead:" in out.stdout
+    assert "prompts batched vs one prompt of as many tokens: 4 x 16 " in out.stdout
     assert "rounds of one point" not in out.stdout  # one round: no spread to report
     assert result["iteration_time"][0]["tokens"] == 1 and result["peaks"]["matmul_flops"] > 0
     for name in ("iteration_time", "throughput", "chunked_prefill_overhead", "stall_timeline"):

@@ -219,6 +219,29 @@ def test_cpu_cost_model_reproduces_its_profile(name):
         c = p["chunk_size"]
         total = sum(m.stage_times(_prefill(c, c * i))[0] for i in range(p["prompt"] // c))
         assert total == pytest.approx(p["time_s"], rel=0.15)
+    for p in prof.get("batched_prefill", []):  # k short prompts in one iteration
+        k, n = p["prompts"], p["prompt_tokens"]
+        shape = PlanShape(k * n, ((n, 0),) * k, (), k)
+        assert m.stage_times(shape)[0] == pytest.approx(p["time_s"], rel=0.05)
+
+
+def test_batched_prompts_in_a_profile_price_attention_apart_from_the_linears():
+    """A profile of single prompts alone cannot tell a prompt's per-token work from its
+    attention's quadratic work (they grow together): fitted without the batched points, the
+    shipped Xeon profile prices 8 prompts of 256 tokens as one of 2048, 10% and more over
+    what it measured; with them, the measured saving of batching short prompts is priced."""
+    prof = load_cpu_profile("xeon-emr")
+    measured = {(p["prompts"], p["prompt_tokens"]): p for p in prof["batched_prefill"]}
+    assert measured[(8, 256)]["vs_one_prompt"] < 0.9  # the measured saving
+    batch8 = PlanShape(2048, ((256, 0),) * 8, (), 8)
+    one = _prefill(2048)
+    with_batches = CPUCostModel(prof)
+    without = CPUCostModel({k: v for k, v in prof.items() if k != "batched_prefill"})
+    assert with_batches.stage_times(batch8)[0] == pytest.approx(measured[(8, 256)]["time_s"],
+                                                                rel=0.05)
+    assert without.stage_times(batch8)[0] > 1.1 * measured[(8, 256)]["time_s"]
+    ratio = with_batches.stage_times(batch8)[0] / with_batches.stage_times(one)[0]
+    assert ratio == pytest.approx(measured[(8, 256)]["vs_one_prompt"], abs=0.05)
 
 
 def test_the_default_cpu_profile_is_the_one_taken_on_this_kind_of_cpu():

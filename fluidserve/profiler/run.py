@@ -3,7 +3,8 @@
 Measures, on a real model through the real executor:
   (a) iteration time vs tokens in the batch, and where the knee is;
   (b) decode throughput vs batch size, prefill throughput vs prompt length;
-  (c) chunked-prefill overhead vs chunk size;
+  (c) chunked-prefill overhead vs chunk size, and iterations of several short prompts beside
+      one prompt of as many tokens (what attention adds to a long one);
   (d) a generation-stall timeline: ongoing decodes while a long prompt arrives, vllm vs sarathi;
   (e) engine overhead: the share of a step that is not the forward pass, with many running
       requests;
@@ -35,6 +36,7 @@ FULL = {
     "decode_context": 512,
     "chunk_prompt": 2048,
     "chunk_sizes": [128, 256, 512, 1024, 2048],
+    "batched_prompts": [(4, 128), (8, 128), (16, 128), (8, 256), (4, 512)],  # (k, tokens)
     "stall_prompt": 2048,
     "stall_budget": 256,
     "stall_decodes": 4,
@@ -47,6 +49,7 @@ QUICK = {
     "decode_context": 32,
     "chunk_prompt": 128,
     "chunk_sizes": [32, 128],
+    "batched_prompts": [(4, 16), (2, 64)],
     "stall_prompt": 96,
     "stall_budget": 32,
     "stall_decodes": 2,
@@ -135,13 +138,20 @@ def measure_peaks(device: str, dtype: torch.dtype) -> dict:
 
 
 def sweeps(t: Timer, tokens: list[int], batch_sizes: list[int], ctx: int, prompt: int,
-           chunk_sizes: list[int]) -> tuple[list[dict], list[dict], list[dict]]:
-    """(a) iteration time vs tokens, (b) decode steps vs batch size at one context and (c) a
-    prompt prefilled in chunks of each size, all timed in the same interleaved rounds."""
+           chunk_sizes: list[int], batched: list[tuple[int, int]] = ()
+           ) -> tuple[list[dict], list[dict], list[dict], list[dict]]:
+    """(a) iteration time vs tokens, (b) decode steps vs batch size at one context, (c) a
+    prompt prefilled in chunks of each size and iterations of k fresh prompts of n tokens
+    each (``batched``: (k, n) pairs), all timed in the same interleaved rounds. Beside (a)'s
+    single prompts of k * n tokens, (c)'s batches separate attention's quadratic work from
+    the linears' (a single prompt's grow together)."""
     bs = t.ex.block_size
     per_req = -(-(ctx + 1) // bs)
-    # Request "a" (prefills, chunks) owns blocks from 0; decode request i from base + i * per_req.
+    # Request "a" (prefills, chunks) owns blocks from 0; decode request i from base + i * per_req;
+    # batched prompt i from i * its blocks.
     base = -(-max(max(tokens), prompt) // bs)
+    if any(k * -(-n // bs) > base for k, n in batched):
+        raise ValueError("batched prompts need more blocks than the longest single prompt")
     for i in range(max(batch_sizes)):  # fill each decode request's context once
         t.run([_chunk(f"r{i}", 0, ctx, bs, base + i * per_req)])
     points = [[[_chunk("a", 0, n, bs, 0)]] for n in tokens]
@@ -149,7 +159,9 @@ def sweeps(t: Timer, tokens: list[int], batch_sizes: list[int], ctx: int, prompt
                for b in batch_sizes]
     points += [[[_chunk("a", s, min(c, prompt - s), bs, 0)] for s in range(0, prompt, c)]
                for c in chunk_sizes]
-    samples = t.rounds(points, "(a-c) iterations, decodes, chunked prefills")
+    points += [[[_chunk(f"b{i}", 0, n, bs, i * -(-n // bs)) for i in range(k)]]
+               for k, n in batched]
+    samples = t.rounds(points, "(a-c) iterations, decodes, chunked and batched prefills")
     it = iter(samples)
     iters = [{"tokens": n} | _point(next(it)) for n in tokens]
     for p in iters:
@@ -161,7 +173,13 @@ def sweeps(t: Timer, tokens: list[int], batch_sizes: list[int], ctx: int, prompt
     whole = next((p["time_s"] for p in chunks if p["chunk_size"] >= prompt), chunks[-1]["time_s"])
     for p in chunks:
         p["overhead"] = p["time_s"] / whole - 1.0
-    return iters, decodes, chunks
+    single = {p["tokens"]: p["time_s"] for p in iters}
+    batches = [{"prompts": k, "prompt_tokens": n, "tokens": k * n} | _point(next(it))
+               for k, n in batched]
+    for p in batches:  # against one prompt of as many tokens, where (a) timed one
+        if p["tokens"] in single:
+            p["vs_one_prompt"] = p["time_s"] / single[p["tokens"]]
+    return iters, decodes, chunks, batches
 
 
 def knee(points: list[dict]) -> int | None:
@@ -291,8 +309,9 @@ def run_profile(args: ProfileConfig) -> int:
         f" {torch.get_num_threads()} threads"
     )
     peaks = measure_peaks(args.device, ex.kv_caches[0][0].dtype)
-    iters, decodes, chunks = sweeps(t, q["tokens"], q["batch_sizes"], q["decode_context"],
-                                    q["chunk_prompt"], q["chunk_sizes"])
+    iters, decodes, chunks, batches = sweeps(t, q["tokens"], q["batch_sizes"],
+                                             q["decode_context"], q["chunk_prompt"],
+                                             q["chunk_sizes"], q["batched_prompts"])
     del ex, t
     stalls = [stall_timeline(model_dir, args, q, s) for s in ("vllm", "sarathi")]
     overhead = [engine_overhead(model_dir, args, n, q["overhead_context"])
@@ -321,6 +340,7 @@ def run_profile(args: ProfileConfig) -> int:
         "knee_tokens": knee(iters),
         "decode": decodes,
         "chunked_prefill": chunks,
+        "batched_prefill": batches,
         "stall": [{k: v for k, v in s.items() if k != "token_times"} for s in stalls],
         "engine_overhead": overhead,
     }
@@ -358,6 +378,9 @@ def summary(r: dict) -> str:
         f"chunked prefill of {ch[0]['prompt']} tokens vs one chunk of"
         f" {ch[-1]['chunk_size']}: "
         + ", ".join(f"chunk {p['chunk_size']} {p['time_s'] / whole - 1:+.0%}" for p in ch[:-1]),
+        "prompts batched vs one prompt of as many tokens: " + ", ".join(
+            f"{p['prompts']} x {p['prompt_tokens']} {p['vs_one_prompt'] - 1:+.0%}"
+            for p in r.get("batched_prefill", []) if "vs_one_prompt" in p),
         "stall test, max decode TBT: " + ", ".join(
             f"{s['scheduler']} (budget {s['token_budget']}) {s['decode_max_tbt_s'] * 1e3:.0f} ms"
             for s in r["stall"]),
@@ -365,7 +388,7 @@ def summary(r: dict) -> str:
             f"{o['overhead_fraction']:.1%} of the step at {o['running']} running"
             for o in r["engine_overhead"]),
     ]
-    spread = max(p["spread"] for p in (*it, *dec, *ch))
+    spread = max(p["spread"] for p in (*it, *dec, *ch, *r.get("batched_prefill", [])))
     if r["repeats"] > 1:
         lines.append(f"the {r['repeats']} rounds of one point differed by up to {spread:.2f}x"
                      " (the machine's noise; each point reports its median)")

@@ -19,7 +19,12 @@ def _save(fig, path: Path) -> None:
 def plot_profile(result: dict, stalls: list[dict], out: Path) -> None:
     it = result["iteration_time"]
     fig, ax = plt.subplots(figsize=(6, 4))
-    ax.plot([p["tokens"] for p in it], [p["time_s"] * 1e3 for p in it], "o-")
+    ax.plot([p["tokens"] for p in it], [p["time_s"] * 1e3 for p in it], "o-", label="one prompt")
+    batched = result.get("batched_prefill", [])  # several short prompts: less attention work
+    if batched:
+        ax.plot([p["tokens"] for p in batched], [p["time_s"] * 1e3 for p in batched], "s",
+                c="C2", ms=5, label="several short prompts (" + ", ".join(
+                    f"{p['prompts']}x{p['prompt_tokens']}" for p in batched) + ")")
     if result.get("knee_tokens"):
         ax.axvline(
             result["knee_tokens"],
@@ -27,7 +32,7 @@ def plot_profile(result: dict, stalls: list[dict], out: Path) -> None:
             c="gray",
             label=f"2x of 1-token time ({result['knee_tokens']} tokens)",
         )
-        ax.legend()
+    ax.legend(loc="upper left", fontsize=8)
     ax.set(
         xlabel="tokens in the batch",
         ylabel="iteration time (ms)",

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
+import argparse
 import json
-import sys
 from pathlib import Path
 
 
@@ -229,11 +229,22 @@ def plot(result: dict, out: Path) -> None:
     plt.close(fig)
 
 
-if __name__ == "__main__":  # re-render from a run directory: race_report.py RUN_DIR [DOC]
-    run = Path(sys.argv[1])
-    res = json.loads((run / "race.json").read_text())
-    plot(res, run)
-    text = report(res, run, res.get("commands", ["python scripts/race_vllm_cpu.py ..."]))
-    if len(sys.argv) > 2:
-        write_doc(Path(sys.argv[2]), text, run)
+def main() -> None:
+    ap = argparse.ArgumentParser(description="Re-render a race's tables and plots from its"
+                                 " run directory (race.json), optionally into a document.")
+    ap.add_argument("run", type=Path, help="the race's --out directory")
+    ap.add_argument("doc", type=Path, nargs="?", help="write the report here too")
+    args = ap.parse_args()
+    path = args.run / "race.json"
+    if not path.is_file():
+        ap.error(f"{path}: no such file (is {args.run} a race_vllm_cpu.py --out directory?)")
+    res = json.loads(path.read_text())
+    plot(res, args.run)
+    text = report(res, args.run, res.get("commands", ["python scripts/race_vllm_cpu.py ..."]))
+    if args.doc:
+        write_doc(args.doc, text, args.run)
     print(text)
+
+
+if __name__ == "__main__":
+    main()

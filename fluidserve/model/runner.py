@@ -95,12 +95,9 @@ class ModelExecutor:
     def submit(self, plan: SchedulerOutput) -> Future:
         fut: Future = Future()
         try:
-            if not (self.resolves_placeholders and not plan.is_empty):
-                fut.set_result(self.execute(plan))
-            elif self._waiter is not None:
+            if self._waiter is not None and not plan.is_empty:  # CUDA, asynchronous
                 return self._waiter.submit(self._launch(plan))
-            else:
-                fut.set_result(self._launch(plan)())
+            fut.set_result(self.execute(plan))
         except Exception as e:
             fut.set_exception(e)
         return fut

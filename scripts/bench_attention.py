@@ -29,13 +29,12 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import tempfile
 import time
 from pathlib import Path
 
 import torch
 
-from fluidserve.kernels import build_error, cflags, cpu_ops
+from fluidserve.kernels import build_error, cpu_ops, variant_ops
 from fluidserve.model.attention import min_long_run
 
 H, HKV, D, BS, LAYERS = 16, 4, 64, 16, 16
@@ -69,15 +68,6 @@ def prefill_case(s: int, p: int, gen: torch.Generator, cached: int = 0) -> tuple
     return caches, meta, qkv, 0
 
 
-def variant(path: Path, index: int = 0, march: str = "native"):
-    from torch.utils.cpp_extension import load
-
-    build = Path(tempfile.mkdtemp(prefix="fluidserve-attn-variant-"))
-    return load(name=f"fluidserve_attn_variant{index}", sources=[str(path)],
-                extra_cflags=cflags(march),
-                extra_ldflags=["-fopenmp", "-lm"], build_directory=str(build), verbose=False)
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--decode", default="40x290", help="requests x context (default 40x290)")
@@ -101,7 +91,7 @@ def main() -> None:
         label = "variant" if len(args.against) == 1 else path.stem
         if label in kernels:
             raise SystemExit(f"--against: two variants named {label!r}")
-        kernels[label] = variant(path, i, args.march)
+        kernels[label] = variant_ops(path, i, args.march)
     gen = torch.Generator().manual_seed(0)
     dn, dc = (int(x) for x in args.decode.split("x"))
     runs, _, cached = args.prefill.partition("@")

@@ -7,10 +7,13 @@ cache and flatter the kernel). For each row count: the median time of the whole 
 a few rounds, the weight bytes read per second, and the arithmetic rate. Prints JSON lines.
 With ``--backend tiles`` the stack multiplies on tile copies (``--linear-backend tiles``: AMX
 tiles, AVX-512 or AVX2 panels); ``--backend both`` builds both stacks and alternates them
-round by round, so that the two are compared side by side.
+round by round, so that the two are compared side by side. ``--against FILE`` builds a
+variant of the kernel source and times its ``tile_linear`` beside the package's, on its own
+packed copy of the same weights (outputs compared: ``identical`` in the JSON).
 
     python scripts/bench_linears.py 1 16 32 48 64 128 256
     python scripts/bench_linears.py --backend both 1 40 256 2048
+    python scripts/bench_linears.py --backend tiles --against /tmp/variant.cpp 1 40 2048
 """
 
 from __future__ import annotations
@@ -19,24 +22,42 @@ import argparse
 import json
 import statistics
 import time
+from pathlib import Path
 
 import torch
 from torch import nn
 
+from fluidserve.kernels import variant_ops
 from fluidserve.model.linear import PackedLinear, packed_linear_supported
 
 SHAPES = ((1024, 1536), (1024, 1024), (1024, 5632), (2816, 1024))  # (in, out) per layer
 LAYERS = 16
 
 
-def build(backend: str) -> list[PackedLinear]:
+def weights() -> list[nn.Linear]:
     torch.manual_seed(0)
-    stack = [PackedLinear(nn.Linear(i, o, bias=False).to(torch.bfloat16),
-                          tiles=backend == "tiles") for _ in range(LAYERS) for i, o in SHAPES]
+    return [nn.Linear(i, o, bias=False).to(torch.bfloat16) for _ in range(LAYERS)
+            for i, o in SHAPES]
+
+
+def build(backend: str) -> list[PackedLinear]:
+    stack = [PackedLinear(linear, tiles=backend == "tiles") for linear in weights()]
     if backend == "tiles" and stack[0].tiles is None:
         raise SystemExit("no tile kernel here (needs AMX, AVX-512 or AVX2 and the compiled"
                          " kernels)")
     return stack
+
+
+class VariantLinear:
+    """One linear of the stack on a variant build's own tile copy of the same weight."""
+
+    def __init__(self, module, linear: nn.Linear) -> None:
+        self.module, self.in_features = module, linear.in_features
+        self.out_features = linear.out_features
+        self.tiles = module.tile_pack(linear.weight.detach())
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return self.module.tile_linear(x, self.tiles, self.out_features, None)
 
 
 def main() -> None:
@@ -46,26 +67,39 @@ def main() -> None:
     ap.add_argument("--backend", choices=("packed", "tiles", "both"), default="packed",
                     help="packed: oneDNN (bf16 widened to float32 where the CPU has no bf16"
                     " kernels); tiles: the compiled kernels' tile_linear; both: side by side.")
+    ap.add_argument("--against", type=Path, nargs="+", default=[],
+                    help="variants of the kernel source whose tile_linear to time beside the"
+                    " package's (with --backend tiles)")
     args = ap.parse_args()
     if not packed_linear_supported(torch.bfloat16, torch.device("cpu")):
         raise SystemExit("this CPU/PyTorch has no oneDNN linear")
+    if args.against and args.backend != "tiles":
+        ap.error("--against compares tile kernels: use it with --backend tiles")
     names = ("packed", "tiles") if args.backend == "both" else (args.backend,)
     stacks = {name: build(name) for name in names}
+    for i, path in enumerate(args.against):
+        module = variant_ops(path, i)
+        stacks[path.stem] = [VariantLinear(module, linear) for linear in weights()]
+    names = tuple(stacks)
     weight_bytes = LAYERS * sum(i * o for i, o in SHAPES) * 2
     for m in args.rows:
         xs = {i: torch.randn(m, i, dtype=torch.bfloat16) for i, _ in SHAPES}
         times = {name: [] for name in names}
+        outs = {}
         for _ in range(args.rounds + 1):  # the first round builds oneDNN's primitives
             for name, stack in stacks.items():  # alternated: drift hits both alike
                 t0 = time.perf_counter()
-                for layer in stack:
-                    layer(xs[layer.in_features])
+                outs[name] = [layer(xs[layer.in_features]) for layer in stack]
                 times[name].append(time.perf_counter() - t0)
         for name in names:
             t = statistics.median(times[name][1:])
-            print(json.dumps({"backend": name, "rows": m, "ms": round(t * 1e3, 2),
-                              "weight_gb_s": round(weight_bytes / t / 1e9, 1),
-                              "tflop_s": round(m * weight_bytes / t / 1e12, 3)}), flush=True)
+            row = {"backend": name, "rows": m, "ms": round(t * 1e3, 2),
+                   "weight_gb_s": round(weight_bytes / t / 1e9, 1),
+                   "tflop_s": round(m * weight_bytes / t / 1e12, 3)}
+            if args.against:
+                row["identical"] = all(torch.equal(a, b)
+                                       for a, b in zip(outs["tiles"], outs[name], strict=True))
+            print(json.dumps(row), flush=True)
 
 
 if __name__ == "__main__":

@@ -106,3 +106,17 @@ def _build_cpu(march: str) -> ModuleType | None:
         log.warning("compiled CPU kernels (-march=%s) unavailable (%s); using eager attention",
                     march, _errors[march])
         return None
+
+
+def variant_ops(path: Path, index: int = 0, march: str = "native") -> ModuleType:
+    """Build another version of the kernel source (a file) into a fresh temporary directory,
+    as module ``fluidserve_kernel_variant{index}``, so that benchmarks can time it beside the
+    package's own build in one process. Raises on a failed build."""
+    import tempfile
+
+    from torch.utils.cpp_extension import load
+
+    build = Path(tempfile.mkdtemp(prefix="fluidserve-kernel-variant-"))
+    return load(name=f"fluidserve_kernel_variant{index}", sources=[str(path)],
+                extra_cflags=cflags(march), extra_ldflags=["-fopenmp", "-lm"],
+                build_directory=str(build), verbose=False)

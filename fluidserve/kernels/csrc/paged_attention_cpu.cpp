@@ -1453,6 +1453,14 @@ const char* kTileKind = "avx2";
 // 175.8/175.5 ms at batch 40. Prefetching in every group instead cost 1% at batch 40 (the
 // later groups read the panel from L2). 2, 3 and 6 KB ahead were within a few percent of 4.
 constexpr int kPanelPrefetch = 4096;
+// A second stream, into L2, kPanelPrefetchL2 bytes further on, at the same pace: one stream
+// into L1 keeps too few lines in flight to read the weights at the machine's rate. Measured on
+// a 2-core Emerald Rapids class Xeon, the previous source built beside it, rounds alternated
+// (the 64 decoder linears of the race model, each weight read from memory, outputs identical):
+// 1 row 15.8/14.6 -> 12.6/12.9 ms, 4 rows 16.8 -> 14.3, 16 rows 28.5 -> 25.6, 40 rows 58.9 ->
+// 55.6, 256 and 2048 rows unchanged; the AVX2 build there 14.6 -> 12.8 ms at 1 row. 16 and
+// 32 KB on were within a few percent of 8; the L2 stream alone (no L1 stream) 5% slower.
+constexpr int kPanelPrefetchL2 = 8192;
 
 // Stored position of column c of a panel: the unpacks work within 128-bit lanes, each
 // widening four of a lane's eight bf16 values (the low four into the first register, the
@@ -1509,7 +1517,8 @@ inline void part_row512(float (*part)[kPanelCols], __m512& a, __m512& b) {
 #define FS_PANEL_ROWS(X) X(0) X(1) X(2) X(3) X(4) X(5) X(6) X(7) X(8) X(9) X(10) X(11)
 
 // As the AVX2 panel_rows below, on 32-column panels: 24 FMAs per two unpacks at 12 rows.
-// With PF one line of the stream ``pf`` on is prefetched every k-step (64 bytes a step).
+// With PF one line of the stream ``pf`` on is prefetched every k-step (64 bytes a step) into
+// L1, and one kPanelPrefetchL2 bytes further on into L2.
 template <int R, bool PF>
 inline void panel_rows(const float* x, int64_t ldx, const uint16_t* w, int64_t kn, bool first,
                        float (*part)[kPanelCols], const char* pf) {
@@ -1534,6 +1543,7 @@ inline void panel_rows(const float* x, int64_t ldx, const uint16_t* w, int64_t k
   if constexpr (PF)
     for (; k < kn; ++k) {
       _mm_prefetch(pf + 2 * kPanelCols * k, _MM_HINT_T0);
+      _mm_prefetch(pf + kPanelPrefetchL2 + 2 * kPanelCols * k, _MM_HINT_T1);
       step(k);
     }
   for (; k < kn; ++k) step(k);
@@ -1576,10 +1586,11 @@ inline void part_rows(float (*part)[16], __m256& c0a, __m256& c0b, __m256& c1a, 
 // One FMA chain per row and half (2R chains) keeps the FMA units busy from R = 4 up (latency
 // 4 x 2 units); below that the weight stream from memory, not the chains, is the bound.
 // With PF, one line of the stream ``pf`` on is prefetched every two k-steps (the panel's own
-// pace: 64 bytes of weights per two steps). The choice is a template argument, not a test in
-// the loop: a per-step test of whether to prefetch made the whole [2048, 1024] x [1024, 5632]
-// product ~15% slower on a 2-core EPYC (Zen 3) in a standalone copy (208/212 against 178/189
-// ms, medians of 9), though only one group in eight prefetches.
+// pace: 64 bytes of weights per two steps) into L1, and one kPanelPrefetchL2 bytes further on
+// into L2. The choice is a template argument, not a test in the loop: a per-step test of
+// whether to prefetch made the whole [2048, 1024] x [1024, 5632] product ~15% slower on a
+// 2-core EPYC (Zen 3) in a standalone copy (208/212 against 178/189 ms, medians of 9), though
+// only one group in eight prefetches.
 template <int R, bool PF>
 inline void panel_rows(const float* x, int64_t ldx, const uint16_t* w, int64_t kn, bool first,
                        float (*part)[16], const char* pf) {
@@ -1603,6 +1614,7 @@ inline void panel_rows(const float* x, int64_t ldx, const uint16_t* w, int64_t k
   if constexpr (PF)
     for (; k + 2 <= kn; k += 2) {
       _mm_prefetch(pf + 32 * k, _MM_HINT_T0);
+      _mm_prefetch(pf + kPanelPrefetchL2 + 32 * k, _MM_HINT_T1);
       step(k);
       step(k + 1);
     }

@@ -19,3 +19,37 @@ def test_kernels_build_wherever_a_compiler_is_present():
     if os.environ.get("FLUIDSERVE_NO_KERNELS") or not shutil.which(os.environ.get("CXX", "c++")):
         pytest.skip("no compiler, or kernels disabled on purpose")
     assert cpu_ops() is not None, build_error()
+
+
+def test_every_instruction_set_branch_of_the_source_compiles():
+    """The AMX branch (amx.h) and the no-AVX2 branch (stubs) compile only for CPUs this
+    machine may not be, so the suite checks their syntax with the compiler's -march: an edit
+    of a shared header that breaks them fails here, not on the first AMX or SSE-only user."""
+    cxx = os.environ.get("CXX", "c++")
+    if os.environ.get("FLUIDSERVE_NO_KERNELS") or not shutil.which(cxx):
+        pytest.skip("no compiler, or kernels disabled on purpose")
+    import subprocess
+    import sysconfig
+    from pathlib import Path
+
+    from torch.utils.cpp_extension import include_paths
+
+    import fluidserve.kernels as kernels
+    from fluidserve.kernels import cflags
+
+    marches = ("sapphirerapids", "x86-64")
+    for march in marches:  # a compiler too old to know the CPU cannot check its branch
+        known = subprocess.run([cxx, f"-march={march}", "-E", "-x", "c++", "/dev/null"],
+                               capture_output=True)
+        if known.returncode != 0:
+            pytest.skip(f"{cxx} does not know -march={march}")
+    main = Path(kernels.__file__).parent / "csrc" / "cpu_kernels.cpp"
+    incs = [f"-I{p}" for p in (*include_paths(), sysconfig.get_paths()["include"])]
+    procs = {march: subprocess.Popen(
+        [cxx, *[f for f in cflags(march) if f != "-O3"], "-O0", "-fsyntax-only", *incs,
+         "-DTORCH_EXTENSION_NAME=syntax_check", str(main)],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        for march in marches}
+    for march, p in procs.items():
+        out, _ = p.communicate(timeout=600)
+        assert p.returncode == 0, f"-march={march}:\n{out[-3000:]}"

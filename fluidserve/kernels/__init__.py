@@ -24,7 +24,7 @@ from types import ModuleType
 
 log = logging.getLogger(__name__)
 
-_SOURCES = ("paged_attention_cpu.cpp",)
+_MAIN = "cpu_kernels.cpp"  # the one translation unit; it includes the headers beside it
 _CFLAGS = ("-O3", "-fopenmp", "-fno-math-errno", "-std=c++20")
 
 
@@ -49,6 +49,8 @@ def cpu_flags() -> str:
 
 
 def _build_key(sources: list[Path], march: str) -> str:
+    """The build's cache key: every file of the source directory (the main file and the
+    headers it includes), the torch version, the flags and this CPU's instruction sets."""
     import torch
 
     h = hashlib.sha256()
@@ -83,9 +85,9 @@ def _build_cpu(march: str) -> ModuleType | None:
     try:
         from torch.utils.cpp_extension import load
 
-        srcdir = resources.files("fluidserve.kernels").joinpath("csrc")
-        sources = [Path(str(srcdir.joinpath(s))) for s in _SOURCES]
-        key = _build_key(sources, march)
+        srcdir = Path(str(resources.files("fluidserve.kernels").joinpath("csrc")))
+        main = srcdir / _MAIN
+        key = _build_key(sorted(p for p in srcdir.iterdir() if p.suffix in (".cpp", ".h")), march)
         build_dir = cache_root() / "kernels" / key
         build_dir.mkdir(parents=True, exist_ok=True)
         if not (build_dir / f"fluidserve_cpu_{key}.so").exists():
@@ -93,7 +95,7 @@ def _build_cpu(march: str) -> ModuleType | None:
                      march, build_dir)
         return load(
             name=f"fluidserve_cpu_{key}",
-            sources=[str(s) for s in sources],
+            sources=[str(main)],
             extra_cflags=cflags(march),
             extra_ldflags=["-fopenmp", "-lm"],
             build_directory=str(build_dir),
@@ -109,9 +111,10 @@ def _build_cpu(march: str) -> ModuleType | None:
 
 
 def variant_ops(path: Path, index: int = 0, march: str = "native") -> ModuleType:
-    """Build another version of the kernel source (a file) into a fresh temporary directory,
-    as module ``fluidserve_kernel_variant{index}``, so that benchmarks can time it beside the
-    package's own build in one process. Raises on a failed build."""
+    """Build another version of the kernels into a fresh temporary directory, as module
+    ``fluidserve_kernel_variant{index}``, so that benchmarks can time it beside the package's
+    own build in one process: ``path`` is the main file of a copy of ``csrc/`` (its headers
+    are found beside it), or one self-contained source file. Raises on a failed build."""
     import tempfile
 
     from torch.utils.cpp_extension import load

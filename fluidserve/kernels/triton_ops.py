@@ -1,7 +1,7 @@
 """GPU kernels in Triton, with the call signatures of the compiled CPU kernels.
 
 ``rms_norm``, ``fused_add_rms_norm``, ``rope``, ``silu_and_mul`` and ``paged_attention`` take the
-same arguments as their C++ counterparts (``csrc/paged_attention_cpu.cpp``), so the model's
+same arguments as their C++ counterparts (``csrc/cpu_kernels.cpp``), so the model's
 compiled path (``DecoderLayer.forward_native``) runs unchanged on either device. Each rounds
 where the eager reference rounds (model dtype after every operator, float32 inside).
 

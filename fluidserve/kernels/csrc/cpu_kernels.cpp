@@ -1,0 +1,304 @@
+// The compiled CPU kernels of fluidserve, one translation unit built once per machine
+// (fluidserve/kernels/__init__.py) from the headers of this directory:
+//   common.h           includes, instruction-set switches, the batch, 16-lane vectors
+//   attention.h        paged attention over a flattened hybrid batch: per-token items
+//   decode_avx2.h      its decode loops on AVX2 registers (CPUs without AVX-512)
+//   elementwise.h      argmax, RMSNorm, RoPE, SiLU-and-mul
+//   long_runs.h        what the two prefill attention kernels share
+//   amx.h              prefill attention and small-batch linears on AMX tiles
+//   panel_linear.h     linears on bf16 weights in float32-FMA panels (AVX2, AVX-512)
+//   panel_attention.h  prefill attention on those panels
+//   decoder_stack.h    a stack of decoder layers in one call
+// and, below, the entry points Python calls and their bindings.
+
+#include "common.h"
+#include "attention.h"
+#include "elementwise.h"
+#include "long_runs.h"
+#include "amx.h"
+#include "panel_linear.h"
+#include "panel_attention.h"
+
+namespace {
+
+#if !defined(FLUIDSERVE_AMX) && !defined(FLUIDSERVE_PANELS)
+// Neither matrix kernel in this build: oneDNN takes the linears, ATen the long runs.
+bool kernel_long_runs(const Batch&, int64_t, int, const std::vector<uint8_t>&, const at::Tensor&,
+                   at::Tensor&, const at::Tensor&, const at::Tensor&) {
+  return false;
+}
+constexpr int64_t kTileMaxRows = 0;
+at::Tensor tile_pack(const at::Tensor&) {
+  TORCH_CHECK(false, "tile_pack: this build has no AMX");
+}
+void tile_linear_into(const at::Tensor&, const at::Tensor&, int64_t,
+                      const std::optional<at::Tensor>&, at::Tensor&) {
+  TORCH_CHECK(false, "tile_linear: this build has no AMX");
+}
+bool tile_linear_supported() { return false; }
+const char* kTileKind = "";
+bool tile_packed_matches(const at::Tensor&, int64_t, int64_t) { return false; }
+#endif
+
+void check_common(const at::Tensor& k_cache, const at::Tensor& v_cache) {
+  TORCH_CHECK(k_cache.dim() == 4 && v_cache.dim() == 4, "caches must be 4-D");
+  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "caches must be contiguous");
+  TORCH_CHECK(k_cache.scalar_type() == v_cache.scalar_type(), "cache dtypes differ");
+}
+
+}  // namespace
+
+// Write this batch's new keys and values (k, v: [T, Hkv, D], each head's D elements dense,
+// e.g. views into the fused QKV output) into their cache slots.
+void write_kv(const at::Tensor& k, const at::Tensor& v, at::Tensor k_cache, at::Tensor v_cache,
+              const at::Tensor& slots) {
+  check_common(k_cache, v_cache);
+  TORCH_CHECK(slots.scalar_type() == at::kLong && slots.is_contiguous(), "slots: int64");
+  const int64_t T = k.size(0);
+  const int Hkv = k_cache.size(1), D = k_cache.size(2), BS = k_cache.size(3);
+  const at::Tensor kc = k.stride(2) == 1 ? k : k.contiguous();
+  const at::Tensor vc = v.stride(2) == 1 ? v : v.contiguous();
+  const int64_t k_row = kc.stride(0), k_head = kc.stride(1);
+  const int64_t v_row = vc.stride(0), v_head = vc.stride(1);
+  const int64_t* slot = slots.data_ptr<int64_t>();
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, k.scalar_type(), "write_kv", [&] {
+    const scalar_t* ks = kc.data_ptr<scalar_t>();
+    const scalar_t* vs = vc.data_ptr<scalar_t>();
+    scalar_t* kd = k_cache.data_ptr<scalar_t>();
+    scalar_t* vd = v_cache.data_ptr<scalar_t>();
+    at::parallel_for(0, T, 64, [&](int64_t t0, int64_t t1) {
+      for (int64_t t = t0; t < t1; ++t) {
+        const int64_t blk = slot[t] / BS, off = slot[t] % BS;
+        for (int h = 0; h < Hkv; ++h) {
+          const scalar_t* kr = ks + t * k_row + h * k_head;
+          const scalar_t* vr = vs + t * v_row + h * v_head;
+          scalar_t* kt = kd + ((blk * Hkv + h) * D) * BS + off;  // column off of [D, BS]
+          for (int d = 0; d < D; ++d) kt[d * BS] = kr[d];
+          std::memcpy(vd + ((blk * Hkv + h) * BS + off) * D, vr, D * sizeof(scalar_t));
+        }
+      }
+    });
+  });
+}
+
+// Long prefill runs go to ATen's flash attention (a blocked GEMM formulation that beats this
+// kernel once a run has many queries): keys and values of the run's context are gathered from
+// the cache into [Hkv, ctx, D], or taken straight from the batch for a run that starts at 0.
+void long_run_attention(at::Tensor& out, const at::Tensor& q, const at::Tensor& k,
+                        const at::Tensor& v, const at::Tensor& k_cache,
+                        const at::Tensor& v_cache, const at::Tensor& tables, int64_t run,
+                        int q0, int q_len, int ctx, double scale) {
+  using at::indexing::Slice;
+  const int64_t Hkv = k_cache.size(1), D = k_cache.size(2), BS = k_cache.size(3);
+  const at::Tensor qh = q.narrow(0, q0, q_len).transpose(0, 1).unsqueeze(0);  // [1, H, L, D]
+  at::Tensor kh, vh;
+  std::optional<at::Tensor> mask;
+  bool causal = false;
+  if (ctx == q_len) {  // the run's own keys are its whole context
+    kh = k.narrow(0, q0, q_len).transpose(0, 1).unsqueeze(0);
+    vh = v.narrow(0, q0, q_len).transpose(0, 1).unsqueeze(0);
+    causal = true;
+  } else {
+    const int64_t nb = (ctx + BS - 1) / BS;
+    const at::Tensor blocks = tables[run].narrow(0, 0, nb).to(at::kLong);
+    kh = k_cache.index_select(0, blocks).permute({1, 0, 3, 2}).reshape({Hkv, nb * BS, D})
+             .narrow(1, 0, ctx).unsqueeze(0);
+    vh = v_cache.index_select(0, blocks).permute({1, 0, 2, 3}).reshape({Hkv, nb * BS, D})
+             .narrow(1, 0, ctx).unsqueeze(0);
+    const at::Tensor kpos = at::arange(ctx, at::kInt);
+    const at::Tensor qpos = at::arange(ctx - q_len, ctx, at::kInt).unsqueeze(1);
+    mask = kpos.unsqueeze(0) <= qpos;  // [L, ctx]
+  }
+#ifdef FLUIDSERVE_PANELS_512
+  // Without AMX, ATen's flash attention multiplies bf16 through oneDNN's VDPBF16PS kernels,
+  // at about half the float32 FMA rate: 16 layers of a causal 512-token run (16 heads of 64)
+  // took 152 ms in bf16 and 100 ms in float32 on a 2-core Emerald Rapids class VM.
+  const bool widen = qh.scalar_type() == at::kBFloat16;
+#else
+  const bool widen = false;
+#endif
+  const auto wide = [&](const at::Tensor& t) { return widen ? t.to(at::kFloat) : t; };
+  const at::Tensor o = at::scaled_dot_product_attention(wide(qh), wide(kh), wide(vh), mask, 0.0,
+                                                        causal, scale, /*enable_gqa=*/true);
+  out.narrow(0, q0, q_len).copy_(o.squeeze(0).transpose(0, 1));
+}
+
+// Attention for one layer over the whole hybrid batch: writes the batch's new keys and
+// values (k, v: [T, Hkv, D]) into their cache slots, then fills out[T, H, D] with every
+// query's causal attention over its request's paged context. Runs of at least
+// ``min_long_run`` tokens take the prefill kernel (bf16 on AMX or AVX2) or else ATen's flash
+// attention; all others this file's kernel.
+void paged_attention(at::Tensor out, const at::Tensor& q, const at::Tensor& k,
+                     const at::Tensor& v, at::Tensor k_cache, at::Tensor v_cache,
+                     const at::Tensor& slots, const at::Tensor& cu_q, const at::Tensor& ctx_lens,
+                     const at::Tensor& block_tables, double scale, int64_t min_long_run) {
+  write_kv(k, v, k_cache, v_cache, slots);
+  TORCH_CHECK(q.size(2) % 16 == 0, "head_dim must be a multiple of 16");
+  TORCH_CHECK(q.dim() == 3 && q.stride(2) == 1 && q.stride(1) == q.size(2) &&
+                  out.is_contiguous(),
+              "q/out: [T, H, D], each token's H x D dense (q may be a view into the fused QKV)");
+  TORCH_CHECK(q.scalar_type() == k_cache.scalar_type(), "q and cache dtypes differ");
+  TORCH_CHECK(cu_q.scalar_type() == at::kInt && ctx_lens.scalar_type() == at::kInt &&
+                  block_tables.scalar_type() == at::kInt,
+              "metadata must be int32");
+  TORCH_CHECK(block_tables.is_contiguous() && cu_q.is_contiguous() && ctx_lens.is_contiguous(),
+              "metadata must be contiguous");
+  const int H = q.size(1), D = q.size(2);
+  const int Hkv = k_cache.size(1), BS = k_cache.size(3);
+  TORCH_CHECK(k_cache.size(2) == D && v_cache.size(2) == BS && v_cache.size(3) == D,
+              "cache shapes do not match [NB, Hkv, D, BS] / [NB, Hkv, BS, D]");
+  TORCH_CHECK(H % Hkv == 0 && D <= kMaxHeadDim, "unsupported head layout");
+  const int64_t S = ctx_lens.size(0);
+  if (S == 0) return;
+  Batch b{cu_q.data_ptr<int32_t>(), ctx_lens.data_ptr<int32_t>(),
+          block_tables.data_ptr<int32_t>(), block_tables.size(1), H, Hkv, D,
+          static_cast<float>(scale), q.stride(0)};
+  std::vector<uint8_t> long_run(S, 0);
+  bool any_long = false;
+  for (int64_t s = 0; s < S; ++s) {
+    long_run[s] = b.cu_q[s + 1] - b.cu_q[s] >= min_long_run;
+    any_long |= long_run[s];
+  }
+  if (any_long && !kernel_long_runs(b, S, BS, long_run, q, out, k_cache, v_cache)) {
+    for (int64_t s = 0; s < S; ++s)
+      if (long_run[s])
+        long_run_attention(out, q, k, v, k_cache, v_cache, block_tables, s, b.cu_q[s],
+                           b.cu_q[s + 1] - b.cu_q[s], b.ctx_lens[s], scale);
+  }
+  const auto items = make_items(b, S, BS, long_run, at::get_num_threads());
+  AT_DISPATCH_SWITCH(q.scalar_type(), "paged_attention",
+    AT_DISPATCH_CASE(at::kFloat, [&] { run<scalar_t>(BS, items, b, q, out, k_cache, v_cache); })
+    AT_DISPATCH_CASE(at::kBFloat16, [&] { run<scalar_t>(BS, items, b, q, out, k_cache, v_cache); })
+    AT_DISPATCH_CASE(at::kHalf, [&] { run<scalar_t>(BS, items, b, q, out, k_cache, v_cache); }));
+}
+
+// Index of each row's largest value (the lowest index among ties), for greedy sampling:
+// one vectorized pass that keeps, per lane, the first index of its maximum.
+at::Tensor argmax_rows(const at::Tensor& logits) {
+  TORCH_CHECK(logits.dim() == 2 && logits.is_contiguous(), "logits: contiguous [S, V]");
+  const int64_t S = logits.size(0), V = logits.size(1);
+  at::Tensor out = at::empty({S}, logits.options().dtype(at::kLong));
+  int64_t* o = out.data_ptr<int64_t>();
+  AT_DISPATCH_SWITCH(logits.scalar_type(), "argmax_rows",
+    AT_DISPATCH_CASE(at::kFloat, [&] { argmax_impl<scalar_t>(logits, S, V, o); })
+    AT_DISPATCH_CASE(at::kBFloat16, [&] { argmax_impl<scalar_t>(logits, S, V, o); })
+    AT_DISPATCH_CASE(at::kHalf, [&] { argmax_impl<scalar_t>(logits, S, V, o); }));
+  return out;
+}
+
+// ---------------------------------------------------------------------------------------
+// Fused elementwise layers: one call each instead of a handful of PyTorch operators (whose
+// dispatch, not arithmetic, dominates at small batches). They round where the eager code
+// rounds (to the model dtype after each PyTorch operator), so results match it closely.
+// Rows are processed sixteen lanes at a time: a scalar loop (c10 conversions, a serial sum,
+// std::exp per element) made them 40% of a 512-token prefill.
+
+// residual += x (in the model dtype); x = rmsnorm(residual) * weight. x, residual: [T, H].
+void fused_add_rms_norm(at::Tensor x, at::Tensor residual, const at::Tensor& weight,
+                        double eps) {
+  TORCH_CHECK(x.is_contiguous() && residual.is_contiguous() && weight.is_contiguous(),
+              "contiguous tensors expected");
+  const int64_t T = x.size(0), Hd = x.size(1);
+  AT_DISPATCH_SWITCH(x.scalar_type(), "fused_add_rms_norm",
+    AT_DISPATCH_CASE(at::kFloat, [&] { add_norm_impl<scalar_t>(x, residual, weight, eps, T, Hd); })
+    AT_DISPATCH_CASE(at::kBFloat16, [&] { add_norm_impl<scalar_t>(x, residual, weight, eps, T, Hd); })
+    AT_DISPATCH_CASE(at::kHalf, [&] { add_norm_impl<scalar_t>(x, residual, weight, eps, T, Hd); }));
+}
+
+// out = rmsnorm(x) * weight, x unchanged.
+void rms_norm(at::Tensor out, const at::Tensor& x, const at::Tensor& weight, double eps) {
+  TORCH_CHECK(x.is_contiguous() && out.is_contiguous(), "contiguous tensors expected");
+  const int64_t T = x.size(0), Hd = x.size(1);
+  AT_DISPATCH_SWITCH(x.scalar_type(), "rms_norm",
+    AT_DISPATCH_CASE(at::kFloat, [&] { norm_impl<scalar_t>(out, x, weight, eps, T, Hd); })
+    AT_DISPATCH_CASE(at::kBFloat16, [&] { norm_impl<scalar_t>(out, x, weight, eps, T, Hd); })
+    AT_DISPATCH_CASE(at::kHalf, [&] { norm_impl<scalar_t>(out, x, weight, eps, T, Hd); }));
+}
+
+// Rotate-half RoPE in place on q [T, H, D] and k [T, Hkv, D] (row strides may exceed H*D,
+// as for views into a fused QKV output); cos, sin: [max_len, D] float32.
+void rope(at::Tensor q, at::Tensor k, const at::Tensor& positions, const at::Tensor& cos,
+          const at::Tensor& sin) {
+  TORCH_CHECK(positions.scalar_type() == at::kLong && cos.scalar_type() == at::kFloat,
+              "positions int64, cos/sin float32");
+  TORCH_CHECK(q.stride(2) == 1 && k.stride(2) == 1 && q.stride(1) == q.size(2) &&
+                  k.stride(1) == k.size(2), "q/k: heads contiguous within a token");
+  AT_DISPATCH_SWITCH(q.scalar_type(), "rope",
+    AT_DISPATCH_CASE(at::kFloat, [&] { rope_impl<scalar_t>(q, k, positions, cos, sin); })
+    AT_DISPATCH_CASE(at::kBFloat16, [&] { rope_impl<scalar_t>(q, k, positions, cos, sin); })
+    AT_DISPATCH_CASE(at::kHalf, [&] { rope_impl<scalar_t>(q, k, positions, cos, sin); }));
+}
+
+// out [T, I] = silu(x[:, :I]) * x[:, I:], rounding after each operator like the eager code.
+void silu_and_mul(at::Tensor out, const at::Tensor& x) {
+  TORCH_CHECK(x.is_contiguous() && out.is_contiguous(), "contiguous tensors expected");
+  AT_DISPATCH_SWITCH(x.scalar_type(), "silu_and_mul",
+    AT_DISPATCH_CASE(at::kFloat, [&] { silu_mul_impl<scalar_t>(out, x); })
+    AT_DISPATCH_CASE(at::kBFloat16, [&] { silu_mul_impl<scalar_t>(out, x); })
+    AT_DISPATCH_CASE(at::kHalf, [&] { silu_mul_impl<scalar_t>(out, x); }));
+}
+
+// y = x W^T (+ b) on a weight packed by ``tile_pack``, for at most ``tile_max_rows()`` rows.
+at::Tensor tile_linear(const at::Tensor& x, const at::Tensor& packed, int64_t N,
+                       const std::optional<at::Tensor>& bias) {
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.scalar_type() == at::kBFloat16,
+              "tile_linear: a contiguous [M, K] bf16 input expected");
+  TORCH_CHECK(x.size(0) <= kTileMaxRows, "tile_linear: at most ", kTileMaxRows, " rows");
+  TORCH_CHECK(tile_packed_matches(packed, x.size(1), N),
+              "tile_linear: the packed weight does not match the input");
+  at::Tensor y = at::empty({x.size(0), N}, x.options());
+  tile_linear_into(x, packed, N, bias, y);
+  return y;
+}
+
+int64_t tile_max_rows() { return tile_linear_supported() ? kTileMaxRows : 0; }
+std::string tile_kind() { return tile_linear_supported() ? kTileKind : ""; }
+
+#include "decoder_stack.h"
+
+// Whether long runs may take the prefill kernel (where it is built); returns the previous value.
+bool use_prefill_kernel(bool enabled) {
+  const bool previous = g_prefill_kernel;
+  g_prefill_kernel = enabled;
+  return previous;
+}
+
+// The prefill kernel that long bf16 runs take here: "amx", "avx2", "avx512" or "" (ATen's flash
+// attention: none built, or switched off).
+std::string prefill_kernel() {
+  if (!g_prefill_kernel) return "";
+#ifdef FLUIDSERVE_AMX
+  return amx_permitted() ? "amx" : "";
+#elif defined(__AVX2__) && defined(__FMA__)
+  return kTileKind;  // the panels: "avx2" or "avx512"
+#else
+  return "";
+#endif
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("use_prefill_kernel", &use_prefill_kernel,
+        "Allow (or not) the prefill attention kernel; returns the old value");
+  m.def("prefill_kernel", &prefill_kernel,
+        "The prefill attention kernel of long bf16 runs here: amx, avx2, avx512 or '' (none, or off)");
+  m.def("fused_add_rms_norm", &fused_add_rms_norm, "residual += x; x = rmsnorm(residual) * w",
+        py::call_guard<py::gil_scoped_release>());
+  m.def("rms_norm", &rms_norm, "out = rmsnorm(x) * w", py::call_guard<py::gil_scoped_release>());
+  m.def("rope", &rope, "rotate-half RoPE in place", py::call_guard<py::gil_scoped_release>());
+  m.def("silu_and_mul", &silu_and_mul, "silu(gate) * up",
+        py::call_guard<py::gil_scoped_release>());
+  m.def("argmax_rows", &argmax_rows, "Per-row argmax (first index among ties)",
+        py::call_guard<py::gil_scoped_release>());
+  m.def("paged_attention", &paged_attention, "Paged attention over a flattened hybrid batch",
+        py::call_guard<py::gil_scoped_release>());
+  m.def("write_kv", &write_kv, "Scatter new keys/values into the paged cache",
+        py::call_guard<py::gil_scoped_release>());
+  m.def("tile_pack", &tile_pack, "A bf16 weight copied into the layout tile_linear reads",
+        py::call_guard<py::gil_scoped_release>());
+  m.def("tile_linear", &tile_linear, "x W^T (+ b) on a tile_pack'ed weight",
+        py::call_guard<py::gil_scoped_release>());
+  m.def("tile_max_rows", &tile_max_rows, "Rows tile_linear takes here (0: none)");
+  m.def("tile_kind", &tile_kind, "The tile_linear kernel built here: amx, avx2 or ''");
+  m.def("decoder_layers", &decoder_layers, "A stack of decoder layers for a small batch",
+        py::call_guard<py::gil_scoped_release>());
+}

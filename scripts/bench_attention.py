@@ -10,17 +10,19 @@ engine's does (one cache reused would sit in the CPU's caches and flatter the ke
            a prompt's later chunk); the prefill kernel's path where the CPU has one
 
 For each: the median time of the sixteen layers and, for decode, the KV bytes read per
-second. ``--against FILE`` builds a second variant of the kernel source and times both in
-the same rounds, interleaved, with the largest difference of their outputs (several files:
-each its own variant, labelled by file name): how a kernel change is judged on a machine
+second. ``--against FILE`` builds a second variant of the kernels (the main file of an edited
+copy of ``fluidserve/kernels/csrc``, or one self-contained source) and times both in the same
+rounds, interleaved, with the largest difference of their outputs (several files: each its
+own variant, labelled by its directory's or file's name): how a kernel change is judged on a machine
 whose speed drifts by more than the change. ``--march`` builds them all for another
 instruction set (``x86-64-v3``: the AVX2 paths). ``--min-long-run`` times the kernel at
 several thresholds of the prefill path the same way (default: the engine's for bf16 here).
 Prints JSON lines.
 
     python scripts/bench_attention.py
-    python scripts/bench_attention.py --against /tmp/variant.cpp --threads 2
-    python scripts/bench_attention.py --march x86-64-v3 --against /tmp/a.cpp /tmp/b.cpp
+    python scripts/bench_attention.py --against /tmp/variant/cpu_kernels.cpp --threads 2
+    python scripts/bench_attention.py --march x86-64-v3 --against /tmp/a/cpu_kernels.cpp \
+        /tmp/b/cpu_kernels.cpp
     python scripts/bench_attention.py --prefill 4x8@512 --min-long-run 2 1000000000
 """
 
@@ -34,7 +36,7 @@ from pathlib import Path
 
 import torch
 
-from fluidserve.kernels import build_error, cpu_ops, variant_ops
+from fluidserve.kernels import build_error, cpu_ops, variant_label, variant_ops
 from fluidserve.model.attention import min_long_run
 
 H, HKV, D, BS, LAYERS = 16, 4, 64, 16, 16
@@ -88,7 +90,7 @@ def main() -> None:
         raise SystemExit(f"no compiled kernels: {build_error(args.march)}")
     kernels = {"kernel": ops}
     for i, path in enumerate(args.against):
-        label = "variant" if len(args.against) == 1 else path.stem
+        label = "variant" if len(args.against) == 1 else variant_label(path)
         if label in kernels:
             raise SystemExit(f"--against: two variants named {label!r}")
         kernels[label] = variant_ops(path, i, args.march)

@@ -8,12 +8,13 @@ a few rounds, the weight bytes read per second, and the arithmetic rate. Prints 
 With ``--backend tiles`` the stack multiplies on tile copies (``--linear-backend tiles``: AMX
 tiles, AVX-512 or AVX2 panels); ``--backend both`` builds both stacks and alternates them
 round by round, so that the two are compared side by side. ``--against FILE`` builds a
-variant of the kernel source and times its ``tile_linear`` beside the package's, on its own
+variant of the kernels (the main file of an edited copy of ``fluidserve/kernels/csrc``, or
+one self-contained source) and times its ``tile_linear`` beside the package's, on its own
 packed copy of the same weights (outputs compared: ``identical`` in the JSON).
 
     python scripts/bench_linears.py 1 16 32 48 64 128 256
     python scripts/bench_linears.py --backend both 1 40 256 2048
-    python scripts/bench_linears.py --backend tiles --against /tmp/variant.cpp 1 40 2048
+    python scripts/bench_linears.py --backend tiles --against /tmp/csrc/cpu_kernels.cpp 1 40 2048
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from fluidserve.kernels import variant_ops
+from fluidserve.kernels import variant_label, variant_ops
 from fluidserve.model.linear import PackedLinear, packed_linear_supported
 
 SHAPES = ((1024, 1536), (1024, 1024), (1024, 5632), (2816, 1024))  # (in, out) per layer
@@ -79,7 +80,10 @@ def main() -> None:
     stacks = {name: build(name) for name in names}
     for i, path in enumerate(args.against):
         module = variant_ops(path, i)
-        stacks[path.stem] = [VariantLinear(module, linear) for linear in weights()]
+        label = variant_label(path)
+        if label in stacks:
+            raise SystemExit(f"--against: two variants named {label!r}")
+        stacks[label] = [VariantLinear(module, linear) for linear in weights()]
     names = tuple(stacks)
     weight_bytes = LAYERS * sum(i * o for i, o in SHAPES) * 2
     for m in args.rows:

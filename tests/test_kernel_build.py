@@ -9,10 +9,15 @@ from __future__ import annotations
 
 import os
 import shutil
+import subprocess
+import sysconfig
+from pathlib import Path
 
 import pytest
+from torch.utils.cpp_extension import include_paths
 
-from fluidserve.kernels import build_error, cpu_ops
+import fluidserve.kernels as kernels
+from fluidserve.kernels import build_error, cflags, cpu_ops
 
 
 def test_kernels_build_wherever_a_compiler_is_present():
@@ -28,15 +33,6 @@ def test_every_instruction_set_branch_of_the_source_compiles():
     cxx = os.environ.get("CXX", "c++")
     if os.environ.get("FLUIDSERVE_NO_KERNELS") or not shutil.which(cxx):
         pytest.skip("no compiler, or kernels disabled on purpose")
-    import subprocess
-    import sysconfig
-    from pathlib import Path
-
-    from torch.utils.cpp_extension import include_paths
-
-    import fluidserve.kernels as kernels
-    from fluidserve.kernels import cflags
-
     marches = ("sapphirerapids", "x86-64")
     for march in marches:  # a compiler too old to know the CPU cannot check its branch
         known = subprocess.run([cxx, f"-march={march}", "-E", "-x", "c++", "/dev/null"],

@@ -123,3 +123,9 @@ def variant_ops(path: Path, index: int = 0, march: str = "native") -> ModuleType
     return load(name=f"fluidserve_kernel_variant{index}", sources=[str(path)],
                 extra_cflags=cflags(march), extra_ldflags=["-fopenmp", "-lm"],
                 build_directory=str(build), verbose=False)
+
+
+def variant_label(path: Path) -> str:
+    """How benchmarks name a variant: its file name, or for the main file of a copied
+    ``csrc/`` directory, the directory's name."""
+    return path.parent.name if path.name == _MAIN else path.stem

@@ -125,7 +125,8 @@ template <typename T, int BS>
 void attend_decode(const WorkItem& w, const Batch& b, const T* q, T* out, const T* k_cache,
                    const T* v_cache, std::vector<float>& scores) {
   constexpr int NV = BS / 16;
-  // The inner loops on AVX2 registers (above); head_dim is a multiple of 16 (native_supported).
+  // The inner loops on AVX2 registers (decode_avx2.h); head_dim is a multiple of 16
+  // (native_supported).
   constexpr bool kAvx2Item = kDecodeAvx2 && std::is_same_v<T, c10::BFloat16> && BS == 16;
   const int G = b.H / b.Hkv, D = b.D;
   const int R = w.heads, h0 = w.head0, kv0 = h0 / G, nkv = R / G;

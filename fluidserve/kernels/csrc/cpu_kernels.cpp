@@ -127,7 +127,7 @@ void long_run_attention(at::Tensor& out, const at::Tensor& q, const at::Tensor& 
 // values (k, v: [T, Hkv, D]) into their cache slots, then fills out[T, H, D] with every
 // query's causal attention over its request's paged context. Runs of at least
 // ``min_long_run`` tokens take the prefill kernel (bf16 on AMX or AVX2) or else ATen's flash
-// attention; all others this file's kernel.
+// attention; all others the per-token items (attention.h).
 void paged_attention(at::Tensor out, const at::Tensor& q, const at::Tensor& k,
                      const at::Tensor& v, at::Tensor k_cache, at::Tensor v_cache,
                      const at::Tensor& slots, const at::Tensor& cu_q, const at::Tensor& ctx_lens,

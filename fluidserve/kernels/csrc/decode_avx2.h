@@ -7,12 +7,12 @@ namespace {
 #ifdef FLUIDSERVE_AVX2_LANES
 // ---------------------------------- decode attention's inner loops with AVX2 (bf16, 16-key blocks)
 //
-// Without AVX-512 GCC has no register mode for the 16-lane vectors above: it keeps every
-// v16f in memory and converts bf16 piece by piece through the stack, which made the decode
-// item below a third of a batch-40 decode step on a 2-core EPYC (Zen 3). Its score, softmax
-// and value loops have versions on named __m256 registers for bf16 caches with 16-key
-// blocks: a key block row (16 keys, transposed) is two 8-key halves, a value row chunk of
-// 16 channels two halves, and up to four query rows of a kv head share every load.
+// Without AVX-512 GCC has no register mode for the 16-lane vectors of common.h: it keeps
+// every v16f in memory and converts bf16 piece by piece through the stack, which made the
+// decode item (attention.h) a third of a batch-40 decode step on a 2-core EPYC (Zen 3). Its
+// score, softmax and value loops have versions on named __m256 registers for bf16 caches
+// with 16-key blocks: a key block row (16 keys, transposed) is two 8-key halves, a value row
+// chunk of 16 channels two halves, and up to four query rows of a kv head share every load.
 // Eight (sixteen) bf16 values widened to float32: each is the top half of its float.
 inline __m256 bf16x8(const c10::BFloat16* p) {
   const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));

@@ -7,9 +7,9 @@ namespace {
 // What the two prefill attention kernels (amx.h, panel_attention.h) share: the switch, the
 // exponential of their softmax, and how a long run is cut into work items.
 //
-// Whether long runs may take this file's prefill kernel (AMX tiles, or the panels below)
-// where it is built: off with FLUIDSERVE_NO_PREFILL_KERNEL set, and then ATen's flash
-// attention takes them.
+// Whether long runs may take the prefill kernel (amx.h, or panel_attention.h) where it is
+// built: off with FLUIDSERVE_NO_PREFILL_KERNEL set, and then ATen's flash attention takes
+// them.
 bool g_prefill_kernel = std::getenv("FLUIDSERVE_NO_PREFILL_KERNEL") == nullptr;
 
 // 2^f for |f| <= 1/2 as a degree-4 polynomial, highest power first (relative error < 5e-5,

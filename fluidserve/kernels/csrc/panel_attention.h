@@ -11,7 +11,7 @@ namespace {
 // ---------------------------------- prefill attention on the panels (AVX2 or AVX-512, no AMX)
 //
 // A long run (a prefill chunk) attends to its paged context flash-attention style, both
-// products on the panel kernel above, transposed as on the AMX tiles: S^T = K Q^T and
+// products on the panel kernel (panel_linear.h), transposed as on the AMX tiles: S^T = K Q^T and
 // O^T += V^T P^T, so that one row of S^T (of O^T) is one key (one channel) for kLongQ =
 // kPanelCols queries in two registers (Lanes below: 8 lanes with AVX2, 16 with AVX-512), and
 // the online softmax runs down those registers with no horizontal reductions. Q^T and P^T are

@@ -29,11 +29,11 @@ bool kernel_long_runs(const Batch&, int64_t, int, const std::vector<uint8_t>&, c
 }
 constexpr int64_t kTileMaxRows = 0;
 at::Tensor tile_pack(const at::Tensor&) {
-  TORCH_CHECK(false, "tile_pack: this build has no AMX");
+  TORCH_CHECK(false, "tile_pack: this build has no tile kernel (neither AMX nor AVX2)");
 }
 void tile_linear_into(const at::Tensor&, const at::Tensor&, int64_t,
                       const std::optional<at::Tensor>&, at::Tensor&) {
-  TORCH_CHECK(false, "tile_linear: this build has no AMX");
+  TORCH_CHECK(false, "tile_linear: this build has no tile kernel (neither AMX nor AVX2)");
 }
 bool tile_linear_supported() { return false; }
 const char* kTileKind = "";

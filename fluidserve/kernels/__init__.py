@@ -83,8 +83,6 @@ def _build_cpu(march: str) -> ModuleType | None:
         _errors[march] = "disabled by FLUIDSERVE_NO_KERNELS"
         return None
     try:
-        from torch.utils.cpp_extension import load
-
         srcdir = Path(str(resources.files("fluidserve.kernels").joinpath("csrc")))
         main = srcdir / _MAIN
         key = _build_key(sorted(p for p in srcdir.iterdir() if p.suffix in (".cpp", ".h")), march)
@@ -93,14 +91,7 @@ def _build_cpu(march: str) -> ModuleType | None:
         if not (build_dir / f"fluidserve_cpu_{key}.so").exists():
             log.info("compiling fluidserve CPU kernels (-march=%s) into %s (once per machine)",
                      march, build_dir)
-        return load(
-            name=f"fluidserve_cpu_{key}",
-            sources=[str(main)],
-            extra_cflags=cflags(march),
-            extra_ldflags=["-fopenmp", "-lm"],
-            build_directory=str(build_dir),
-            verbose=False,
-        )
+        return _load(f"fluidserve_cpu_{key}", main, build_dir, march)
     except Exception as e:  # no compiler, missing headers, a failed build: use eager code
         lines = str(e).strip().splitlines() or [""]
         first = next((ln for ln in lines if "error:" in ln), lines[-1])  # the compiler's own
@@ -117,12 +108,18 @@ def variant_ops(path: Path, index: int = 0, march: str = "native") -> ModuleType
     are found beside it), or one self-contained source file. Raises on a failed build."""
     import tempfile
 
+    build = Path(tempfile.mkdtemp(prefix="fluidserve-kernel-variant-"))
+    return _load(f"fluidserve_kernel_variant{index}", path, build, march)
+
+
+def _load(name: str, main: Path, build_dir: Path, march: str) -> ModuleType:
+    """Compile ``main`` (one translation unit) for ``-march=MARCH`` into ``build_dir`` and
+    import it as module ``name``."""
     from torch.utils.cpp_extension import load
 
-    build = Path(tempfile.mkdtemp(prefix="fluidserve-kernel-variant-"))
-    return load(name=f"fluidserve_kernel_variant{index}", sources=[str(path)],
-                extra_cflags=cflags(march), extra_ldflags=["-fopenmp", "-lm"],
-                build_directory=str(build), verbose=False)
+    return load(name=name, sources=[str(main)], extra_cflags=cflags(march),
+                extra_ldflags=["-fopenmp", "-lm"], build_directory=str(build_dir),
+                verbose=False)
 
 
 def variant_label(path: Path) -> str:

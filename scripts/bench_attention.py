@@ -12,17 +12,18 @@ engine's does (one cache reused would sit in the CPU's caches and flatter the ke
 For each: the median time of the sixteen layers and, for decode, the KV bytes read per
 second. ``--against FILE`` builds a second variant of the kernels (the main file of an edited
 copy of ``fluidserve/kernels/csrc``, or one self-contained source) and times both in the same
-rounds, interleaved, with the largest difference of their outputs (several files: each its
-own variant, labelled by its directory's or file's name): how a kernel change is judged on a machine
-whose speed drifts by more than the change. ``--march`` builds them all for another
-instruction set (``x86-64-v3``: the AVX2 paths). ``--min-long-run`` times the kernel at
-several thresholds of the prefill path the same way (default: the engine's for bf16 here).
+rounds, interleaved, with the largest difference of their outputs (``--against`` repeated:
+each file its own variant, labelled by its directory's or file's name): how a kernel change
+is judged on a machine whose speed drifts by more than the change. ``--march`` builds them
+all for another instruction set (``x86-64-v3``: the AVX2 paths). ``--min-long-run`` times the
+kernel at several thresholds of the prefill path the same way (default: the engine's for bf16
+here).
 Prints JSON lines.
 
     python scripts/bench_attention.py
     python scripts/bench_attention.py --against /tmp/variant/cpu_kernels.cpp --threads 2
     python scripts/bench_attention.py --march x86-64-v3 --against /tmp/a/cpu_kernels.cpp \
-        /tmp/b/cpu_kernels.cpp
+        --against /tmp/b/cpu_kernels.cpp
     python scripts/bench_attention.py --prefill 4x8@512 --min-long-run 2 1000000000
 """
 
@@ -77,8 +78,8 @@ def main() -> None:
                     help="runs x tokens[@cached context] (default 8x256)")
     ap.add_argument("--threads", type=int, nargs="*", default=[2, 1])
     ap.add_argument("--rounds", type=int, default=9)
-    ap.add_argument("--against", type=Path, nargs="+", default=[],
-                    help="variants of the kernel source to time beside it")
+    ap.add_argument("--against", type=Path, action="append", default=[], metavar="FILE",
+                    help="a variant of the kernel source to time beside it; repeat for several")
     ap.add_argument("--march", default="native",
                     help="build the kernel and its variants for this -march (x86-64-v3: the"
                     " AVX2 paths on a CPU that has wider ones)")

@@ -10,7 +10,8 @@ tiles, AVX-512 or AVX2 panels); ``--backend both`` builds both stacks and altern
 round by round, so that the two are compared side by side. ``--against FILE`` builds a
 variant of the kernels (the main file of an edited copy of ``fluidserve/kernels/csrc``, or
 one self-contained source) and times its ``tile_linear`` beside the package's, on its own
-packed copy of the same weights (outputs compared: ``identical`` in the JSON).
+packed copy of the same weights (outputs compared: ``identical`` in the JSON); repeat it for
+several variants.
 
     python scripts/bench_linears.py 1 16 32 48 64 128 256
     python scripts/bench_linears.py --backend both 1 40 256 2048
@@ -68,9 +69,9 @@ def main() -> None:
     ap.add_argument("--backend", choices=("packed", "tiles", "both"), default="packed",
                     help="packed: oneDNN (bf16 widened to float32 where the CPU has no bf16"
                     " kernels); tiles: the compiled kernels' tile_linear; both: side by side.")
-    ap.add_argument("--against", type=Path, nargs="+", default=[],
-                    help="variants of the kernel source whose tile_linear to time beside the"
-                    " package's (with --backend tiles)")
+    ap.add_argument("--against", type=Path, action="append", default=[], metavar="FILE",
+                    help="a variant of the kernel source whose tile_linear to time beside the"
+                    " package's (with --backend tiles); repeat for several")
     args = ap.parse_args()
     if not packed_linear_supported(torch.bfloat16, torch.device("cpu")):
         raise SystemExit("this CPU/PyTorch has no oneDNN linear")

@@ -49,3 +49,9 @@ def test_every_instruction_set_branch_of_the_source_compiles():
     for march, p in procs.items():
         out, _ = p.communicate(timeout=600)
         assert p.returncode == 0, f"-march={march}:\n{out[-3000:]}"
+
+
+def test_a_benchmark_variant_that_is_not_there_is_named_before_any_build(tmp_path):
+    missing = tmp_path / "csrc" / "cpu_kernels.cpp"
+    with pytest.raises(FileNotFoundError, match=r"kernel variant .*cpu_kernels.cpp: no such"):
+        kernels.variant_ops(missing)

@@ -108,6 +108,9 @@ def variant_ops(path: Path, index: int = 0, march: str = "native") -> ModuleType
     are found beside it), or one self-contained source file. Raises on a failed build."""
     import tempfile
 
+    if not Path(path).is_file():
+        raise FileNotFoundError(f"kernel variant {path}: no such file (the main file of an"
+                                " edited copy of fluidserve/kernels/csrc, or one source)")
     build = Path(tempfile.mkdtemp(prefix="fluidserve-kernel-variant-"))
     return _load(f"fluidserve_kernel_variant{index}", path, build, march)
 

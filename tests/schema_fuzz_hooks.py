@@ -1,15 +1,18 @@
 """Schemathesis hooks for the schema fuzz run (loaded with SCHEMATHESIS_HOOKS).
 
-One rule of the API cannot be written in JSON Schema: the prompt, once tokenized, plus
-max_tokens must fit the context window. A schema-valid request that breaks it gets 400 with
-code ``context_length_exceeded`` (documented on the route). ``positive_data_acceptance`` is run
-as is for every other response; for that one answer it is replaced by checking that the error
-really is that one, and nothing else.
+Two rules of the API cannot be written in JSON Schema. The prompt, once tokenized, plus
+max_tokens must fit the context window: a schema-valid request that breaks it gets 400 with
+code ``context_length_exceeded``. And min_tokens may not exceed the max_tokens in force, the
+one given or its default (16 for completions; for chat, what the window leaves after the
+prompt): above it, 400 with param ``min_tokens`` naming both. Both are documented on the
+route. ``positive_data_acceptance`` is run as is for every other response; for those two
+answers it is replaced by checking that the error really is that one, and nothing else.
 """
 
 from __future__ import annotations
 
 import json
+import re
 
 import schemathesis
 from schemathesis.specs.openapi.checks import positive_data_acceptance
@@ -17,15 +20,41 @@ from schemathesis.specs.openapi.checks import positive_data_acceptance
 CONTEXT_LENGTH_EXCEEDED = "context_length_exceeded"
 
 
-def _error_code(response) -> str | None:
+COMPLETIONS_DEFAULT_MAX_TOKENS = 16
+
+
+def _error(response) -> dict:
     try:
-        return json.loads(response.content)["error"]["code"]
+        error = json.loads(response.content)["error"]
     except (ValueError, KeyError, TypeError):
-        return None
+        return {}
+    return error if isinstance(error, dict) else {}
+
+
+def _min_tokens_above_max_tokens(error: dict, case) -> bool:
+    """The error is the min_tokens one, and the request's own fields bear it out: its
+    min_tokens above the max_tokens the message names, which is the one given if any. (JSON
+    Schema integers include 308.0, which the server takes as 308.)"""
+    body = case.body if isinstance(case.body, dict) else {}
+    named = re.search(r"which is (\d+)", str(error.get("message", "")))
+    asked = body.get("min_tokens")
+    if (error.get("param") != "min_tokens" or named is None or isinstance(asked, bool)
+            or not isinstance(asked, (int, float))):
+        return False
+    in_force = int(named.group(1))
+    chat = case.path.endswith("/chat/completions")
+    given = body.get("max_completion_tokens") if chat else None
+    given = body.get("max_tokens") if given is None else given
+    if given is not None:
+        return in_force == given and asked > given
+    return asked > in_force and (chat or in_force <= COMPLETIONS_DEFAULT_MAX_TOKENS)
 
 
 @schemathesis.check
-def positive_data_acceptance_but_context_window(ctx, response, case):
-    if response.status_code == 400 and _error_code(response) == CONTEXT_LENGTH_EXCEEDED:
-        return None
+def positive_data_acceptance_but_unwritable_rules(ctx, response, case):
+    if response.status_code == 400:
+        error = _error(response)
+        if error.get("code") == CONTEXT_LENGTH_EXCEEDED or _min_tokens_above_max_tokens(
+                error, case):
+            return None
     return positive_data_acceptance(ctx, response, case)

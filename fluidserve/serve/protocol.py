@@ -113,7 +113,10 @@ class _Common(BaseModel):
     top_p: Annotated[float, Field(gt=0.0, le=1.0)] | None = None
     top_k: Int(ge=-1, le=0) | Int(ge=1, le=INT32_MAX) | None = Field(
         None, description="-1 or 0 (as in vLLM): every token.")
-    min_tokens: Int(ge=0, le=INT64_MAX) = 0
+    min_tokens: Int(ge=0, le=INT64_MAX) = Field(
+        0, description="At most the max_tokens in force: the one given, else the default (16"
+        " for completions; for chat, what the context window leaves after the prompt). Above"
+        " it, 400 with param min_tokens.")
     seed: Int64 | None = None
     stop: StopString | Annotated[list[StopString], Field(max_length=MAX_STOP)] | None = None
     stop_token_ids: list[Int64] | None = None

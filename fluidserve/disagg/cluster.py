@@ -34,54 +34,14 @@ from typing import Protocol
 from fluidserve.config import EngineConfig
 from fluidserve.core.block_manager import BlockManager
 from fluidserve.core.scheduler.base import RequestRejected, Scheduler, SchedulerLimits
-from fluidserve.core.scheduler.disagg import (
-    DecodeOnlyScheduler,
-    PrefillOnlyScheduler,
-    kv_tokens,
-)
-from fluidserve.disagg.dispatch import DecodeLoad, Dispatcher
+from fluidserve.core.scheduler.disagg import ROLES, role_scheduler_factory
+from fluidserve.disagg.dispatch import DecodeLoad, Dispatcher, pick_decode
 from fluidserve.disagg.flip import FlipPolicy
-from fluidserve.disagg.predictor import make_predictor
+from fluidserve.disagg.predictor import make_predictor, predict_length
 from fluidserve.engine.core import EngineCore, Executor, VirtualClock
 from fluidserve.engine.messages import AddRequest
 from fluidserve.engine.telemetry import Telemetry
 from fluidserve.request import Request, RequestStatus
-
-ROLES = ("prefill", "decode")
-
-
-def role_scheduler_factory(config: EngineConfig, role: str
-                           ) -> Callable[[SchedulerLimits, BlockManager], Scheduler]:
-    """The scheduler of an engine core in ``role``, from the engine's limits: fixed-size
-    prefill chunks from the local queue, or continuous decode batches under the admission
-    policy (its budget: the engine's, at least ``max_num_seqs``)."""
-    if role not in ROLES:
-        raise ValueError(f"unknown instance role {role!r}; choose from {', '.join(ROLES)}")
-    d, sc = config.disagg, config.scheduler
-
-    def make(limits: SchedulerLimits, bm: BlockManager) -> Scheduler:
-        if role == "prefill":
-            lim = dataclasses.replace(limits, token_budget=d.prefill_chunk_size,
-                                      queue_policy=d.prefill_policy,
-                                      queue_window=d.prefill_sched_batch)
-            return PrefillOnlyScheduler(lim, bm)
-        budget = sc.token_budget if isinstance(sc.token_budget, int) else 512
-        lim = dataclasses.replace(limits, token_budget=max(budget, limits.max_num_seqs))
-        return DecodeOnlyScheduler(lim, bm, d.decode_admission, d.heavy_decode_threshold)
-    return make
-
-
-def predict_length(predictor, req: Request, true_len: int) -> int:
-    """The predicted final output length; a request never outgrows its ``max_tokens``."""
-    return min(predictor.predict(req.request_id, req.prompt_token_ids, true_len),
-               req.params.max_tokens)
-
-
-def pick_decode(dispatcher: Dispatcher, bm: BlockManager, req: Request, predicted: int,
-                heavy_threshold: int) -> int | None:
-    """The decode instance a prefilled request goes to (None: none can take it yet)."""
-    need = bm.blocks_for(req.num_prompt_tokens + max(predicted, 1))
-    return dispatcher.pick(need, bm.blocks_for(kv_tokens(req)), predicted > heavy_threshold)
 
 
 class KVMover(Protocol):

@@ -23,6 +23,9 @@ import random
 from dataclasses import dataclass, replace
 
 from fluidserve.config import DISPATCHERS
+from fluidserve.core.block_manager import BlockManager
+from fluidserve.core.scheduler.disagg import kv_tokens
+from fluidserve.request import Request
 
 
 @dataclass(frozen=True)
@@ -83,3 +86,10 @@ class Dispatcher:
             choice, free_blocks=choice.free_blocks - need_blocks,
             heavy=choice.heavy + heavy, light=choice.light + (not heavy))
         return choice.instance
+
+
+def pick_decode(dispatcher: Dispatcher, bm: BlockManager, req: Request, predicted: int,
+                heavy_threshold: int) -> int | None:
+    """The decode instance a prefilled request goes to (None: none can take it yet)."""
+    need = bm.blocks_for(req.num_prompt_tokens + max(predicted, 1))
+    return dispatcher.pick(need, bm.blocks_for(kv_tokens(req)), predicted > heavy_threshold)

@@ -16,7 +16,7 @@ import logging
 from dataclasses import dataclass
 
 from fluidserve.config import EngineConfig
-from fluidserve.disagg.cluster import role_scheduler_factory
+from fluidserve.core.scheduler.disagg import role_scheduler_factory
 from fluidserve.disagg.decode_role import DecodeRole
 from fluidserve.disagg.messages import SetRole
 from fluidserve.disagg.prefill_role import PrefillRole

@@ -18,6 +18,7 @@ import random
 from collections.abc import Sequence
 
 from fluidserve.config import LENGTH_PREDICTORS
+from fluidserve.request import Request
 
 PAPER_ACCURACY = 0.749
 
@@ -78,3 +79,9 @@ def make_predictor(name: str, granularity: int = 200, accuracy: float = PAPER_AC
         return NoisyPredictor(granularity, accuracy, seed)
     raise ValueError(f"unknown length predictor {name!r};"
                      f" choose from {', '.join(LENGTH_PREDICTORS)}")
+
+
+def predict_length(predictor, req: Request, true_len: int) -> int:
+    """The predicted final output length; a request never outgrows its ``max_tokens``."""
+    return min(predictor.predict(req.request_id, req.prompt_token_ids, true_len),
+               req.params.max_tokens)

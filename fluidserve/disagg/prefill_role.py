@@ -19,8 +19,7 @@ from dataclasses import dataclass
 import torch
 
 from fluidserve.config import EngineConfig
-from fluidserve.disagg.cluster import pick_decode, predict_length
-from fluidserve.disagg.dispatch import Dispatcher
+from fluidserve.disagg.dispatch import Dispatcher, pick_decode
 from fluidserve.disagg.messages import (
     DecodeLoads,
     Handoff,
@@ -30,7 +29,7 @@ from fluidserve.disagg.messages import (
     ReleaseKV,
     SendKV,
 )
-from fluidserve.disagg.predictor import make_predictor
+from fluidserve.disagg.predictor import make_predictor, predict_length
 from fluidserve.disagg.role import TRANSFER_POLL_S, Role
 from fluidserve.disagg.transfer import (
     Transfer,

@@ -21,14 +21,20 @@ Admission policies (TetriInfer section 3.4), with lengths from the length predic
 - ``reserve_static``: admit only if the free blocks hold its predicted final length;
 - ``reserve_dynamic``: admit only if the free blocks, less what the running requests are
   predicted to still need, hold its predicted final length.
+
+``role_scheduler_factory`` builds either from the engine's configuration, for the in-process
+cluster (``fluidserve.disagg.cluster``) and the served instances (``fluidserve.disagg.instance``)
+alike.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 
-from fluidserve.config import DECODE_ADMISSIONS
+from fluidserve.config import DECODE_ADMISSIONS, EngineConfig
 from fluidserve.core.block_manager import BlockManager
 from fluidserve.core.scheduler.base import Batch, Scheduler, SchedulerLimits
 from fluidserve.core.scheduler.output import RunnerOutput, SchedulerOutput
@@ -245,3 +251,26 @@ class DecodeOnlyScheduler(Scheduler):
         queued = sum(self.bm.blocks_for(kv_tokens(i.req)) for i in self.incoming)
         return self.bm.num_free_blocks - queued
 
+
+ROLES = ("prefill", "decode")
+
+
+def role_scheduler_factory(config: EngineConfig, role: str
+                           ) -> Callable[[SchedulerLimits, BlockManager], Scheduler]:
+    """The scheduler of an engine core in ``role``, from the engine's limits: fixed-size
+    prefill chunks from the local queue, or continuous decode batches under the admission
+    policy (its budget: the engine's, at least ``max_num_seqs``)."""
+    if role not in ROLES:
+        raise ValueError(f"unknown instance role {role!r}; choose from {', '.join(ROLES)}")
+    d, sc = config.disagg, config.scheduler
+
+    def make(limits: SchedulerLimits, bm: BlockManager) -> Scheduler:
+        if role == "prefill":
+            lim = dataclasses.replace(limits, token_budget=d.prefill_chunk_size,
+                                      queue_policy=d.prefill_policy,
+                                      queue_window=d.prefill_sched_batch)
+            return PrefillOnlyScheduler(lim, bm)
+        budget = sc.token_budget if isinstance(sc.token_budget, int) else 512
+        lim = dataclasses.replace(limits, token_budget=max(budget, limits.max_num_seqs))
+        return DecodeOnlyScheduler(lim, bm, d.decode_admission, d.heavy_decode_threshold)
+    return make

@@ -452,8 +452,10 @@ class BenchConfig:
         None, "CSV with num_prefill_tokens,num_decode_tokens[,arrived_at]."
     )
     num_prompts: int = knob(100, "Requests to send.")
-    input_len: int | None = knob(None, "Fixed prompt length (implies --dataset-name fixed).")
-    output_len: int | None = knob(None, "Fixed output length (implies --dataset-name fixed).")
+    input_len: int | None = knob(None, "Prompt length: the mean with --dataset-name uniform,"
+                                 " else a fixed length (implies --dataset-name fixed).")
+    output_len: int | None = knob(None, "Output length: the mean with --dataset-name uniform,"
+                                  " else a fixed length (implies --dataset-name fixed).")
     range_ratio: float = knob(0.5, "uniform: lengths in [(1-r)L, (1+r)L].")
     prompt_scale: float = knob(1.0, "Multiply trace prompt lengths by this.")
     output_scale: float = knob(1.0, "Multiply trace output lengths by this.")
@@ -467,16 +469,21 @@ class BenchConfig:
     seed: int = knob(0, "Workload seed: same seed, same workload.")
     ignore_eos: bool = knob(True, "Ask the server to ignore EOS so outputs have exact lengths.")
     temperature: float = knob(0.0, "Sampling temperature sent with each request.")
-    ttft_deadline: float = knob(5.0, "Etalon D_p: target TTFT (s) for the fluidity-index.")
-    tbt_deadline: float = knob(0.2, "Etalon D_d: target time between tokens (s).")
+    ttft_deadline: float = knob(
+        5.0, "Etalon D_p: target TTFT (s) for the fluidity-index, the same for every prompt"
+        " (see --profile-prefill)."
+    )
+    tbt_deadline: float = knob(0.2, "Etalon D_d: target time between tokens (s) for the"
+                               " fluidity-index (and --slo fluidity).")
     profile_prefill: bool = knob(
-        False, "Fit D_p(prompt length) from a prefill profile of the endpoint, not a constant."
+        False, "Etalon's D_p(prompt length) = the endpoint's isolated prefill time at that"
+        " length (a fit of measured TTFTs) + --ttft-slack, instead of --ttft-deadline."
     )
-    ttft_deadline_factor: float = knob(
-        2.0, "With --profile-prefill: D_p = factor x fitted prefill time."
-    )
+    ttft_slack: float = knob(0.3, "With --profile-prefill: slack (s) added to the fitted"
+                             " prefill time to make D_p.")
     warmup_requests: int = knob(2, "Requests sent (and excluded) before the measured run.")
-    timeout: float = knob(600.0, "Per-request timeout (s).")
+    timeout: float = knob(600.0, "Per-request timeout (s): from sending a request to its"
+                          " stream's end, whatever arrives in between.")
     output_dir: str | None = knob(None, "Run directory (default: runs/bench-<time>).")
     plots: bool = knob(True, "Write PNG plots.")
     label: str | None = knob(None, "Name of this run in comparisons.")
@@ -489,13 +496,16 @@ class BenchConfig:
         _positive("num_prompts", self.num_prompts)
         if self.max_concurrency is not None:
             _positive("max_concurrency", self.max_concurrency)
-        for name in ("ttft_deadline", "tbt_deadline", "timeout", "ttft_deadline_factor",
-                     "burstiness"):
+        for name in ("ttft_deadline", "tbt_deadline", "timeout", "burstiness"):
             if not getattr(self, name) > 0:
                 raise ConfigError(f"{name} must be > 0, got {getattr(self, name)}")
+        if not self.ttft_slack >= 0:
+            raise ConfigError(f"ttft_slack must be >= 0, got {self.ttft_slack}")
 
 
 SLO_KINDS = ("tbt", "fluidity", "ttft", "tpot")
+DELAY_METRICS = ("auto", "scheduling", "ttft")
+SLO_PERCENTILES = (50.0, 90.0, 99.0)
 
 
 @dataclass(frozen=True)
@@ -503,14 +513,28 @@ class CapacityConfig:
     """SLO and search knobs of `fluidserve capacity` (the workload comes from BenchConfig)."""
 
     slo: str = knob("tbt", "tbt: P99 TBT + median scheduling delay; fluidity: 99% of requests"
-                    " with fluidity-index >= 0.9; ttft / tpot: a percentile under a bound.",
-                    choices=SLO_KINDS)
+                    " with fluidity-index >= 0.9 (at --ttft-deadline / --profile-prefill and"
+                    " --tbt-deadline); ttft / tpot: a percentile under a bound. Every kind also"
+                    " requires that no request failed.", choices=SLO_KINDS)
     tbt_slo: float = knob(0.5, "P99 TBT bound (s) for --slo tbt.")
     max_scheduling_delay: float = knob(2.0, "Median scheduling-delay bound (s) for --slo tbt.")
+    delay_metric: str = knob(
+        "auto", "What --max-scheduling-delay bounds: scheduling (the delay the server reports"
+        " in its stream's metrics; an error if it reports none), ttft (the time to first"
+        " token, which any endpoint gives: use it to judge different engines alike), or auto"
+        " (scheduling where reported, else ttft; the run records which).",
+        choices=DELAY_METRICS)
     ttft_slo: float = knob(2.0, "TTFT bound (s) for --slo ttft.")
     tpot_slo: float = knob(0.2, "TPOT bound (s) for --slo tpot.")
-    slo_percentile: float = knob(99.0, "Percentile for --slo ttft / tpot.")
+    slo_percentile: float = knob(99.0, "Percentile for --slo ttft / tpot.",
+                                 choices=SLO_PERCENTILES)
     start_rate: float = knob(1.0, "First request rate probed (req/s).")
+    min_rate: float | None = knob(
+        None, "Lowest rate probed when the SLO fails at --start-rate (default: --start-rate /"
+        " 16; none in the simulator, whose probes cost no wall time); below it the search"
+        " stops and reports no capacity (a served probe sends the whole workload, so it lasts"
+        " about --num-prompts / rate seconds)."
+    )
     granularity: float = knob(0.025, "Stop when (high - low) / low is below this.")
     max_probes: int = knob(20, "Stop after this many probes per variant.")
     server_startup_timeout: float = knob(300.0, "Seconds to wait for a launched server.")
@@ -520,11 +544,22 @@ class CapacityConfig:
             raise ConfigError(f"slo must be one of {SLO_KINDS}")
         if not 0 < self.granularity < 1:
             raise ConfigError("granularity must be in (0, 1)")
+        if self.delay_metric not in DELAY_METRICS:
+            raise ConfigError(f"delay_metric must be one of {DELAY_METRICS}")
         if not self.start_rate > 0:
             raise ConfigError("start_rate must be > 0")
+        if self.min_rate is not None and not 0 < self.min_rate <= self.start_rate:
+            raise ConfigError(f"min_rate must be in (0, start_rate = {self.start_rate:g}],"
+                              f" got {self.min_rate:g}")
         _positive("max_probes", self.max_probes)
-        if not 0 < self.slo_percentile <= 100:
-            raise ConfigError("slo_percentile must be in (0, 100]")
+        if self.slo_percentile not in SLO_PERCENTILES:
+            raise ConfigError(f"slo_percentile must be one of {SLO_PERCENTILES} (the"
+                              f" percentiles a run's summary carries), got"
+                              f" {self.slo_percentile:g}")
+
+    @property
+    def lowest_rate(self) -> float:
+        return self.start_rate / 16 if self.min_rate is None else self.min_rate
 
 
 @dataclass(frozen=True)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 
+import numpy as np
 import pytest
 
 from fluidserve.cli import main
@@ -30,7 +31,7 @@ def test_bench_writes_every_output(srv, tmp_path, capsys, endpoint):
     out = tmp_path / "run"
     rc = main(["bench", "--base-url", srv.url, "--tokenizer", srv.tokenizer,
                "--endpoint", endpoint, "--num-prompts", "12",
-               "--dataset-name", "uniform", "--input-len", "40", "--output-len", "9",
+               "--dataset-name", "fixed", "--input-len", "40", "--output-len", "9",
                "--request-rate", "30", "--seed", "3", "--output-dir", str(out),
                "--tbt-deadline", "0.5"])
     assert rc == 0
@@ -56,12 +57,20 @@ def test_bench_writes_every_output(srv, tmp_path, capsys, endpoint):
 
 def test_bench_profile_prefill_and_compare(srv, tmp_path, capsys):
     common = ["bench", "--base-url", srv.url, "--tokenizer", srv.tokenizer,
-              "--num-prompts", "6", "--input-len", "30",
-              "--output-len", "5", "--no-plots"]
+              "--num-prompts", "6", "--dataset-name", "uniform", "--input-len", "100",
+              "--range-ratio", "0.8", "--output-len", "5", "--no-plots"]
     assert main([*common, "--output-dir", str(tmp_path / "a"), "--profile-prefill",
-                 "--max-prompt-len", "200"]) == 0
+                 "--ttft-slack", "0.25", "--max-prompt-len", "200"]) == 0
     a = last_json(capsys)
-    assert len(a["prefill_fit"]) == 3 and a["ttft_deadline_s"] is None
+    fit = a["prefill_fit"]
+    assert len(fit["coeffs"]) == 3 and a["ttft_deadline_s"] is None and a["ttft_slack_s"] == 0.25
+    # Etalon's D_p: each prompt's own fitted prefill time plus the slack.
+    records = [json.loads(x) for x in (tmp_path / "a" / "requests.jsonl").read_text()
+               .splitlines()]
+    assert len({r["prompt_len"] for r in records}) > 1
+    for r in records:
+        prefill = max(float(np.polyval(fit["coeffs"], r["prompt_len"])), fit["floor_s"])
+        assert r["ttft_deadline"] == pytest.approx(prefill + 0.25)
     assert main([*common, "--output-dir", str(tmp_path / "b"), "--request-rate", "5"]) == 0
     capsys.readouterr()
     assert main(["bench", "--compare", str(tmp_path / "a"), str(tmp_path / "b")]) == 0
@@ -93,6 +102,23 @@ def test_capacity_against_a_running_endpoint(srv, tmp_path, capsys):
     # A rerun answers from the probe cache (no new run directories are needed).
     assert main(args) == 0
     assert last_json(capsys)["capacity_qps"] == 4.0
+
+
+def test_capacity_that_no_rate_meets(srv, tmp_path, capsys):
+    # A 1 us TTFT bound fails at every rate: the search halves down to --min-rate and stops
+    # there; and each probe scored fluidity with the endpoint's prefill profile.
+    assert main(["capacity", "--base-url", srv.url, "--tokenizer", srv.tokenizer,
+                 "--num-prompts", "3", "--input-len", "20", "--output-len", "3",
+                 "--slo", "ttft", "--ttft-slo", "0.000001", "--profile-prefill",
+                 "--start-rate", "4", "--min-rate", "2", "--no-plots", "--output-dir",
+                 str(tmp_path), "--warmup-requests", "0"]) == 0
+    res = last_json(capsys)["variants"]["endpoint"]
+    assert res["capacity_qps"] == 0.0 and res["below_min_rate"] and res["num_probes"] == 2
+    for rate in ("4", "2"):
+        summary = json.loads((tmp_path / "endpoint" / f"rate-{rate}" / "summary.json")
+                             .read_text())
+        assert summary["prefill_fit"] is not None and summary["ttft_slack_s"] == 0.3
+        assert summary["ttft_deadline_s"] is None
 
 
 def test_bench_counts_prompts_with_the_served_models_tokenizer(srv, tmp_path, capsys):

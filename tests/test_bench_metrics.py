@@ -10,7 +10,7 @@ import httpx
 import numpy as np
 import pytest
 
-from fluidserve.bench.capacity import search_capacity, slo_check
+from fluidserve.bench.capacity import delay_stats, search_capacity, slo_check
 from fluidserve.bench.client import Client, ClientConfig, RequestRecord
 from fluidserve.bench.fluidity import (
     deadline_counts,
@@ -26,7 +26,7 @@ from fluidserve.bench.workload import (
     WorkloadSpec,
     build_workload,
 )
-from fluidserve.config import CapacityConfig
+from fluidserve.config import CapacityConfig, ConfigError
 from fluidserve.metrics import percentile, request_latency
 
 # Deadlines chosen so every number below is exact in binary floating point.
@@ -111,6 +111,26 @@ def test_capacity_search_on_a_monotone_oracle():
     assert capped["capacity_qps"] == 16.0 and capped["upper_bound_qps"] is None
 
 
+def test_the_downward_search_stops_at_the_lowest_rate():
+    # Every probe sends the whole workload, so halving forever would run for days: the
+    # served search stops at --min-rate (start / 16 by default) and says so.
+    calls = []
+    res = search_capacity(lambda r: (calls.append(r), (False, {}))[1], start=1.0,
+                          min_rate=CapacityConfig().lowest_rate)
+    assert calls == [1.0, 0.5, 0.25, 0.125, 0.0625]
+    assert res["capacity_qps"] == 0.0 and res["below_min_rate"] and not res["converged"]
+    calls.clear()
+    uneven = search_capacity(lambda r: (calls.append(r), (False, {}))[1], start=1.0,
+                             min_rate=0.1)
+    assert calls == [1.0, 0.5, 0.25, 0.125, 0.1] and uneven["upper_bound_qps"] == 0.1
+    # A capacity above the floor is found as before, and the floor is not reported.
+    found = search_capacity(lambda r: (r <= 0.2, {}), start=1.0, min_rate=0.0625)
+    assert 0.19 < found["capacity_qps"] <= 0.2 and not found["below_min_rate"]
+    assert CapacityConfig(start_rate=2.0).lowest_rate == 0.125
+    with pytest.raises(ConfigError, match="min_rate"):
+        CapacityConfig(start_rate=1.0, min_rate=2.0)
+
+
 def test_slo_checks():
     s = {"num_completed": 10, "num_failed": 0, "tbt_s": {"p99": 0.09},
          "scheduling_delay_s": {"p50": 1.0}, "ttft_s": {"p50": 3.0, "p99": 4.0},
@@ -122,6 +142,40 @@ def test_slo_checks():
     assert not slo_check(CapacityConfig(slo="ttft", ttft_slo=3.5))(s)[0]
     assert slo_check(CapacityConfig(slo="tpot", tpot_slo=0.06))(s)[0]
     assert not slo_check(CapacityConfig(slo="tpot", tpot_slo=0.06))(s | {"num_failed": 1})[0]
+
+
+def test_the_delay_bound_says_what_it_bounds():
+    s = {"num_completed": 10, "num_failed": 0, "tbt_s": {"p99": 0.09},
+         "scheduling_delay_s": {"p50": 1.0}, "ttft_s": {"p50": 3.0, "p99": 4.0}}
+    # fluidserve reports its scheduling delay (1 s); another engine only its TTFT (3 s).
+    assert delay_stats(CapacityConfig(), s) == ("scheduling", {"p50": 1.0})
+    assert slo_check(CapacityConfig())(s)[0]
+    other = s | {"scheduling_delay_s": None}
+    assert delay_stats(CapacityConfig(), other)[0] == "ttft"
+    assert not slo_check(CapacityConfig())(other)[0]
+    # Judging both engines alike: the TTFT for both.
+    assert not slo_check(CapacityConfig(delay_metric="ttft"))(s)[0]
+    assert slo_check(CapacityConfig(delay_metric="ttft", max_scheduling_delay=3.0))(other)[0]
+    with pytest.raises(ValueError, match="--delay-metric ttft"):
+        slo_check(CapacityConfig(delay_metric="scheduling"))(other)
+
+
+def test_one_token_outputs_bound_no_gap():
+    # No request has a second token: there is no TBT or TPOT to bound, so those SLOs hold
+    # (they used to compare NaN and fail at every rate); a run with nothing completed fails.
+    nan = {"p50": math.nan, "p90": math.nan, "p99": math.nan}
+    s = {"num_completed": 20, "num_failed": 0, "tbt_s": nan, "tpot_s": nan,
+         "scheduling_delay_s": {"p50": 0.1}, "ttft_s": {"p50": 0.2, "p99": 0.3}}
+    assert slo_check(CapacityConfig(slo="tbt"))(s)[0]
+    assert slo_check(CapacityConfig(slo="tpot"))(s)[0]
+    assert not slo_check(CapacityConfig(slo="tbt"))(s | {"num_failed": 1})[0]
+    assert not slo_check(CapacityConfig(slo="tbt"))(s | {"num_completed": 0})[0]
+
+
+def test_the_slo_percentile_is_one_a_summary_carries():
+    assert CapacityConfig(slo_percentile=90).slo_percentile == 90
+    with pytest.raises(ConfigError, match="50.0, 90.0, 99.0"):
+        CapacityConfig(slo_percentile=95)
 
 
 def test_workloads_are_seeded_and_shaped():
@@ -196,3 +250,35 @@ def test_client_counts_bundled_chunks_and_records_errors():
     assert recs[0].num_output_tokens == 4 and recs[0].gaps[2:] == [0.0, 0.0]
     assert recs[1].num_output_tokens == 4 and len(recs[1].gaps) == 4
     assert recs[2].error == "HTTP 400: nope" and recs[2].gaps == []
+
+
+def test_the_timeout_bounds_the_whole_request():
+    # A stream that never stalls for long but never ends: no read times out, the request must.
+    async def trickle():
+        for i in range(1000):
+            yield b"data: " + json.dumps({"choices": [{"index": 0, "text": "x"}],
+                                          "usage": {"completion_tokens": i + 1}}).encode()
+            yield b"\n\n"
+            await asyncio.sleep(0.02)
+
+    async def handler(request: httpx.Request) -> httpx.Response:
+        return httpx.Response(200, content=trickle())
+
+    client = Client(ClientConfig("http://test", timeout=0.3),
+                    transport=httpx.MockTransport(handler))
+    rec = asyncio.run(client.run([WorkloadRequest(0, 0.0, 3, 10000)], ["p"]))[0]
+    assert not rec.ok and rec.error.startswith("timed out after 0.3 s (--timeout)")
+    assert 3 <= len(rec.gaps) < 100
+
+
+def test_input_len_sets_uniforms_mean_and_fixes_the_others():
+    from fluidserve.bench.run import workload_spec
+    from fluidserve.config import BenchConfig
+
+    uni = workload_spec(BenchConfig(dataset_name="uniform", input_len=100, output_len=10,
+                                    range_ratio=0.5))
+    assert (uni.dataset, uni.input_len, uni.output_len) == ("uniform", 100, 10)
+    lengths = [w.prompt_len for w in build_workload(uni)[0]]
+    assert min(lengths) >= 50 and max(lengths) <= 150 and len(set(lengths)) > 10
+    fixed = workload_spec(BenchConfig(input_len=100))  # the default trace: fixed lengths
+    assert (fixed.dataset, fixed.input_len, fixed.output_len) == ("fixed", 100, 128)

@@ -35,7 +35,7 @@ def records() -> list[RequestRecord]:
         RequestRecord(1, 20, 2, 1.0, sent=1.0, gaps=[1.0, 0.5], num_output_tokens=2),
         RequestRecord(2, 5, 1, 2.0, sent=2.0, gaps=[0.75], num_output_tokens=1,
                       scheduling_delay=0.0),
-        RequestRecord(3, 7, 4, 0.5, sent=0.5, gaps=[0.25], num_output_tokens=1,
+        RequestRecord(3, 7, 4, 0.5, sent=0.5, gaps=[0.25, 1.5], num_output_tokens=2,
                       error=LONG_ERROR),
         RequestRecord(4, 9, 4, 3.0, sent=3.0, error=LONG_ERROR),
     ]
@@ -63,10 +63,11 @@ def test_summarize_run_on_known_records():
     assert s["duration_s"] == 2.5
     assert s["request_throughput"] == 3 / 2.5 and s["output_token_throughput"] == 6 / 2.5
     assert s["total_output_tokens"] == 6 and s["total_prompt_tokens"] == 35
-    # Failed requests count in no latency, even with tokens received before the failure.
+    # Failed requests count in no per-request latency, but the gaps of the part of a stream
+    # that arrived before its failure are gaps a user waited through: they count in TBT.
     assert s["ttft_s"]["count"] == 3 and s["ttft_s"]["mean"] == 0.75
     assert s["ttft_s"]["max"] == 1.0 and s["ttft_s"]["p99"] == pytest.approx(0.995)
-    assert s["tbt_s"]["count"] == 3 and s["tbt_s"]["p50"] == 0.25 and s["tbt_s"]["max"] == 0.5
+    assert s["tbt_s"]["count"] == 4 and s["tbt_s"]["p50"] == 0.375 and s["tbt_s"]["max"] == 1.5
     assert s["tpot_s"]["count"] == 2 and s["tpot_s"]["mean"] == 0.375  # (0.25 + 0.5) / 2
     assert s["e2e_latency_s"]["mean"] == pytest.approx(3.25 / 3)
     assert s["normalized_latency_s"]["mean"] == pytest.approx((1 / 3 + 0.75 + 0.75) / 3)
@@ -75,13 +76,14 @@ def test_summarize_run_on_known_records():
     # 2 on its second, request 2 misses 2 on its only token; request 0 is fluid.
     assert s["fluidity_index"]["count"] == 3
     assert s["fluidity_index"]["mean"] == pytest.approx(1 / 3)
-    assert s["fraction_fluid_requests"] == pytest.approx(1 / 3)
+    # Of five requests one is fluid: a failed request is not.
+    assert s["fraction_fluid_requests"] == pytest.approx(1 / 5)
     assert s["tbt_deadline_s"] == 0.25
     rate, d = fluid_token_rate([r.gaps for r in recs[:3]])
     assert (s["fluid_token_generation_rate"], s["fluid_tbt_deadline_s"]) == (rate, d)
     assert s["tpot_based_token_rate"] == 1 / 0.375
-    assert s["p99_tbt_based_token_rate"] == pytest.approx(1 / np.quantile([0.25, 0.25, 0.5],
-                                                                          0.99))
+    assert s["p99_tbt_based_token_rate"] == pytest.approx(
+        1 / np.quantile([0.25, 0.25, 0.5, 1.5], 0.99))
 
 
 def test_a_request_at_exactly_the_target_fluidity_counts_as_fluid():
@@ -98,9 +100,9 @@ def test_summarize_run_with_a_given_duration_and_with_nothing_completed():
     assert s["duration_s"] == 10.0 and s["request_throughput"] == 0.3
     failed = summarize_run([RequestRecord(0, 5, 5, 0.0, sent=0.0, error="boom")], 0.1)
     assert failed["duration_s"] == 0.0 and failed["errors"] == {"boom": 1}
-    for key in ("request_throughput", "output_token_throughput", "fraction_fluid_requests",
-                "tpot_based_token_rate", "p99_tbt_based_token_rate",
-                "fluid_token_generation_rate"):
+    assert failed["fraction_fluid_requests"] == 0.0  # none of the requests was fluid
+    for key in ("request_throughput", "output_token_throughput", "tpot_based_token_rate",
+                "p99_tbt_based_token_rate", "fluid_token_generation_rate"):
         assert math.isnan(failed[key]), key
     assert failed["scheduling_delay_s"] is None and failed["ttft_s"]["count"] == 0
 
@@ -172,8 +174,8 @@ def test_compare_table(tmp_path):
     # Columns are right-aligned: every line is as wide as the header, and each run's column
     # is 3 wider than its widest cell or its name.
     assert {len(line) for line in lines} == {len(lines[0])}
-    assert cells["TBT p50 / p99 (s)"] == ["0.25", "/", "0.495", "-"]  # the widest cell
-    cols = 3 + len("0.25 / 0.495"), 3 + len("vllm-baseline")
+    assert cells["TBT p50 / p99 (s)"] == ["0.375", "/", "1.47", "-"]  # the widest cell
+    cols = 3 + len("0.375 / 1.47"), 3 + len("vllm-baseline")
     assert lines[0] == "metric".ljust(width) + "sarathi".rjust(cols[0]) + \
         "vllm-baseline".rjust(cols[1])
     assert lines[2] == "request throughput (req/s)".ljust(width) + "1.2".rjust(cols[0]) + \

@@ -22,12 +22,16 @@ Probe = Callable[[float], tuple[bool, dict]]
 
 
 def search_capacity(probe: Probe, start: float = 1.0, granularity: float = 0.025,
-                    max_probes: int = 20, log: Callable[[str], None] | None = None) -> dict:
+                    max_probes: int = 20, log: Callable[[str], None] | None = None,
+                    min_rate: float | None = None) -> dict:
     """Assumes the SLO holds below some rate and fails above it.
 
     Doubles (or halves) from ``start`` until the SLO both holds and fails at some rate, then
     bisects until (high - low) / low < ``granularity`` or ``max_probes`` probes were made.
+    Halving stops at ``min_rate`` (none by default): an SLO missed there is reported as no
+    capacity (``below_min_rate``) rather than probed at ever longer runs.
     """
+    floor = 0.0 if min_rate is None else min_rate
     probes: list[dict] = []
 
     def check(rate: float) -> bool:
@@ -47,7 +51,9 @@ def search_capacity(probe: Probe, start: float = 1.0, granularity: float = 0.025
         else:
             hi = rate
             if lo == 0.0:
-                rate /= 2
+                if rate <= floor:
+                    break
+                rate = max(rate / 2, floor)
         if lo > 0 and not math.isinf(hi):
             break
     while len(probes) < max_probes and lo > 0 and not math.isinf(hi) and (hi - lo) / lo > \
@@ -57,20 +63,38 @@ def search_capacity(probe: Probe, start: float = 1.0, granularity: float = 0.025
             lo = mid
         else:
             hi = mid
+    below = lo == 0.0 and floor > 0 and hi <= floor
+    if below and log:
+        log(f"the SLO fails at the lowest rate probed ({floor:.4g} req/s, --min-rate): no"
+            " capacity")
     return {"capacity_qps": lo, "upper_bound_qps": None if math.isinf(hi) else hi,
-            "num_probes": len(probes), "probes": probes,
+            "num_probes": len(probes), "probes": probes, "below_min_rate": below,
             "converged": lo > 0 and not math.isinf(hi) and (hi - lo) / lo <= granularity}
 
 
-def slo_check(cfg: CapacityConfig) -> Callable[[dict], tuple[bool, float]]:
-    """summary -> (SLO met, the metric plotted on the load-latency curve)."""
-    q = f"p{cfg.slo_percentile:g}"
+def delay_stats(cfg: CapacityConfig, s: dict) -> tuple[str, dict]:
+    """(the metric --max-scheduling-delay bounds in this run, its statistics)."""
+    reported = s.get("scheduling_delay_s")
+    if cfg.delay_metric == "ttft" or (cfg.delay_metric == "auto" and not reported):
+        return "ttft", s["ttft_s"]
+    if not reported:
+        raise ValueError("--delay-metric scheduling: the server reports no scheduling delay"
+                         " in its streams (fluidserve does; other engines do not): use"
+                         " --delay-metric ttft")
+    return "scheduling", reported
 
-    def pct(stats: dict) -> float:
-        if q in stats:
-            return stats[q]
-        raise ValueError(f"summaries carry p50/p90/p99; --slo-percentile {cfg.slo_percentile:g}"
-                         " is not one of them")
+
+def _within(value: float, bound: float) -> bool:
+    """A statistic over no values (NaN: e.g. TBT when every output is one token) bounds
+    nothing, so it holds; the run's completions are checked separately."""
+    return math.isnan(value) or value <= bound
+
+
+def slo_check(cfg: CapacityConfig) -> Callable[[dict], tuple[bool, float]]:
+    """summary -> (SLO met, the metric plotted on the load-latency curve).
+
+    Every kind requires that some request completed and none failed."""
+    q = f"p{cfg.slo_percentile:g}"
 
     def check(s: dict) -> tuple[bool, float]:
         if s["num_completed"] == 0:
@@ -78,15 +102,16 @@ def slo_check(cfg: CapacityConfig) -> Callable[[dict], tuple[bool, float]]:
         failed = s["num_failed"] > 0
         if cfg.slo == "tbt":
             p99 = s["tbt_s"]["p99"]
-            delay = (s.get("scheduling_delay_s") or s["ttft_s"])["p50"]
-            return (not failed and p99 <= cfg.tbt_slo and delay <= cfg.max_scheduling_delay), p99
+            delay = delay_stats(cfg, s)[1]["p50"]
+            return (not failed and _within(p99, cfg.tbt_slo)
+                    and delay <= cfg.max_scheduling_delay), p99
         if cfg.slo == "fluidity":
             return fluidity_slo_met(s), s["fraction_fluid_requests"]
         if cfg.slo == "ttft":
-            v = pct(s["ttft_s"])
+            v = s["ttft_s"][q]
             return not failed and v <= cfg.ttft_slo, v
-        v = pct(s["tpot_s"])
-        return not failed and v <= cfg.tpot_slo, v
+        v = s["tpot_s"][q]
+        return not failed and _within(v, cfg.tpot_slo), v
 
     return check
 

@@ -10,7 +10,13 @@ import sys
 import time
 from pathlib import Path
 
-from fluidserve.bench.capacity import LaunchedServer, ProbeCache, search_capacity, slo_check
+from fluidserve.bench.capacity import (
+    LaunchedServer,
+    ProbeCache,
+    delay_stats,
+    search_capacity,
+    slo_check,
+)
 from fluidserve.bench.report import write_run
 from fluidserve.bench.run import Bench
 from fluidserve.config import BenchConfig, CapacityConfig
@@ -37,6 +43,8 @@ def run_capacity(bcfg: BenchConfig, ccfg: CapacityConfig, launch: list[str]) -> 
     shared_bench = None if launch else Bench(bcfg)
     if shared_bench is not None:
         shared_bench.warmup()
+        if bcfg.profile_prefill:
+            shared_bench.profile_prefill()
     results, curves = {}, {}
 
     def log(msg: str) -> None:
@@ -44,11 +52,16 @@ def run_capacity(bcfg: BenchConfig, ccfg: CapacityConfig, launch: list[str]) -> 
 
     for name, args in variants:
         curves[name] = []
+        delay_metrics: set[str] = set()
+        prefill_fit: list[dict] = []  # a launched variant's, from its first probe's server
 
-        def probe(rate: float, name=name, args=args) -> tuple[bool, dict]:
+        def probe(rate: float, name=name, args=args, delay_metrics=delay_metrics,
+                  prefill_fit=prefill_fit) -> tuple[bool, dict]:
             key = json.dumps([name, args, rate, workload_key], default=str)
             summary = cache.get(key)
             if summary is None:
+                log(f"{name}: probing {rate:.4g} req/s ({bcfg.num_prompts} requests, about"
+                    f" {bcfg.num_prompts / rate:.0f} s of arrivals)")
                 run_dir = out / name / f"rate-{rate:.4g}"
                 if args is None:
                     records, summary = shared_bench.run(rate)
@@ -57,16 +70,29 @@ def run_capacity(bcfg: BenchConfig, ccfg: CapacityConfig, launch: list[str]) -> 
                                         ccfg.server_startup_timeout) as srv:
                         bench = Bench(dataclasses.replace(bcfg, base_url=srv.url), quiet=False)
                         bench.warmup()
+                        if bcfg.profile_prefill and prefill_fit:
+                            bench.use_prefill_fit(prefill_fit[0])
+                        elif bcfg.profile_prefill:
+                            bench.profile_prefill()
+                            prefill_fit.append(bench.prefill_fit)
                         records, summary = bench.run(rate)
                 write_run(run_dir, records, summary)
                 cache.put(key, summary)
             ok, value = check(summary)
+            if ccfg.slo == "tbt" and summary["num_completed"]:
+                delay_metrics.add(delay_stats(ccfg, summary)[0])
             curves[name].append({"rate": rate, "value": value, "ok": ok})
             return ok, {k: summary.get(k) for k in SUMMARY_KEYS}
 
         log(f"== capacity of {name}" + (f" ({' '.join(args)})" if args else f" at {bcfg.base_url}"))
-        res = search_capacity(probe, ccfg.start_rate, ccfg.granularity, ccfg.max_probes, log)
+        res = search_capacity(probe, ccfg.start_rate, ccfg.granularity, ccfg.max_probes, log,
+                              ccfg.lowest_rate)
         res["server_args"] = args
+        if delay_metrics:
+            res["delay_metric"] = "/".join(sorted(delay_metrics))
+            if ccfg.delay_metric == "auto" and "ttft" in delay_metrics:
+                log(f"{name}: --max-scheduling-delay bounded the median TTFT (the server"
+                    " reports no scheduling delay)")
         results[name] = res
         log(f"{name}: capacity {res['capacity_qps']:.4g} req/s after {res['num_probes']} probes")
 

@@ -85,7 +85,11 @@ class Client:
     async def _send(self, http: httpx.AsyncClient, rec: RequestRecord, prompt, start: float):
         rec.sent = time.perf_counter() - start
         try:
-            await self._stream(http, rec, prompt, time.perf_counter())
+            async with asyncio.timeout(self.cfg.timeout):
+                await self._stream(http, rec, prompt, time.perf_counter())
+        except TimeoutError:
+            rec.error = (f"timed out after {self.cfg.timeout:g} s (--timeout) with"
+                         f" {len(rec.gaps)} tokens")
         except (httpx.HTTPError, OSError, ValueError) as e:
             rec.error = f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
         if rec.error is None and rec.num_output_tokens == 0:

@@ -36,10 +36,12 @@ def score_fluidity(records: Sequence[RequestRecord], ttft_deadline: Deadline, tb
 
 def summarize_run(records: Sequence[RequestRecord], tbt_deadline: float, duration: float | None
                   = None) -> dict:
-    """Aggregate metrics of a run (failed requests are counted, never silently dropped)."""
+    """Aggregate metrics of a run. Failed requests are counted, never silently dropped: they
+    count as not fluid in ``fraction_fluid_requests`` and the gaps of the part of their stream
+    that arrived count in ``tbt_s``; the other latencies are those of completed requests."""
     ok = [r for r in records if r.ok and r.gaps]
     ttft = [r.gaps[0] for r in ok]
-    tbt = [g for r in ok for g in r.gaps[1:]]
+    tbt = [g for r in records for g in r.gaps[1:]]
     e2e = [sum(r.gaps) for r in ok]
     tpot = [sum(r.gaps[1:]) / (len(r.gaps) - 1) for r in ok if len(r.gaps) > 1]
     norm = [sum(r.gaps) / len(r.gaps) for r in ok]
@@ -75,8 +77,8 @@ def summarize_run(records: Sequence[RequestRecord], tbt_deadline: float, duratio
         "scheduling_delay_s": summarize(delays) if delays else None,
         "fluidity_index": summarize(fi),
         "tbt_deadline_s": tbt_deadline,
-        "fraction_fluid_requests": (sum(f >= TARGET_FLUIDITY for f in fi) / len(fi)) if fi
-        else math.nan,
+        "fraction_fluid_requests": (sum(f >= TARGET_FLUIDITY for f in fi) / len(records))
+        if records else math.nan,
         "fluid_token_generation_rate": fluid_rate,
         "fluid_tbt_deadline_s": fluid_d,
         "tpot_based_token_rate": 1.0 / mean_tpot if tpot else math.nan,

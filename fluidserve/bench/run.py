@@ -31,7 +31,9 @@ PROMPT_TOKENS_TOLERANCE = 0.02  # server/built prompt-token ratio beyond which t
 
 
 def workload_spec(cfg: BenchConfig, **override) -> WorkloadSpec:
-    fixed = cfg.input_len is not None or cfg.output_len is not None
+    # --input-len / --output-len set uniform's means, and otherwise fix every length.
+    fixed = cfg.dataset_name != "uniform" and (cfg.input_len is not None
+                                               or cfg.output_len is not None)
     spec = WorkloadSpec(
         dataset="fixed" if fixed else cfg.dataset_name, dataset_path=cfg.dataset_path,
         num_prompts=cfg.num_prompts, input_len=cfg.input_len or 512,
@@ -133,11 +135,16 @@ class Bench:
                 raise ValueError(f"prefill profile request failed: {rec.error}")
             ttfts.append(rec.gaps[0])
         coeffs = np.polyfit(lengths, ttfts, 2 if len(lengths) > 2 else 1)
-        self.prefill_fit = [float(c) for c in coeffs]
-        factor = self.cfg.ttft_deadline_factor
-        floor = min(ttfts)
-        self.ttft_deadline = lambda p: factor * max(float(np.polyval(coeffs, p)), floor)
-        self.log(f"prefill profile: TTFT(p) ~ {np.poly1d(coeffs)}; D_p = {factor} x that")
+        self.use_prefill_fit({"coeffs": [float(c) for c in coeffs], "floor_s": min(ttfts)})
+
+    def use_prefill_fit(self, fit: dict) -> None:
+        """D_p(p) = prefill(p) + slack (Etalon), prefill(p) the fitted polynomial, never
+        below the fastest TTFT measured (a quadratic can dip under it at short prompts)."""
+        self.prefill_fit = fit
+        coeffs, floor, slack = fit["coeffs"], fit["floor_s"], self.cfg.ttft_slack
+        self.ttft_deadline = lambda p: max(float(np.polyval(coeffs, p)), floor) + slack
+        self.log(f"prefill profile: TTFT(p) ~ {np.poly1d(coeffs)} (>= {floor:.3g} s);"
+                 f" D_p = that + {slack:g} s")
 
     def run(self, request_rate: float | None = None) -> tuple[list[RequestRecord], dict]:
         work = self.work
@@ -159,6 +166,7 @@ class Bench:
             "server_prompt_tokens_ratio": prompt_token_ratio(records),
             "ttft_deadline_s": self.cfg.ttft_deadline if self.prefill_fit is None else None,
             "prefill_fit": self.prefill_fit,
+            "ttft_slack_s": None if self.prefill_fit is None else self.cfg.ttft_slack,
             "config": {k: (None if isinstance(v, float) and math.isinf(v) else v)
                        for k, v in dataclasses.asdict(self.cfg).items() if k != "api_key"},
         }

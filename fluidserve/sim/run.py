@@ -186,7 +186,7 @@ def _capacity(sim, eng, bench, cap, cost, out: Path) -> int:
                                              "fraction_fluid_requests", "stage_idle_fraction")}
 
     res = search_capacity(probe, cap.start_rate, cap.granularity, cap.max_probes,
-                          lambda m: print(m, file=sys.stderr))
+                          lambda m: print(m, file=sys.stderr), cap.min_rate)
     summary = {"capacity_qps": res["capacity_qps"], "upper_bound_qps": res["upper_bound_qps"],
                "num_probes": res["num_probes"], "converged": res["converged"],
                "slo": dataclasses.asdict(cap), "scheduler": eng.scheduler.policy,

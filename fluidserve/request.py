@@ -46,6 +46,13 @@ class Request:
     error: str | None = None
 
     @property
+    def stop_token_ids(self) -> tuple[int, ...]:
+        """Every token that would stop this request: ``min_tokens`` bans them."""
+        p = self.params
+        eos = () if p.ignore_eos or self.eos_token_id is None else (self.eos_token_id,)
+        return p.stop_token_ids + eos
+
+    @property
     def num_prompt_tokens(self) -> int:
         return len(self.prompt_token_ids)
 

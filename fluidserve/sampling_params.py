@@ -5,13 +5,18 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 MAX_LOGPROBS = 20
+# Below this a temperature is greedy (as in vLLM): dividing float32 logits by 1e-39 gives
+# infinities and a meaningless token, where the user asked for the most likely one.
+GREEDY_BELOW = 1e-5
 
 
 @dataclass(frozen=True)
 class SamplingParams:
     """How one request samples and when it stops.
 
-    temperature 0 is greedy (exact argmax). ``seed`` makes sampling reproducible: the n-th
+    temperature 0 (or below ``GREEDY_BELOW``) is greedy (exact argmax). ``min_tokens``: no
+    stop token (``stop_token_ids``, or EOS without ``ignore_eos``) can be sampled and no stop
+    string matched among the first ``min_tokens`` output tokens. ``seed`` makes sampling reproducible: the n-th
     token of a request is drawn from a generator seeded by (seed, n), so the output does not
     depend on batch composition, scheduling policy or preemption.
     """
@@ -33,6 +38,10 @@ class SamplingParams:
             object.__setattr__(self, "stop", (self.stop,))
         object.__setattr__(self, "stop", tuple(self.stop))
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+        # Looked up for every sampled token: a set, however many ids were given.
+        object.__setattr__(self, "stop_token_set", frozenset(self.stop_token_ids))
+        if 0.0 < self.temperature < GREEDY_BELOW:
+            object.__setattr__(self, "temperature", 0.0)
         if self.max_tokens < 1:
             raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
         if not 0.0 <= self.temperature <= 100.0:

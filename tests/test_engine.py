@@ -108,6 +108,36 @@ def test_stop_strings_and_stop_tokens(tiny_model_dir, reference):
     )[0]
     assert by_id.finish_reason == "stop"
     assert by_id.token_ids == reference[1][: reference[1].index(tok) + 1]
+    # The stop token counts but, as in vLLM, its text is not part of the output.
+    assert by_id.text == llm.tokenizer.decode(reference[1][: reference[1].index(tok)])
+
+
+def test_min_tokens_holds_stop_strings_off_without_matching_them_later(tiny_model_dir):
+    """A stop string only matches after min_tokens tokens, and only where it takes in the
+    newest text: an occurrence inside the first min_tokens tokens neither ends the request
+    when min_tokens is reached nor leaks, cut, into the output (as in vLLM)."""
+    llm = LLM(model=str(tiny_model_dir))
+    decode = llm.tokenizer.decode
+    base = dict(max_tokens=24, temperature=0.0, ignore_eos=True)
+    ids = llm.generate(PROMPTS[1], SamplingParams(**base))[0].token_ids
+    stop = decode(ids)[:2]  # it occurs at once, in the first token or two
+
+    def expected(min_tokens: int) -> tuple[str, int]:
+        for n in range(min_tokens + 1, len(ids) + 1):
+            text, before = decode(ids[:n]), len(decode(ids[: n - 1]))
+            i = text.find(stop, max(0, before - len(stop) + 1))
+            if i >= 0:
+                return text[:i], n
+        return decode(ids), len(ids)
+
+    cases = (0, 1, 2, 5)
+    outs = llm.generate([PROMPTS[1]] * len(cases),
+                        [SamplingParams(**base, stop=(stop,), min_tokens=m) for m in cases])
+    assert outs[0].text == "" and outs[0].finish_reason == "stop"
+    for m, out in zip(cases, outs, strict=True):
+        want_text, want_n = expected(m)
+        assert (out.text, len(out.token_ids)) == (want_text, want_n), m
+        assert out.finish_reason == ("stop" if want_n < len(ids) else "length")
 
 
 def test_model_eos_ends_a_request_unless_ignored(tiny_model_dir, reference):
@@ -115,17 +145,19 @@ def test_model_eos_ends_a_request_unless_ignored(tiny_model_dir, reference):
     eos = llm.tokenizer.eos_token_id
     llm.engine.core.force_eos_at = frozenset({3, 6})  # the model "says" EOS twice
     base = dict(max_tokens=10, temperature=0.0)
-    stop, ignored, min4, min5 = llm.generate(
+    stop, ignored, min3, min4 = llm.generate(
         [PROMPTS[2]] * 4,
         [SamplingParams(**base), SamplingParams(**base, ignore_eos=True),
-         SamplingParams(**base, min_tokens=4), SamplingParams(**base, min_tokens=5)],
+         SamplingParams(**base, min_tokens=3), SamplingParams(**base, min_tokens=4)],
     )
     assert stop.finish_reason == "stop" and stop.token_ids == reference[2][:3] + [eos]
     assert stop.text == llm.tokenizer.decode(reference[2][:3])  # EOS adds no text
     assert ignored.finish_reason == "length" and len(ignored.token_ids) == 10
     assert ignored.token_ids[3] == ignored.token_ids[6] == eos
-    assert min4.finish_reason == "stop" and min4.token_ids == stop.token_ids
-    assert min5.finish_reason == "stop" and len(min5.token_ids) == 7
+    # The first min_tokens tokens cannot stop a request (as in vLLM): EOS as the 4th token
+    # ends one with min_tokens 3, not one with 4, which the EOS as the 7th ends.
+    assert min3.finish_reason == "stop" and min3.token_ids == stop.token_ids
+    assert min4.finish_reason == "stop" and len(min4.token_ids) == 7
     assert llm.engine.block_manager.num_free_blocks == llm.engine.block_manager.num_blocks
 
 

@@ -141,3 +141,30 @@ def test_sampling_on_the_device_waits_for_nothing_and_reads_back_as_sample(devic
     for got, want in zip(lps, want_lps, strict=True):
         if want is not None:
             assert got[0] == pytest.approx(want[0]) and got[1] == want[1]
+
+
+def test_banned_tokens_are_never_sampled_and_leave_logprobs_alone():
+    # Row 0 greedy, row 1 sampled, both with the best token (3) banned; row 2 bans nothing.
+    logits = torch.tensor([[0.0, 1.0, 2.0, 9.0, -1.0]]).repeat(3, 1)
+    greedy = SamplingParams(temperature=0.0, logprobs=1)
+    hot = SamplingParams(temperature=5.0)
+    meta = SamplingMetadata(["a", "b", "c"], [0.0, 5.0, 0.0], [-1] * 3, [1.0] * 3, [0, 1, 2],
+                            [0] * 3, [greedy.logprobs, hot.logprobs, None],
+                            [(3, 99999, -1), (3, 2), ()])  # ids outside the vocab ban nothing
+    tokens, lps = sample_meta(logits.clone(), meta)
+    assert tokens[0] == 2 and tokens[2] == 3
+    chosen, top = lps[0]
+    # The logprobs are the model's: the banned token is still its most likely.
+    assert top[0][0] == 3 and chosen == pytest.approx(float(logits[0].log_softmax(-1)[2]))
+    draws = [sample_meta(logits.clone(), SamplingMetadata(
+        ["b"], [5.0], [-1], [1.0], [seed], [0], [None], [(3, 2)]))[0][0] for seed in range(300)]
+    assert set(draws) == {0, 1, 4}
+
+
+def test_a_temperature_too_small_for_float32_is_greedy():
+    # 1e-39 rounds to 0 in float32: dividing by it gave infinities and a meaningless token.
+    assert SamplingParams(temperature=1e-39).temperature == 0.0
+    assert SamplingParams(temperature=1e-5).temperature == 1e-5
+    logits = torch.tensor([[0.0, 3.0, 1.0, 2.0]])
+    p = SamplingParams(temperature=1e-39)
+    assert sample(logits, [chunk(p, s) for s in range(1)])[0] == [1]

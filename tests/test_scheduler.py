@@ -458,10 +458,13 @@ def test_ignore_eos_generates_through_eos_but_not_through_stop_tokens():
 
 @pytest.mark.parametrize(
     "min_tokens,length,status",
-    [(0, 1, "stop"), (1, 1, "stop"), (2, 3, "stop"), (3, 3, "stop"), (4, 5, "stop"),
-     (5, 5, "stop"), (6, 8, "length"), (8, 8, "length")],
+    [(0, 1, "stop"), (1, 3, "stop"), (2, 3, "stop"), (3, 5, "stop"), (4, 5, "stop"),
+     (5, 8, "length"), (6, 8, "length"), (8, 8, "length")],
 )
 def test_min_tokens_defers_eos_and_stop_tokens(min_tokens, length, status):
+    # As in vLLM, the first min_tokens tokens cannot stop a request (the sampler bans stop
+    # tokens there; these tokens are forced, not sampled): the earliest stop is token
+    # min_tokens + 1.
     tokens = [EOS, 4, STOP, 4, EOS, 4, 4, 4]
     s = make("sarathi")
     r = stream_req("r", max_tokens=8, min_tokens=min_tokens, stop_token_ids=(STOP,))

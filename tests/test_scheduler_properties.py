@@ -75,7 +75,7 @@ class Spec:
             if n == self.max_tokens:
                 return n, RequestStatus.FINISHED_LENGTH
             stops = (self.stop_on and tok == STOP) or (not self.ignore_eos and tok == EOS)
-            if n >= self.min_tokens and stops:
+            if n > self.min_tokens and stops:
                 return n, RequestStatus.FINISHED_STOPPED
         raise AssertionError("unreachable")
 

@@ -228,6 +228,11 @@ BAD = [
     ("min_tokens over the default max_tokens", "/v1/completions",
      {"prompt": "x", "min_tokens": 17}, 400),
     ("empty stop string", "/v1/completions", {"prompt": "x", "stop": [""]}, 400),
+    # Looked up for every token the request samples: bounded, and ids the model has.
+    ("stop token id out of vocab", "/v1/completions",
+     {"prompt": "x", "stop_token_ids": [99999999]}, 400),
+    ("too many stop token ids", "/v1/chat/completions",
+     {"messages": [{"role": "user", "content": "x"}], "stop_token_ids": [1] * 1025}, 400),
     ("unknown model", "/v1/completions", {"prompt": "x", "model": "gpt-9"}, 404),
     ("no messages", "/v1/chat/completions", {"messages": []}, 400),
     ("bad role", "/v1/chat/completions", {"messages": [{"role": "wizard", "content": "x"}]}, 400),
@@ -460,8 +465,8 @@ def test_model_eos_over_http_honours_ignore_eos_and_min_tokens(srv):
     try:
         assert complete() == ("stop", 4)
         assert complete(ignore_eos=True) == ("length", 10)
-        assert complete(min_tokens=4) == ("stop", 4)
-        assert complete(min_tokens=5) == ("stop", 7)
+        assert complete(min_tokens=3) == ("stop", 4)
+        assert complete(min_tokens=4) == ("stop", 7)  # the first 4 tokens cannot stop it
         assert complete(min_tokens=5, ignore_eos=True) == ("length", 10)
     finally:
         srv.engine.client.force_eos(set())

@@ -4,6 +4,12 @@ Detokenization and stop strings run here, in the front end, so the engine core n
 text work. A stop string ends the request here at once (its text cut before the stop string)
 and the caller tells the core to stop computing it; tokens the core produced meanwhile are
 dropped. A stop string completed by the very last allowed token still applies.
+
+As in vLLM: a stop string only matches once more than ``min_tokens`` tokens were produced,
+and only where it takes in text the newest tokens added (text already emitted, or held back
+before then, never ends a request later); and the text of the token that stopped a request
+in the core (one of ``stop_token_ids``, or EOS) is not part of the output, though the token
+counts.
 """
 
 from __future__ import annotations
@@ -66,8 +72,11 @@ class OutputProcessor:
         st.num_output_tokens += len(delta.new_token_ids)
         reason, stopped = delta.finish_reason, False
         text = ""
-        if st.detok is not None and delta.new_token_ids:
-            text, stopped = self._advance_text(st, delta.new_token_ids, delta.finished)
+        ids = delta.new_token_ids
+        if reason == "stop":  # the last token is the stop token: its text is not output
+            ids = ids[:-1]
+        if st.detok is not None and (ids or delta.finished):
+            text, stopped = self._advance_text(st, ids, delta.finished)
         if stopped and reason != "error":
             reason = "stop"
         out = RequestOutput(delta.request_id, delta.new_token_ids, text, reason is not None,
@@ -81,13 +90,16 @@ class OutputProcessor:
                       ) -> tuple[str, bool]:
         """Detokenize, apply stop strings, and return the text delta safe to emit now."""
         det = st.detok
+        before = len(det.text)
         det.push(token_ids)
         text, stops = det.text, st.params.stop
         stopped = False
-        if stops and st.num_output_tokens >= st.params.min_tokens:
-            # Only text after what was already emitted can complete a stop string now.
-            first = max(0, st.sent - max(len(s) for s in stops))
-            hits = [i for i in (text.find(s, first) for s in stops) if i >= 0]
+        if stops and st.num_output_tokens > st.params.min_tokens and len(text) > before:
+            # A match must end in the new text: one found in older text was either there
+            # before min_tokens allowed it, or is already past (the hold-back below keeps
+            # the start of any match that can still complete from being emitted).
+            hits = [i for i in (text.find(s, max(0, before - len(s) + 1)) for s in stops)
+                    if i >= 0]
             if hits:
                 det.text = text = text[: min(hits)]
                 stopped = True

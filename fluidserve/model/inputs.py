@@ -7,7 +7,7 @@ pipeline-parallel executor, which turn the arrays into tensors without copying.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -25,6 +25,7 @@ class SamplingMetadata:
     seeds: list[int]
     output_index: list[int]  # index of the token being sampled in its request's output
     logprobs: list[int | None]
+    banned: list[tuple[int, ...]] = field(default_factory=list)  # per row; [] if none bans
 
     @property
     def all_greedy(self) -> bool:
@@ -94,7 +95,8 @@ def prepare_inputs(plan: SchedulerOutput, block_size: int, rows: dict[str, int] 
     sampling = SamplingMetadata(
         [c.request_id for c in sampled], [x.temperature for x in p], [x.top_k for x in p],
         [x.top_p for x in p], [c.seed for c in sampled], [c.output_index for c in sampled],
-        [x.logprobs for x in p])
+        [x.logprobs for x in p],
+        [c.banned for c in sampled] if any(c.banned for c in sampled) else [])
     return StepInputs(np.asarray(ids, dtype=np.int64), pos_arr, slots, cu_q,
                       np.asarray(ctxs, dtype=np.int32), table_arr,
                       np.asarray(logits_idx, dtype=np.int64), sampling)

@@ -95,6 +95,9 @@ def sample_on_device(logits: torch.Tensor, meta: SamplingMetadata) -> DeviceSamp
     and returns without waiting for it (every choice that depends on the batch's parameters
     is made on the host)."""
     dev = logits.device
+    raw = logits  # logprobs are the model's, bans or not
+    if meta.banned:
+        logits = ban_tokens(logits, meta.banned)
     tokens = greedy_tokens(logits)
     rows = [i for i, t in enumerate(meta.temperature) if t != 0.0]
     if rows:  # (indexing by a list would copy it to the device and wait)
@@ -106,11 +109,24 @@ def sample_on_device(logits: torch.Tensor, meta: SamplingMetadata) -> DeviceSamp
         return DeviceSample(tokens, [], [])
     ks = [meta.logprobs[i] for i in want]
     idx = to_device(want, dev, torch.int64)
-    lp = torch.log_softmax(logits.index_select(0, idx).float(), dim=-1)
+    lp = torch.log_softmax(raw.index_select(0, idx).float(), dim=-1)
     picked = tokens.index_select(0, idx)
     chosen = lp.gather(1, picked[:, None]).squeeze(1)
     top_v, top_i = torch.topk(lp, max(ks)) if max(ks) else (lp[:, :0], lp[:, :0].long())
     return DeviceSample(tokens, want, ks, chosen, top_v, top_i)
+
+
+def ban_tokens(logits: torch.Tensor, banned: list[tuple[int, ...]]) -> torch.Tensor:
+    """A copy of ``logits`` with each row's banned tokens at -inf (ids outside the
+    vocabulary ban nothing)."""
+    v = logits.shape[-1]
+    pairs = [(r, t) for r, ts in enumerate(banned) for t in ts if 0 <= t < v]
+    if not pairs:
+        return logits
+    where = to_device(pairs, logits.device, torch.int64)
+    out = logits.clone()
+    out[where[:, 0], where[:, 1]] = float("-inf")
+    return out
 
 
 Logprobs = tuple[float, list[tuple[int, float]]]

@@ -29,6 +29,7 @@ from pydantic import (
 from fluidserve.sampling_params import MAX_LOGPROBS, SamplingParams
 
 MAX_STOP = 16
+MAX_STOP_TOKEN_IDS = 1024
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 INT32_MAX = 2**31 - 1
 CONTEXT_LENGTH_EXCEEDED = "context_length_exceeded"
@@ -114,12 +115,16 @@ class _Common(BaseModel):
     top_k: Int(ge=-1, le=0) | Int(ge=1, le=INT32_MAX) | None = Field(
         None, description="-1 or 0 (as in vLLM): every token.")
     min_tokens: Int(ge=0, le=INT64_MAX) = Field(
-        0, description="At most the max_tokens in force: the one given, else the default (16"
-        " for completions; for chat, what the context window leaves after the prompt). Above"
-        " it, 400 with param min_tokens.")
+        0, description="The first min_tokens output tokens cannot stop the request: neither"
+        " EOS nor stop_token_ids are sampled there, and no stop string ends in their text. At"
+        " most the max_tokens in force: the one given, else the default (16 for completions;"
+        " for chat, what the context window leaves after the prompt). Above it, 400 with"
+        " param min_tokens.")
     seed: Int64 | None = None
     stop: StopString | Annotated[list[StopString], Field(max_length=MAX_STOP)] | None = None
-    stop_token_ids: list[Int64] | None = None
+    stop_token_ids: Annotated[list[Int64], Field(max_length=MAX_STOP_TOKEN_IDS)] | None = Field(
+        None, description="Tokens that end the request: each counts in the usage, its text is"
+        " not part of the output.")
     n: One | None = None
     stream: bool | None = False
     stream_options: StreamOptions | None = Field(
@@ -279,16 +284,20 @@ def request_models(limits: Limits) -> tuple[type[CompletionRequest], type[ChatCo
                            content=(content | list[part] | None, None))
     new_tokens = Int(ge=1, le=room) | None
     prompt_field = CompletionRequest.model_fields["prompt"]
+    stop_ids_field = CompletionRequest.model_fields["stop_token_ids"]
+    stop_ids = (Annotated[list[token], Field(max_length=MAX_STOP_TOKEN_IDS)] | None,
+                Field(None, description=stop_ids_field.description))
     completion = create_model(
         "CompletionRequest", __base__=CompletionRequest,
         prompt=(text | ids | Annotated[list[text], Field(min_length=1, max_length=1)]
                 | Annotated[list[ids], Field(min_length=1, max_length=1)],
                 Field(description=prompt_field.description)),
-        max_tokens=(new_tokens, None))
+        max_tokens=(new_tokens, None), stop_token_ids=stop_ids)
     chat = create_model(
         "ChatCompletionRequest", __base__=ChatCompletionRequest,
         messages=(Annotated[list[message], Field(min_length=1)], ...),
-        max_tokens=(new_tokens, None), max_completion_tokens=(new_tokens, None))
+        max_tokens=(new_tokens, None), max_completion_tokens=(new_tokens, None),
+        stop_token_ids=stop_ids)
     return completion, chat
 
 

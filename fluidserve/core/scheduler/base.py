@@ -60,12 +60,15 @@ class Batch:
         # exclude them), so their state is still what it was when they were added.
         start = req.num_computed_tokens
         out = req.output_token_ids
+        # Within min_tokens no stop token may be sampled (a prefill that does not sample
+        # carries the ban harmlessly: the sampler only reads the rows it samples).
+        banned = req.stop_token_ids if len(out) < req.params.min_tokens else ()
         if is_decode:  # the one uncomputed token is the last one sampled
             return ScheduledChunk(req.request_id, start, (out[-1],), table, True,
-                                  req.params, req.seed, len(out), True)
+                                  req.params, req.seed, len(out), True, banned)
         return ScheduledChunk(req.request_id, start, tuple(req.token_slice(start, start + n)),
                               table, start + n == req.num_tokens, req.params, req.seed,
-                              len(out), False)
+                              len(out), False, banned)
 
 
 class Scheduler(ABC):
@@ -190,9 +193,9 @@ class Scheduler(ABC):
         p = req.params
         if n >= p.max_tokens:
             return RequestStatus.FINISHED_LENGTH
-        if n < p.min_tokens:
+        if n <= p.min_tokens:  # (the sampler banned stop tokens there)
             return None
-        if token in p.stop_token_ids:
+        if token in p.stop_token_set:
             return RequestStatus.FINISHED_STOPPED
         if not p.ignore_eos and req.eos_token_id is not None and token == req.eos_token_id:
             return RequestStatus.FINISHED_STOPPED

@@ -28,6 +28,7 @@ class ScheduledChunk:
     seed: int
     output_index: int  # index of the token this chunk samples, if it samples
     is_decode: bool = False
+    banned: tuple[int, ...] = ()  # tokens it may not sample (stop tokens, within min_tokens)
 
     @property
     def num_tokens(self) -> int:

@@ -16,9 +16,11 @@ class SamplingParams:
 
     temperature 0 (or below ``GREEDY_BELOW``) is greedy (exact argmax). ``min_tokens``: no
     stop token (``stop_token_ids``, or EOS without ``ignore_eos``) can be sampled and no stop
-    string matched among the first ``min_tokens`` output tokens. ``seed`` makes sampling reproducible: the n-th
-    token of a request is drawn from a generator seeded by (seed, n), so the output does not
-    depend on batch composition, scheduling policy or preemption.
+    string matched among the first ``min_tokens`` output tokens. ``seed`` makes sampling
+    reproducible: the n-th token of a request is drawn with a number made from (seed, n), so
+    the draw does not depend on batch composition, scheduling policy or preemption; the
+    logits it draws from can (a preempted request recomputes its context in other chunks,
+    and bf16 sums in another order differ in their last bits).
     """
 
     max_tokens: int = 16

@@ -107,10 +107,14 @@ class ClusterResult:
 class Cluster:
     def __init__(self, config: EngineConfig, make_executor: Callable[[VirtualClock], Executor],
                  kv_bytes_per_token: float, *, bandwidth_gbps: float,
-                 mover: KVMover | None = None, seed: int = 0) -> None:
+                 mover: KVMover | None = None, seed: int = 0,
+                 max_tokens_are_lengths: bool = False) -> None:
         """``make_executor(clock)`` builds one instance's executor; ``kv_bytes_per_token``
         and ``bandwidth_gbps`` give the KV-transfer time (per GPU of an instance: TP and PP
-        shards move in parallel over their own links)."""
+        shards move in parallel over their own links). ``max_tokens_are_lengths``: the
+        requests' ``max_tokens`` are their true output lengths (a simulated workload with
+        ``ignore_eos``), so predictions are not capped by them: that would hand the
+        predictor the answer."""
         self.config = config
         d = config.disagg
         self.d = d
@@ -119,7 +123,11 @@ class Cluster:
         self.bandwidth = bandwidth_gbps * 1e9
         self.predictor = make_predictor(d.length_predictor, d.predictor_granularity,
                                         d.predictor_accuracy, seed, d.length_predictor_path)
-        self.dispatcher = Dispatcher(d.dispatcher, seed)
+        # One dispatcher per prefill instance, each with its own view between broadcasts,
+        # as served (``PrefillRole``); made when an instance first dispatches.
+        self.dispatchers: dict[int, Dispatcher] = {}
+        self._seed = seed
+        self._cap = not max_tokens_are_lengths
         self.instances: list[Instance] = []
         for role, n in (("prefill", d.num_prefill_instances), ("decode", d.num_decode_instances)):
             for _ in range(n):
@@ -150,6 +158,7 @@ class Cluster:
         self._announced: set[str] = set()
         self._admitted: dict[str, tuple[Instance, float]] = {}  # -> decode instance, when
         self._early: set[str] = set()  # admitted before their prefill ended
+        self._streaming: set[str] = set()  # handed off at their first chunk, still prefilling
         self.broadcast()
 
     # ------------------------------------------------------------------ roles
@@ -237,13 +246,16 @@ class Cluster:
                 for req in inst.sched.running:
                     if req.num_computed_tokens and req.request_id not in self._announced:
                         self._announced.add(req.request_id)
+                        self._streaming.add(req.request_id)
                         self._push(inst.clock.t, "prefilled", inst, req)
             for rid, req in inst.sched.handoff.items():
+                self._streaming.discard(rid)
                 if rid not in self._announced:
                     self._announced.add(rid)
                     self._push(inst.clock.t, "prefilled", inst, req)
                 elif rid in self._early:  # admitted while prefilling: the last piece moves
                     self._transfer(rid, inst.clock.t)
+            self._drop_ended_streams(inst.clock.t)
         else:
             self._admit(inst, inst.clock.t)
 
@@ -252,11 +264,19 @@ class Cluster:
         if req.status.finished:
             return
         self.owner[req.request_id] = src
-        predicted = predict_length(self.predictor, req, self.true_len[req.request_id])
+        predicted = predict_length(self.predictor, req, self.true_len[req.request_id],
+                                   self._cap)
         self._dispatch(t, src, req, predicted)
 
+    def _dispatcher(self, inst: Instance) -> Dispatcher:
+        if inst.index not in self.dispatchers:
+            self.dispatchers[inst.index] = dsp = Dispatcher(self.d.dispatcher,
+                                                            self._seed + inst.index)
+            dsp.broadcast(self._loads())
+        return self.dispatchers[inst.index]
+
     def _dispatch(self, t: float, src: Instance, req: Request, predicted: int) -> bool:
-        pick = pick_decode(self.dispatcher, src.core.block_manager, req, predicted,
+        pick = pick_decode(self._dispatcher(src), src.core.block_manager, req, predicted,
                            self.d.heavy_decode_threshold)
         if pick is None:
             self.undispatched.append((src, req, predicted))
@@ -283,6 +303,22 @@ class Cluster:
         self._early.discard(request_id)
         self._admitted.pop(request_id, None)
         self.undispatched = [u for u in self.undispatched if u[1] is not req]
+
+    def _drop_ended_streams(self, t: float) -> None:
+        """A request handed off at its first chunk can end on the prefill instance (its
+        first token a stop token, or max_tokens 1) while a decode instance holds an offer
+        or blocks for it: those go, or they would be held for good."""
+        for rid in [r for r in self._streaming if self.requests[r].status.finished]:
+            self._streaming.discard(rid)
+            req = self.requests[rid]
+            for inst in self.role_of("decode"):
+                if rid in inst.sched.requests or inst.sched.withdraw(rid) is not None:
+                    inst.sched.finish(req, req.status, t)
+                    self._wake(inst, t)
+            self._early.discard(rid)
+            self._admitted.pop(rid, None)
+            self.owner.pop(rid, None)
+            self.undispatched = [u for u in self.undispatched if u[1] is not req]
 
     def _admit(self, dst: Instance, t: float) -> None:
         while (req := dst.sched.admit_next()) is not None:
@@ -325,13 +361,18 @@ class Cluster:
         dst.sched.activate(rid)  # False (and blocks freed) if it was aborted in transit
 
     # ------------------------------------------------------------------ monitor and flips
-    def broadcast(self) -> None:
+    def _loads(self) -> list[DecodeLoad]:
         loads = []
         for inst in self.role_of("decode"):
             heavy, light = inst.sched.heavy_light()
             loads.append(DecodeLoad(inst.index, inst.sched.free_blocks, heavy, light,
                                     accepting=not inst.draining))
-        self.dispatcher.broadcast(loads)
+        return loads
+
+    def broadcast(self) -> None:
+        loads = self._loads()
+        for dsp in self.dispatchers.values():
+            dsp.broadcast(loads)
 
     def _tick(self, t: float) -> None:
         self.broadcast()

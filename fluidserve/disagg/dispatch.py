@@ -82,8 +82,10 @@ class Dispatcher:
             self._next = choice.instance + 1
         else:  # least_loaded
             choice = min(fits, key=lambda ld: (ld.requests, -ld.free_blocks, ld.instance))
+        # Until the next broadcast, what that one will say: the offer holds its blocks now
+        # (the broadcast counts queued offers at their current size, not their final one).
         self.view[choice.instance] = replace(
-            choice, free_blocks=choice.free_blocks - need_blocks,
+            choice, free_blocks=choice.free_blocks - now_blocks,
             heavy=choice.heavy + heavy, light=choice.light + (not heavy))
         return choice.instance
 

@@ -81,7 +81,8 @@ def make_predictor(name: str, granularity: int = 200, accuracy: float = PAPER_AC
                      f" choose from {', '.join(LENGTH_PREDICTORS)}")
 
 
-def predict_length(predictor, req: Request, true_len: int) -> int:
-    """The predicted final output length; a request never outgrows its ``max_tokens``."""
-    return min(predictor.predict(req.request_id, req.prompt_token_ids, true_len),
-               req.params.max_tokens)
+def predict_length(predictor, req: Request, true_len: int, cap: bool = True) -> int:
+    """The predicted final output length; a request never outgrows its ``max_tokens`` (not
+    applied with ``cap`` False: where ``max_tokens`` is the true length, it would tell)."""
+    predicted = predictor.predict(req.request_id, req.prompt_token_ids, true_len)
+    return min(predicted, req.params.max_tokens) if cap else predicted

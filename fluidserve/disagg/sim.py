@@ -64,7 +64,8 @@ def simulate_disaggregated(work: list[WorkloadRequest], eng: EngineConfig, sim: 
         kv = kv_bytes_per_token(m.num_layers, m.num_kv_heads, m.hidden_size // m.num_heads, 2,
                                 pp=par.pipeline_parallel_size)
     bw = eng.disagg.kv_transfer_bandwidth_gbps or send_recv_bandwidth_gbps(sim.device)
-    cluster = Cluster(eng, executor, kv, bandwidth_gbps=bw, seed=seed)
+    cluster = Cluster(eng, executor, kv, bandwidth_gbps=bw, seed=seed,
+                      max_tokens_are_lengths=True)
     arrivals = [(w.arrival, AddRequest(str(w.index), [1] * w.prompt_len,
                                        SamplingParams(max_tokens=w.output_len, ignore_eos=True,
                                                       temperature=0.0)), w.output_len)

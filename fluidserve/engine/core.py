@@ -189,7 +189,7 @@ class EngineCore:
         status = RequestStatus.FINISHED_STOPPED if msg.reason == "stop" \
             else RequestStatus.FINISHED_ABORTED
         for rid in msg.request_ids:
-            req = self.scheduler.requests.get(rid)
+            req = self.scheduler.find(rid)  # (a decode instance's offers too)
             if req is not None:
                 self.scheduler.finish(req, status, self.clock.now())
                 self._record_finished(req)
@@ -199,7 +199,7 @@ class EngineCore:
         self._changed = True
         deltas = []
         for rid in request_ids:
-            req = self.scheduler.requests.get(rid)
+            req = self.scheduler.find(rid)
             if req is None:
                 continue
             req.error = message
@@ -210,7 +210,7 @@ class EngineCore:
         return deltas
 
     def fail_all(self, message: str) -> list[RequestDelta]:
-        return self.fail(list(self.scheduler.requests), message)
+        return self.fail(self.scheduler.held(), message)
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished() or bool(self.in_flight)

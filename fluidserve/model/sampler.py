@@ -3,8 +3,9 @@
 Every row is sampled by inverse transform: the token whose cumulative probability first
 exceeds a uniform number ``u``. ``u`` is a hash of the request's seed and the token's index in
 its output, so the n-th output token of a request depends only on its logits and its seed,
-never on which other requests shared the batch or whether it was preempted and recomputed;
-and there is no per-request generator, only a handful of tensor operations for the batch and
+never on which other requests shared the batch (a request preempted and recomputed draws
+the same ``u``; its bf16 logits may differ in their last bits); and there is no
+per-request generator, only a handful of tensor operations for the batch and
 one copy of the sampled ids to the host.
 """
 

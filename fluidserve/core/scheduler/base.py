@@ -127,8 +127,16 @@ class Scheduler(ABC):
         req.finish_time = now
         self.requests.pop(req.request_id, None)
 
+    def find(self, request_id: str) -> Request | None:
+        """The request, wherever this scheduler holds it (``finish`` ends it there)."""
+        return self.requests.get(request_id)
+
+    def held(self) -> list[str]:
+        """Every request ``find`` finds."""
+        return list(self.requests)
+
     def abort(self, request_id: str, now: float | None = None) -> Request | None:
-        req = self.requests.get(request_id)
+        req = self.find(request_id)
         if req is not None:
             self.finish(req, RequestStatus.FINISHED_ABORTED, now)
         return req

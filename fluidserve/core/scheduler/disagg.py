@@ -201,6 +201,16 @@ class DecodeOnlyScheduler(Scheduler):
             return True
         return False
 
+    def find(self, request_id: str) -> Request | None:
+        """Admitted, or still an offer waiting for admission."""
+        req = self.requests.get(request_id)
+        if req is None:
+            req = next((i.req for i in self.incoming if i.req.request_id == request_id), None)
+        return req
+
+    def held(self) -> list[str]:
+        return [*self.requests, *(i.req.request_id for i in self.incoming)]
+
     def withdraw(self, request_id: str) -> Request | None:
         """Drop an offered (not yet admitted) request, e.g. when its client went away."""
         for item in self.incoming:

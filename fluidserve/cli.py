@@ -52,32 +52,32 @@ def _cmd_generate(args: argparse.Namespace) -> int:
         stop=g.stop,
         ignore_eos=g.ignore_eos,
     )
-    llm = LLM(config=cfg)
-    t0 = time.perf_counter()
-    outs = llm.generate(prompts, params, use_tqdm=len(prompts) > 1 and not g.json)
-    elapsed = time.perf_counter() - t0
-    for prompt, out in zip(prompts, outs, strict=True):
-        if g.json:
-            m = out.metrics
-            print(
-                json.dumps(
-                    {
-                        "prompt": prompt,
-                        "text": out.text,
-                        "token_ids": out.token_ids,
-                        "num_prompt_tokens": len(out.prompt_token_ids),
-                        "finish_reason": out.finish_reason,
-                        "error": out.error,
-                        "ttft_s": m.ttft,
-                        "tpot_s": m.tpot,
-                        "e2e_s": m.e2e,
-                    }
+    with LLM(config=cfg) as llm:  # (closing stops the worker ranks of -tp / -pp)
+        t0 = time.perf_counter()
+        outs = llm.generate(prompts, params, use_tqdm=len(prompts) > 1 and not g.json)
+        elapsed = time.perf_counter() - t0
+        for prompt, out in zip(prompts, outs, strict=True):
+            if g.json:
+                m = out.metrics
+                print(
+                    json.dumps(
+                        {
+                            "prompt": prompt,
+                            "text": out.text,
+                            "token_ids": out.token_ids,
+                            "num_prompt_tokens": len(out.prompt_token_ids),
+                            "finish_reason": out.finish_reason,
+                            "error": out.error,
+                            "ttft_s": m.ttft,
+                            "tpot_s": m.tpot,
+                            "e2e_s": m.e2e,
+                        }
+                    )
                 )
-            )
-        else:
-            print(prompt + out.text)
-    if g.telemetry:
-        llm.engine.telemetry.export_jsonl(g.telemetry)
+            else:
+                print(prompt + out.text)
+        if g.telemetry:
+            llm.engine.telemetry.export_jsonl(g.telemetry)
     n = sum(len(o.token_ids) for o in outs)
     print(
         f"{len(outs)} prompts, {n} tokens in {elapsed:.2f}s ({n / elapsed:.1f} tok/s)",

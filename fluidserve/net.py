@@ -1,8 +1,10 @@
-"""Localhost helpers shared by the launchers, benchmarks and tests: a free port, waiting
-until a server process answers ``/health``, and stopping it."""
+"""Localhost helpers shared by the launchers, benchmarks and tests: a free port, a
+rendezvous store and collective sockets that stay on the loopback interface, waiting until a
+server process answers ``/health``, and stopping it."""
 
 from __future__ import annotations
 
+import os
 import socket
 import subprocess
 import time
@@ -13,6 +15,48 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def local_store(world_size: int | None = None):
+    """A torch.distributed ``TCPStore`` server that listens on 127.0.0.1 only (one that torch
+    binds itself listens on every interface, with no authentication): the socket is bound
+    here and handed to it."""
+    from torch.distributed import TCPStore
+
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    sock.listen(128)
+    port = sock.getsockname()[1]
+    return TCPStore("127.0.0.1", port, world_size, True, wait_for_workers=False,
+                    master_listen_fd=sock.detach(), use_libuv=True)
+
+
+def loopback_collectives() -> None:
+    """Gloo's and NCCL's sockets on the loopback interface (every process on this host),
+    unless the user chose an interface; else they bind the address the host name resolves
+    to, which on most machines is routable."""
+    names = [name for _, name in socket.if_nameindex()]
+    lo = next((n for n in names if n == "lo"), next((n for n in names if n.startswith("lo")),
+                                                    "lo"))
+    for var in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME"):
+        os.environ.setdefault(var, lo)
+
+
+def die_with_parent(parent: int) -> None:
+    """Linux: this process gets SIGKILL when ``parent``, the process that started it, dies,
+    however it dies (a process stuck in a collective never reads the pipe that would tell
+    it). The signal follows the thread that started this process, so start it from one that
+    lives as long as its process."""
+    import ctypes
+    import signal
+    import sys
+
+    if not sys.platform.startswith("linux"):
+        return
+    pr_set_pdeathsig = 1
+    ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGKILL)
+    if os.getppid() != parent:  # it died before the request took effect
+        os._exit(1)
 
 
 def wait_healthy(url: str, timeout: float, proc: subprocess.Popen | None = None,

@@ -153,3 +153,80 @@ def test_server_greedy_matches_and_a_dead_rank_fails_requests_visibly(tiny_model
             time.sleep(0.1)
         r = httpx.post(s.url + "/v1/completions", json={"prompt": "x"}, timeout=10)
         assert r.status_code == 503
+
+
+def listening(pid: int) -> list[str]:
+    """The local addresses (hex, as /proc/net prints them) of the TCP sockets ``pid``
+    listens on."""
+    inodes = set()
+    for fd in Path(f"/proc/{pid}/fd").iterdir():
+        try:
+            target = os.readlink(fd)
+        except OSError:
+            continue
+        if target.startswith("socket:["):
+            inodes.add(target[8:-1])
+    out = []
+    for table in ("tcp", "tcp6"):
+        for line in Path(f"/proc/{pid}/net/{table}").read_text().splitlines()[1:]:
+            f = line.split()
+            if f[3] == "0A" and f[9] in inodes:  # LISTEN
+                out.append(f[1].rsplit(":", 1)[0])
+    return out
+
+
+LOOPBACK = {"0100007F", "00000000000000000000000001000000", "0000000000000000FFFF00000100007F"}
+
+
+def test_ranks_listen_on_loopback_and_die_with_their_driver(tiny_model_dir, tmp_path):
+    """The rendezvous store and the ranks' collective sockets are on 127.0.0.1 only (torch's
+    own store listens on every interface), and a driver killed outright takes its ranks with
+    it (a rank stuck in a collective never reads the pipe that would tell it)."""
+    import subprocess
+    import sys
+
+    script = tmp_path / "driver.py"
+    config = knobs(tiny_model_dir, pipeline_parallel_size=2)
+    script.write_text(
+        "import time\n"
+        "from fluidserve.config import EngineConfig\n"
+        "from fluidserve.engine.engine import LLMEngine\n"
+        "if __name__ == '__main__':  # (the ranks, spawned, import this file)\n"
+        f"    e = LLMEngine(EngineConfig.create(**{config!r}))\n"
+        "    print(' '.join(str(p.pid) for p in e.executor.procs), flush=True)\n"
+        "    time.sleep(600)\n")
+    driver = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True,
+                              cwd=Path(__file__).parent.parent)
+    try:
+        ranks = [int(p) for p in driver.stdout.readline().split()]
+        assert len(ranks) == 2
+        addresses = [a for pid in (driver.pid, *ranks) for a in listening(pid)]
+        assert addresses and set(addresses) <= LOOPBACK, addresses
+        driver.kill()
+        driver.wait(10)
+        deadline = time.monotonic() + 20
+        while any(Path(f"/proc/{r}").exists() and "Z" not in
+                  Path(f"/proc/{r}/stat").read_text().split()[2] for r in ranks):
+            assert time.monotonic() < deadline, "a rank outlived its driver"
+            time.sleep(0.1)
+    finally:
+        if driver.poll() is None:
+            driver.kill()
+
+
+def test_generate_with_pipeline_parallelism_exits(tiny_model_dir):
+    """The ranks ignore SIGTERM and multiprocessing joins them at exit: `generate` used to
+    print its output and then wait for them for ever."""
+    import json
+    import subprocess
+    import sys
+
+    cmd = [sys.executable, "-m", "fluidserve.cli", "generate", "--model", str(tiny_model_dir),
+           "--prompt", PROMPTS[3], "--max-tokens", "4", "--temperature", "0", "--json",
+           "--num-threads", "1", "-pp", "2"]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert len(json.loads(done.stdout.splitlines()[0])["token_ids"]) == 4
+    bad = subprocess.run([*cmd, "--tokenizer", "/nonexistent"], capture_output=True,
+                         text=True, timeout=120)
+    assert bad.returncode != 0 and "nonexistent" in bad.stderr

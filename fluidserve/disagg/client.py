@@ -66,6 +66,7 @@ from fluidserve.engine.messages import (
     RequestDelta,
     SchedulerStats,
 )
+from fluidserve.net import local_store
 
 log = logging.getLogger(__name__)
 
@@ -124,7 +125,9 @@ class DisaggClient:
         # The instances' KV-transport group meets at a store hosted here (wherever Ray put
         # them, they can reach the front end).
         self._store = None
-        if d.kv_transport == "gloo":
+        if d.kv_transport == "gloo" and host == "127.0.0.1":
+            self._store = local_store()  # listening on the loopback interface only
+        elif d.kv_transport == "gloo":
             from torch.distributed import TCPStore
 
             self._store = TCPStore(host, 0, None, True, wait_for_workers=False)

@@ -13,7 +13,7 @@ store the front end hosts.
 
 Cluster: as for the ray executor (``fluidserve.engine.ray_executor.connect_ray``), a running
 cluster (``RAY_ADDRESS`` or ``ray start`` on this node) is joined, else a local Ray instance
-bound to 127.0.0.1 is started here and stopped at shutdown. Every node must see the model
+is started here and stopped at shutdown. Every node must see the model
 directory at the same path.
 """
 

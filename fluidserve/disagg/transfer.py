@@ -34,6 +34,7 @@ from multiprocessing.shared_memory import SharedMemory
 import torch
 
 from fluidserve.config import KV_TRANSPORTS
+from fluidserve.net import loopback_collectives
 
 KVCaches = list[tuple[torch.Tensor, torch.Tensor]]
 _NO_TRACK = {"track": False} if sys.version_info >= (3, 13) else {}
@@ -161,6 +162,8 @@ class GlooTransport:
 
         self.dist = dist
         host, port = store.rsplit(":", 1)
+        if host == "127.0.0.1":  # every instance on this host: gloo's sockets on loopback
+            loopback_collectives()
         wait = datetime.timedelta(seconds=timeout)
         dist.init_process_group("gloo", rank=rank, world_size=world_size, timeout=wait,
                                 store=dist.TCPStore(host, int(port), world_size,

@@ -16,6 +16,7 @@ ranks are killed.
 
 from __future__ import annotations
 
+import atexit
 import datetime
 import logging
 import multiprocessing as mp
@@ -33,11 +34,14 @@ from fluidserve.engine.core import ExecutorDead
 from fluidserve.engine.core_proc import kill_unless_exited, wait_exit
 from fluidserve.model.inputs import prepare_inputs
 from fluidserve.model.worker import WorkerSpec
-from fluidserve.net import free_port
+from fluidserve.net import die_with_parent, local_store, loopback_collectives
 
 log = logging.getLogger(__name__)
 
 DIST_TIMEOUT = datetime.timedelta(minutes=10)
+# ``init_method`` of ranks that meet at a store their driver hosts (``store://host:port``);
+# any other value is torch's own (``tcp://``: the first rank hosts it, on every interface).
+DRIVER_STORE = "store://"
 
 
 def rank_threads(parallel: ParallelConfig, num_threads: int | None) -> int:
@@ -63,8 +67,16 @@ class RankRunner:
         cuda = spec.device.startswith("cuda")
         if cuda:
             spec = dataclasses.replace(spec, device=f"cuda:{rank % torch.cuda.device_count()}")
-        dist.init_process_group("nccl" if cuda else "gloo", init_method=init_method, rank=rank,
-                                world_size=tp * pp, timeout=DIST_TIMEOUT)
+        backend = "nccl" if cuda else "gloo"
+        if init_method.startswith(DRIVER_STORE):  # a store the driver hosts on 127.0.0.1
+            host, port = init_method.removeprefix(DRIVER_STORE).rsplit(":", 1)
+            store = dist.TCPStore(host, int(port), tp * pp, is_master=False,
+                                  timeout=DIST_TIMEOUT)
+            dist.init_process_group(backend, store=store, rank=rank, world_size=tp * pp,
+                                    timeout=DIST_TIMEOUT)
+        else:
+            dist.init_process_group(backend, init_method=init_method, rank=rank,
+                                    world_size=tp * pp, timeout=DIST_TIMEOUT)
         groups = [dist.new_group(list(range(s * tp, (s + 1) * tp))) for s in range(pp)]
         shard = Shard(rank % tp, tp, rank // tp, pp)
         self.samples = shard.last and shard.tp_rank == 0
@@ -90,11 +102,14 @@ class RankRunner:
 
 
 def rank_main(rank: int, parallel: ParallelConfig, spec: WorkerSpec, init_method: str,
-              threads: int, inbox: Connection, outbox: Connection) -> None:
-    """Entry point of one rank process of the mp launcher."""
+              threads: int, inbox: Connection, outbox: Connection, driver: int) -> None:
+    """Entry point of one rank process of the mp launcher: it dies with its driver (pid
+    ``driver``), and its sockets stay on the loopback interface."""
     from fluidserve.engine.core_proc import freeze_startup_heap, ignore_group_signals
 
+    die_with_parent(driver)
     ignore_group_signals()
+    loopback_collectives()
     logging.basicConfig(level=logging.INFO,
                         format=f"%(asctime)s %(levelname)s %(name)s[rank {rank}]: %(message)s")
     try:
@@ -159,14 +174,16 @@ class MultiprocExecutor(FailsInFlightOnDeath):
         world, tp = parallel.world_size, parallel.tensor_parallel_size
         self.sampler_rank = world - tp  # last stage, tensor-parallel rank 0
         ctx = mp.get_context("spawn")
-        init = f"tcp://127.0.0.1:{free_port()}"
+        self._store = local_store(world)
+        init = f"{DRIVER_STORE}127.0.0.1:{self._store.port}"
         threads = rank_threads(parallel, num_threads)
         self.procs, self.inboxes, self.outboxes = [], [], []
         for rank in range(world):
             in_r, in_w = ctx.Pipe(duplex=False)
             out_r, out_w = ctx.Pipe(duplex=False)
             p = ctx.Process(target=rank_main, name=f"fluidserve-rank-{rank}", daemon=True,
-                            args=(rank, parallel, spec, init, threads, in_r, out_w))
+                            args=(rank, parallel, spec, init, threads, in_r, out_w,
+                                  os.getpid()))
             p.start()
             in_r.close()
             out_w.close()
@@ -183,6 +200,9 @@ class MultiprocExecutor(FailsInFlightOnDeath):
         except BaseException:
             self._kill()
             raise
+        # The ranks ignore SIGTERM and multiprocessing joins them at exit: a driver that
+        # never calls shutdown (an LLM not closed) would wait for them for ever.
+        atexit.register(self.shutdown)
         threading.Thread(target=self._read, name="fluidserve-ranks-reader", daemon=True).start()
 
     def _wait_ready(self, timeout: float) -> None:
@@ -236,6 +256,9 @@ class MultiprocExecutor(FailsInFlightOnDeath):
         return out
 
     def shutdown(self) -> None:
+        atexit.unregister(self.shutdown)
+        if self._closing:
+            return
         self._closing = True
         msg = pickle.dumps(("shutdown", None))
         for conn in self.inboxes:
@@ -281,7 +304,20 @@ class MultiprocExecutor(FailsInFlightOnDeath):
                     if self._closing:
                         return
                     r = sentinels[s]
-                    self._die(f"worker rank {r} died (exit code"
+                    self._die(self._last_words(r) or f"worker rank {r} died (exit code"
                               f" {wait_exit(self.procs[r], 1)})")
                     return
+
+    def _last_words(self, rank: int) -> str | None:
+        """The error a rank that died reported on its way out, if it did (only the sampling
+        rank's pipe is read while it runs)."""
+        conn = self.outboxes[rank]
+        try:
+            while conn.poll():
+                kind, body = conn.recv()
+                if kind == "failed":
+                    return f"worker {body}"
+        except (EOFError, OSError):
+            pass
+        return None
 

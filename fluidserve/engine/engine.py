@@ -41,9 +41,17 @@ class LLMEngine:
         self.model_dir = config.model.model
         if executor is None:
             executor, self.model_dir = build_model_executor(config)
-            tokenizer = tokenizer or Tokenizer(config.model.tokenizer or self.model_dir)
+            try:
+                tokenizer = tokenizer or Tokenizer(config.model.tokenizer or self.model_dir)
+            except BaseException:
+                executor.shutdown()  # (worker ranks would outlive the error)
+                raise
         vocab = getattr(getattr(executor, "arch", None), "vocab_size", None)
-        self.core = EngineCore(config, executor, clock, telemetry, emit_outputs, vocab)
+        try:
+            self.core = EngineCore(config, executor, clock, telemetry, emit_outputs, vocab)
+        except BaseException:
+            executor.shutdown()
+            raise
         self.tokenizer = tokenizer
         self.outputs = OutputProcessor(tokenizer)
 

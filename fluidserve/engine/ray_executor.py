@@ -5,7 +5,9 @@ as few nodes as possible) and carries each step's inputs to them; the ranks talk
 with torch.distributed exactly as under the ``mp`` launcher (``fluidserve.engine.distributed``).
 
 Cluster: with ``RAY_ADDRESS`` set or a cluster started by ``ray start`` on this node, the
-executor joins it; otherwise it starts a local Ray instance bound to 127.0.0.1. Every node must
+executor joins it; otherwise it starts a local Ray instance (asked for 127.0.0.1, which Ray
+resolves to the node's routable address: its services listen as Ray configures them; the
+``mp`` backend is the one that keeps a single host's sockets on loopback). Every node must
 see the model directory at the same path.
 """
 
@@ -50,7 +52,7 @@ def connect_ray(num_cpus_needed: int):
             ray.init, num_cpus=max(os.cpu_count() or 1, num_cpus_needed),
             include_dashboard=False, _node_ip_address="127.0.0.1",
             object_store_memory=256 << 20, log_to_driver=False).result()
-        log.info("started a local Ray instance on 127.0.0.1")
+        log.info("started a local Ray instance")
         return ray, True
 
 

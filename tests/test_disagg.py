@@ -610,6 +610,19 @@ def test_predicted_growth_is_what_admitted_requests_still_need():
     assert s.predicted_growth() == 3 + 2
 
 
+def test_the_broadcast_free_blocks_are_what_admission_would_grant():
+    """What a decode instance broadcasts as free is what its admission policy would let a new
+    request use: under reserve_dynamic, the blocks its admitted requests are predicted to
+    still take are not free. (Broadcasting the raw free blocks let the dispatcher send a
+    request where admission then refused it, to wait there while another instance had room:
+    11% longer mean JCT under memory pressure with power-of-two, docs/disaggregation.md.)"""
+    for admission, growth in (("greedy", 0), ("reserve_static", 0), ("reserve_dynamic", 3)):
+        s = decode_instance(admission=admission)
+        admit_and_activate(s, prefilled("a", 8), 10)  # holds 2 blocks, predicted 5
+        s.offer(prefilled("q", 8), 4)  # queued: its 2 blocks now
+        assert s.free_blocks == 40 - 2 - 2 - growth, admission
+
+
 def test_admission_boundaries_max_seqs_watermark_and_exact_fits():
     s = decode_instance(max_seqs=1)
     admit_and_activate(s, prefilled("a", 4), 4)

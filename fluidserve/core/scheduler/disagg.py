@@ -257,9 +257,12 @@ class DecodeOnlyScheduler(Scheduler):
 
     @property
     def free_blocks(self) -> int:
-        """Free blocks less what the queued offers will take."""
+        """What the dispatcher sees as free here: the free blocks less what the queued offers
+        take now and, under ``reserve_dynamic``, what the admitted requests are predicted to
+        still take (so a request sent here because it "fits" is one admission can take)."""
         queued = sum(self.bm.blocks_for(kv_tokens(i.req)) for i in self.incoming)
-        return self.bm.num_free_blocks - queued
+        growth = self.predicted_growth() if self.admission == "reserve_dynamic" else 0
+        return self.bm.num_free_blocks - queued - growth
 
 
 ROLES = ("prefill", "decode")

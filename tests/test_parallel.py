@@ -230,3 +230,17 @@ def test_generate_with_pipeline_parallelism_exits(tiny_model_dir):
     bad = subprocess.run([*cmd, "--tokenizer", "/nonexistent"], capture_output=True,
                          text=True, timeout=120)
     assert bad.returncode != 0 and "nonexistent" in bad.stderr
+
+
+def test_stats_of_a_dead_rank_is_an_error_not_a_hang(tiny_model_dir):
+    engine = LLMEngine(EngineConfig.create(**knobs(tiny_model_dir, pipeline_parallel_size=2)))
+    try:
+        ex = engine.executor
+        assert [s["rank"] for s in ex.stats()] == [0, 1]
+        os.kill(ex.procs[0].pid, signal.SIGKILL)  # not the sampling rank
+        t0 = time.monotonic()
+        with pytest.raises(RuntimeError, match="rank 0"):
+            ex.stats(timeout=5)
+        assert time.monotonic() - t0 < 10
+    finally:
+        engine.shutdown()

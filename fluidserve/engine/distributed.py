@@ -242,17 +242,33 @@ class MultiprocExecutor(FailsInFlightOnDeath):
     def stats(self, timeout: float = 30.0) -> list[dict]:
         """Per rank: busy seconds (computing steps) and wall seconds since it started."""
         msg = pickle.dumps(("stats", None))
-        for conn in self.inboxes:
-            conn.send_bytes(msg)
+        try:
+            if self.dead is not None:
+                raise OSError
+            for conn in self.inboxes:
+                conn.send_bytes(msg)
+        except OSError:
+            raise RuntimeError(self.dead or "a worker rank's pipe closed") from None
         out = []
+        deadline = time.monotonic() + timeout
         for r, conn in enumerate(self.outboxes):
-            if r == self.sampler_rank:
-                deadline = time.monotonic() + timeout
-                while not self._stats and time.monotonic() < deadline:
+            if r == self.sampler_rank:  # (its pipe is read by the reader thread)
+                while not self._stats and time.monotonic() < deadline and self.dead is None:
                     time.sleep(0.01)
+                if not self._stats:
+                    raise RuntimeError(self.dead or f"worker rank {r} sent no statistics"
+                                       f" within {timeout:g}s")
                 out.append(self._stats.popleft())
-            else:
-                out.append(conn.recv()[1])
+                continue
+            if not conn.poll(max(0.0, deadline - time.monotonic())):
+                raise RuntimeError(f"worker rank {r} sent no statistics within {timeout:g}s")
+            try:
+                kind, body = conn.recv()
+            except (EOFError, OSError):
+                kind, body = "failed", f"rank {r}: pipe closed"
+            if kind != "stats":
+                raise RuntimeError(f"worker {body}")
+            out.append(body)
         return out
 
     def shutdown(self) -> None:

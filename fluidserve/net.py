@@ -36,8 +36,7 @@ def loopback_collectives() -> None:
     unless the user chose an interface; else they bind the address the host name resolves
     to, which on most machines is routable."""
     names = [name for _, name in socket.if_nameindex()]
-    lo = next((n for n in names if n == "lo"), next((n for n in names if n.startswith("lo")),
-                                                    "lo"))
+    lo = "lo" if "lo" in names else next((n for n in names if n.startswith("lo")), "lo")
     for var in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME"):
         os.environ.setdefault(var, lo)
 

@@ -292,33 +292,31 @@ class Cluster:
         req = self.requests.get(request_id)
         if not isinstance(req, Request) or req.status.finished:
             return
-        for inst in self.instances:
-            if request_id in inst.sched.requests:
-                inst.sched.finish(req, RequestStatus.FINISHED_ABORTED, t)
-                self._wake(inst, t)
-            elif inst.role == "decode" and inst.sched.withdraw(request_id) is not None:
-                pass
+        self._end_everywhere(req, RequestStatus.FINISHED_ABORTED, t)
         req.status = RequestStatus.FINISHED_ABORTED
         req.finish_time = t
-        self._early.discard(request_id)
-        self._admitted.pop(request_id, None)
-        self.undispatched = [u for u in self.undispatched if u[1] is not req]
 
     def _drop_ended_streams(self, t: float) -> None:
         """A request handed off at its first chunk can end on the prefill instance (its
         first token a stop token, or max_tokens 1) while a decode instance holds an offer
         or blocks for it: those go, or they would be held for good."""
         for rid in [r for r in self._streaming if self.requests[r].status.finished]:
-            self._streaming.discard(rid)
             req = self.requests[rid]
-            for inst in self.role_of("decode"):
-                if rid in inst.sched.requests or inst.sched.withdraw(rid) is not None:
-                    inst.sched.finish(req, req.status, t)
-                    self._wake(inst, t)
-            self._early.discard(rid)
-            self._admitted.pop(rid, None)
-            self.owner.pop(rid, None)
-            self.undispatched = [u for u in self.undispatched if u[1] is not req]
+            self._end_everywhere(req, req.status, t)
+
+    def _end_everywhere(self, req: Request, status: RequestStatus, t: float) -> None:
+        """Whatever any instance holds of ``req`` (queued, prefilling, an offer, blocks
+        reserved or in use) is released, and the hand-off forgets it."""
+        rid = req.request_id
+        for inst in self.instances:
+            if inst.sched.find(rid) is not None:
+                inst.sched.finish(req, status, t)
+                self._wake(inst, t)
+        self._streaming.discard(rid)
+        self._early.discard(rid)
+        self._admitted.pop(rid, None)
+        self.owner.pop(rid, None)
+        self.undispatched = [u for u in self.undispatched if u[1] is not req]
 
     def _admit(self, dst: Instance, t: float) -> None:
         while (req := dst.sched.admit_next()) is not None:

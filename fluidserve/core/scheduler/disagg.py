@@ -192,20 +192,23 @@ class DecodeOnlyScheduler(Scheduler):
         has (its first token sampled): it replaces the copy offered or receiving here. False
         if that copy is gone (it ended)."""
         rid = req.request_id
-        for item in self.incoming:
-            if item.req.request_id == rid:
-                item.req = req
-                return True
+        if (item := self._offer(rid)) is not None:
+            item.req = req
+            return True
         if rid in self.receiving:
             self.receiving[rid] = self.requests[rid] = req
             return True
         return False
 
+    def _offer(self, request_id: str):
+        """The queued offer of this request, if any."""
+        return next((i for i in self.incoming if i.req.request_id == request_id), None)
+
     def find(self, request_id: str) -> Request | None:
         """Admitted, or still an offer waiting for admission."""
         req = self.requests.get(request_id)
-        if req is None:
-            req = next((i.req for i in self.incoming if i.req.request_id == request_id), None)
+        if req is None and (item := self._offer(request_id)) is not None:
+            req = item.req
         return req
 
     def held(self) -> list[str]:
@@ -213,11 +216,11 @@ class DecodeOnlyScheduler(Scheduler):
 
     def withdraw(self, request_id: str) -> Request | None:
         """Drop an offered (not yet admitted) request, e.g. when its client went away."""
-        for item in self.incoming:
-            if item.req.request_id == request_id:
-                self.incoming.remove(item)
-                return item.req
-        return None
+        item = self._offer(request_id)
+        if item is None:
+            return None
+        self.incoming.remove(item)
+        return item.req
 
     def finish(self, req: Request, status: RequestStatus, now: float | None = None) -> None:
         """Also for a request that already ended elsewhere (aborted at the prefill instance

@@ -143,7 +143,10 @@ def test_sampling_on_the_device_waits_for_nothing_and_reads_back_as_sample(devic
             assert got[0] == pytest.approx(want[0]) and got[1] == want[1]
 
 
-def test_banned_tokens_are_never_sampled_and_leave_logprobs_alone():
+@pytest.mark.parametrize("kernels", [True, False], ids=["native-argmax", "eager-argmax"])
+def test_banned_tokens_are_never_sampled_and_leave_logprobs_alone(kernels, monkeypatch):
+    if not kernels:  # the eager fallback of the greedy pick
+        monkeypatch.setattr("fluidserve.kernels.cpu_ops", lambda *a, **k: None)
     # Row 0 greedy, row 1 sampled, both with the best token (3) banned; row 2 bans nothing.
     logits = torch.tensor([[0.0, 1.0, 2.0, 9.0, -1.0]]).repeat(3, 1)
     greedy = SamplingParams(temperature=0.0, logprobs=1)

@@ -629,7 +629,8 @@ def test_drain_timeout_fails_what_is_still_running(tiny_model_dir, tmp_path):
             events = [(time.monotonic() - t0, x[6:]) for x in lines]
         assert events[-1][1] == "[DONE]"
         failed_at, last = events[-2]
-        assert "shutting down" in json.loads(last)["error"]["message"]
+        err = json.loads(last)["error"]
+        assert "shutting down" in err["message"] and err["code"] == 503, err
         tokens = [t for t, e in events[:-2]]
         assert len(tokens) < 1500, "the request was failed before it could finish"
         assert failed_at >= 0.9, "it was failed only after the drain timeout"

@@ -35,6 +35,9 @@ class RequestOutput:
     num_output_tokens: int = 0
     new_logprobs: list = field(default_factory=list)
     scheduling_delay: float | None = None  # set when finished: first scheduled - arrival
+    # The error is the server's state (shutting down, the engine core down), not the
+    # request's: the API answers 503 and the client may retry elsewhere.
+    unavailable: bool = False
 
 
 @dataclass(slots=True)

@@ -175,7 +175,7 @@ class AsyncEngine:
     def fail_all(self, message: str) -> None:
         """End every unfinished request with this error now, whatever state the core is in."""
         with self._lock:
-            ready = [(loop, q, _error_output(rid, message), None)
+            ready = [(loop, q, _error_output(rid, message, unavailable=True), None)
                      for rid, (loop, q, _) in self._streams.items()]
             for rid in self._streams:
                 self._outputs.forget(rid)
@@ -252,7 +252,7 @@ class AsyncEngine:
         if self.request_log is not None:
             self.request_log.forget_all()
         with self._lock:
-            ready = [(loop, q, _error_output(rid, message), None)
+            ready = [(loop, q, _error_output(rid, message, unavailable=True), None)
                      for rid, (loop, q, _) in self._streams.items()]
             self._streams.clear()
         self._deliver(ready)
@@ -284,8 +284,8 @@ class AsyncEngine:
                 return
 
 
-def _error_output(request_id: str, message: str) -> RequestOutput:
-    return RequestOutput(request_id, [], "", True, "error", message)
+def _error_output(request_id: str, message: str, unavailable: bool = False) -> RequestOutput:
+    return RequestOutput(request_id, [], "", True, "error", message, unavailable=unavailable)
 
 
 def _put_all(items: list[tuple[asyncio.Queue, tuple]]) -> None:

@@ -168,7 +168,7 @@ async def _sse(handle, ctx: R.Context, body) -> AsyncIterator[str]:
     try:
         async for out in handle:
             if out.error is not None:
-                yield _data(error_body(out.error, "internal_error", code=500))
+                yield _data(_failure_body(out))
                 break
             ctx.add(out)
             # One chunk per token, even when its text is held back (a partial character or
@@ -200,11 +200,20 @@ async def _complete(handle, ctx: R.Context, request: Request, body) -> Response:
             return Response(status_code=499)
     failed = task.result()
     if failed is not None:
-        return JSONResponse(error_body(failed.error, "internal_error", code=500), status_code=500)
+        body = _failure_body(failed)
+        return JSONResponse(body, status_code=body["error"]["code"])
     resp = R.full_response(ctx)
     if body.return_metrics:
         resp["metrics"] = {"scheduling_delay": ctx.scheduling_delay}
     return JSONResponse(resp)
+
+
+def _failure_body(out) -> dict:
+    """A request the server failed: 503 when the server is going away or its engine is down
+    (the client may retry elsewhere), 500 for an error in the request's own processing."""
+    if out.unavailable:
+        return error_body(out.error, "service_unavailable", code=503)
+    return error_body(out.error, "internal_error", code=500)
 
 
 def _data(obj: dict) -> str:

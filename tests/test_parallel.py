@@ -109,6 +109,21 @@ def test_ray_backend_on_a_local_instance(tiny_model_dir, reference):
     assert [o.token_ids for o in outs] == reference
 
 
+def test_ray_start_up_that_times_out_leaves_nothing_behind(tiny_model_dir):
+    """A placement group or rank that is not ready in time: a clear error, and the placement
+    group, the actors and the Ray instance started for them are gone."""
+    ray = pytest.importorskip("ray")
+    from fluidserve.engine.ray_executor import RayExecutor
+    from fluidserve.model.worker import plan_workers
+
+    cfg = EngineConfig.create(**knobs(tiny_model_dir, tensor_parallel_size=2,
+                                      distributed_executor_backend="ray"))
+    _, spec = plan_workers(str(tiny_model_dir), cfg)
+    with pytest.raises(RuntimeError, match="Ray worker ranks failed to start.*Timeout"):
+        RayExecutor(spec, cfg.parallel, 1, startup_timeout=1e-3)
+    assert not ray.is_initialized(), "the Ray instance started for the ranks was left running"
+
+
 def test_bad_split_is_a_clear_error(tiny_model_dir):
     with pytest.raises(ValueError, match="must divide"):
         LLM(**knobs(tiny_model_dir, tensor_parallel_size=3))

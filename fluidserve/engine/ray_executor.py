@@ -112,23 +112,25 @@ class RayExecutor(FailsInFlightOnDeath):
         self.depth = parallel.pipeline_parallel_size
         self.sampler_rank = world - tp
         self.pg = placement_group([{"CPU": threads}] * world, strategy="PACK")
-        ray.get(self.pg.ready(), timeout=startup_timeout)
-        actor = ray.remote(_Rank)
-        self.actors = [
-            actor.options(num_cpus=threads, scheduling_strategy=PlacementGroupSchedulingStrategy(
-                placement_group=self.pg, placement_group_bundle_index=r)).remote(
-                    r, parallel, spec, threads)
-            for r in range(world)]
-        host, port = ray.get(self.actors[0].address.remote(), timeout=startup_timeout)
-        init = f"tcp://{host}:{port}"
-        try:
-            self.pids = ray.get([a.start.remote(init) for a in self.actors],
+        self.actors: list = []
+        self._closing = False
+        try:  # anything that fails or times out on the way leaves nothing behind
+            ray.get(self.pg.ready(), timeout=startup_timeout)
+            actor = ray.remote(_Rank)
+            self.actors = [
+                actor.options(num_cpus=threads, scheduling_strategy=(
+                    PlacementGroupSchedulingStrategy(
+                        placement_group=self.pg, placement_group_bundle_index=r))).remote(
+                            r, parallel, spec, threads)
+                for r in range(world)]
+            host, port = ray.get(self.actors[0].address.remote(), timeout=startup_timeout)
+            self.pids = ray.get([a.start.remote(f"tcp://{host}:{port}") for a in self.actors],
                                 timeout=startup_timeout)
         except Exception as e:
-            self.shutdown()
-            raise RuntimeError(f"Ray worker ranks failed to start: {e}") from None
+            self._release()  # ranks stuck in start-up would not answer close()
+            raise RuntimeError(f"Ray worker ranks failed to start: {type(e).__name__}: {e}"
+                               ) from None
         self.dead: str | None = None
-        self._closing = False
         self._lock = threading.Lock()
         self._pending: deque[Future] = deque()
         self._watch: list = []  # refs of every rank's steps, checked for failures
@@ -173,8 +175,12 @@ class RayExecutor(FailsInFlightOnDeath):
             self.ray.get([a.close.remote() for a in self.actors], timeout=30)
         except Exception:  # dying ranks: they are killed below
             pass
-        for a in self.actors:
-            self.ray.kill(a)
+        self._release()
+
+    def _release(self) -> None:
+        """Kill the ranks, free their placement group, stop the Ray instance started here."""
+        self._closing = True
+        self._kill()
         self.ray.util.remove_placement_group(self.pg)
         if self._own_ray:
             self.ray.shutdown()

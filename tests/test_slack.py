@@ -303,3 +303,29 @@ def test_a_request_that_ends_outside_an_update_leaves_no_deadline_or_lent_turn_b
     sched.update(plan, RunnerOutput({c.request_id: 5 for c in plan.chunks if c.samples}, 0.0),
                  1.2)
     assert sched.lent == set()  # their tokens came: the turns are repaid
+
+
+def test_a_decode_lending_its_turn_is_never_evicted_for_the_prefill():
+    """K (due soon) decodes, S (banked slack) lends its turn, and R, an earlier prefill, needs
+    blocks the cache does not have. Plain stall-free batching would evict nothing that
+    decodes; a lent turn must not make S the victim (it was preempted and then put back into
+    the plan as a decode, with an empty block table, writing into another request's KV)."""
+    bm = BlockManager(9, 4)
+    sched = make_scheduler("sarathi_slack", SchedulerLimits(20, 8, 4096, 8, "fcfs"), bm)
+    reqs = [Request("K", [3] * 8, SamplingParams(max_tokens=5), 0.0),
+            Request("R", [3] * 30, SamplingParams(max_tokens=1), 0.0),
+            Request("S", [3] * 4, SamplingParams(max_tokens=5), 0.0)]
+    for r in reqs:
+        sched.add_request(r)
+    plan = sched.schedule(0.0)  # K and S prefill whole, R its first chunk
+    sched.update(plan, RunnerOutput({c.request_id: 5 for c in plan.chunks if c.samples}, 0.0),
+                 1.0)
+    sched.budget_policy = AdaptiveBudget(predictor(0.005, 0.001, 1e-4, 0.0), 0.1, 0.1)
+    sched.deadline = {"K": 1.01, "S": 1.5}
+    plan = sched.schedule(1.0)
+    assert "S" not in plan.preempted and reqs[2] in sched.running
+    for c in plan.chunks:
+        req = sched.requests[c.request_id]
+        assert req in sched.running and c.start == req.num_computed_tokens
+        assert len(c.block_table) * 4 >= c.start + len(c.token_ids), c
+    sched.bm.check_invariants()

@@ -84,6 +84,10 @@ class SlackScheduler(StallFreeScheduler):
                 batch = self._new_batch(math.inf)
                 for r in keep:  # the skipped keep their blocks for their next turn
                     batch.add(r, 1, is_decode=True)
+                # ...and are no victims for the prefills' blocks: lending a turn must not
+                # cost a recompute that plain stall-free batching (where they are members)
+                # would not have made.
+                batch.ids.update(r.request_id for r in skipped)
                 budget = len(keep) + chunk
         batch.budget = budget
         batch.left = budget - len(batch.entries)

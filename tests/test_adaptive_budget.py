@@ -28,6 +28,8 @@ def test_largest_chunk_is_the_largest_that_fits_in_tiles():
     assert largest_chunk(p, [5] * 8, 0, 0.05, 200) == (200, True)  # capped
     # Even the decodes alone miss: the smallest chunk that keeps prefills moving.
     assert largest_chunk(p, [5] * 80, 0, 0.05, 4096, min_chunk=16) == (16, False)
+    # A cap below one tile still lets prefills move.
+    assert largest_chunk(p, [5] * 8, 0, 0.05, 64, tile=128, min_chunk=16) == (16, True)
 
 
 def staircase(tile: int = 128, per_token: float = 1e-4, per_tile: float = 0.004,
@@ -217,6 +219,19 @@ def test_padded_rows_benchmark_runs_both_pricings(tiny_model_dir):
     assert [(r["round"], r["pricing"]) for r in rows[:2]] == [(0, "padded"), (0, "tokens")]
     assert set(rows[2]) == {"padded", "tokens"}
     assert all(r["prefill_tok_s"] > 0 and 0 <= r["on_padded_size"] <= 1 for r in rows[:2])
+
+
+@pytest.mark.parametrize("tile", [128, 256])
+def test_auto_with_tiles_above_the_first_trusted_chunk_still_runs_prefills(tile):
+    """The learned budget trusts 64 tokens until it has seen an iteration: with a larger
+    tile that was 0 tiles, every plan empty, and the engine spun for ever."""
+    ex = FakeExecutor(per_token=1e-4)
+    cfg = EngineConfig.create(scheduler="sarathi", token_budget="auto", tbt_slo=0.5,
+                              tile_size=tile)
+    core = EngineCore(cfg, ex, VirtualClock(), Telemetry(max_records=None))
+    run(core, ex, n=3, prompt=300, out=4)
+    budgets = [r.token_budget for r in core.telemetry.iterations]
+    assert budgets[0] == tile and not core.has_unfinished()
 
 
 def test_unreachable_slo_degrades_to_small_chunks_and_still_finishes_everything():

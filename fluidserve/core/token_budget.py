@@ -63,8 +63,8 @@ def largest_chunk(predict: Predictor, decode_ctxs: list[int], prefix: int, targe
     if predict(decode_ctxs, 0, prefix) > target:
         return min(min_chunk, max_chunk), False
     lo, hi = 0, max_chunk // tile  # in tiles; lo fits, hi unknown
-    if predict(decode_ctxs, hi * tile, prefix) <= target:
-        return hi * tile, True
+    if predict(decode_ctxs, hi * tile, prefix) <= target:  # (hi may be 0: a cap below a tile)
+        return max(hi * tile, min(min_chunk, max_chunk)), True
     while hi - lo > 1:
         mid = (lo + hi) // 2
         if predict(decode_ctxs, mid * tile, prefix) <= target:

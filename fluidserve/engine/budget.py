@@ -285,8 +285,8 @@ class AdaptiveBudget:
         """The largest chunk predicted to fit ``target`` with these decodes, and whether the
         decodes alone fit it."""
         cap = self.max_budget - len(decode_ctxs)
-        if self.trust is not None:
-            cap = min(cap, self.trust())
+        if self.trust is not None:  # never below the smallest chunk (a tile, at least)
+            cap = min(cap, max(self.trust(), self.min_chunk))
         if self.pp > 1:
             cap = min(cap, self.saturation())
         chunk, ok = largest_chunk(self.predict, decode_ctxs, prefix, target, max(cap, 0),

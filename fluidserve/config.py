@@ -587,6 +587,10 @@ class SimConfig:
         None, "Seed of the --cpu-jitter draws (default: --seed): the same workload with other"
         " draws, to see how much of a simulated tail is the draw.")
     gpu_memory_utilization: float = knob(0.9, "Fraction of GPU memory for weights + KV cache.")
+    pipeline_across_nodes: bool = knob(
+        False, "gpu cost model with --pipeline-parallel-size > 1: every stage on a node of its"
+        " own (hops priced with the two-node send/recv profile; default: the GPUs of one node,"
+        " over NVLink). Tensor-parallel all-reduces stay within a node.")
     max_model_len: int = knob(16384, "Context window of the simulated engine (tokens).")
     capacity: bool = knob(False, "Search the capacity (max QPS meeting the SLO) instead.")
     find_token_budget: bool = knob(False, "Print the largest token budget meeting --tbt-slo.")

@@ -192,6 +192,51 @@ def test_gpu_cost_model_is_physically_plausible():
     assert "stands in" in GPUCostModel("yi-34b", "a100", tp=2).note
 
 
+def _profile_median(folder: str, op: str, workers: int, per_node: int, size: int) -> float:
+    import csv
+
+    from fluidserve.data import data_dir
+
+    with open(data_dir() / "profiles" / "network" / folder / f"{op}.csv") as f:
+        times = [float(r[f"time_stats.{op}.median"]) / 1e3 for r in csv.DictReader(f)
+                 if (int(r["num_workers"]), int(r["devices_per_node"]), int(r["size"]))
+                 == (workers, per_node, size)]
+    return float(np.median(times))
+
+
+def test_network_costs_come_from_the_chosen_layout_never_a_blend_of_layouts():
+    """The tables hold one-node (NVLink) and two-node rows for one worker count, 10-100x
+    apart: TP all-reduces are one node's, pipeline hops one node's unless the stages are
+    placed on nodes of their own."""
+    one = GPUCostModel("llama-2-70b", "a100", tp=4, pp=2)
+    apart = GPUCostModel("llama-2-70b", "a100", tp=4, pp=2, pipeline_across_nodes=True)
+    size = int(one.all_reduce[0][len(one.all_reduce[0]) // 2])
+    ar = one._interp(*one.all_reduce, size)
+    assert ar == pytest.approx(_profile_median("a100_dgx", "all_reduce", 4, 4, size))
+    hop = one._interp(*one.send_recv, size)
+    assert hop == pytest.approx(_profile_median("a100_pairwise_nvlink", "send_recv", 2, 2, size))
+    far = apart._interp(*apart.send_recv, size)
+    assert far == pytest.approx(_profile_median("a100_pairwise_nvlink", "send_recv", 2, 1, size))
+    assert far > 5 * hop
+    assert apart._interp(*apart.all_reduce, size) == ar
+    # Llama-2-70B TP4 prefill of 2048 tokens: ~280 TFLOP over four A100s (312 TFLOP/s each).
+    assert 0.25 < GPUCostModel("llama-2-70b", "a100", tp=4).iteration_time(
+        reference_batch(2048, 0, 0)) < 0.6
+
+
+def test_falcon_180b_has_its_own_shape_not_a_gated_llamas():
+    from fluidserve.sim.shapes import SHAPES
+
+    falcon, llama = SHAPES["falcon-180b"], SHAPES["llama-2-70b"]
+    assert falcon.params == pytest.approx(178.6e9, rel=0.005)  # no MLP gate, tied embeddings
+    assert llama.params == pytest.approx(69.0e9, rel=0.005)
+    # Its MLP's input projection is priced as one ffn-wide matrix, not two.
+    from fluidserve.sim.cost_model import _op_scale
+
+    assert _op_scale("mlp_up_proj", falcon, llama, 1) == pytest.approx(
+        14848 * 59392 / (8192 * 2 * 28672))
+
+
 def test_without_the_shared_data_the_gpu_cost_model_points_to_the_cpu_one(monkeypatch,
                                                                          capsys):
     monkeypatch.setenv("FLUIDSERVE_DATA_DIR", "")  # empty: no data directory
@@ -407,3 +452,46 @@ def test_cpu_jitter_seed_redraws_iteration_times_of_the_same_workload(tmp_path, 
     key = [(r["prompt_len"], r["output_len"], r["scheduled"]) for r in default]
     assert key == [(r["prompt_len"], r["output_len"], r["scheduled"]) for r in other]
     assert [r["gaps"] for r in default] != [r["gaps"] for r in other]
+
+
+def test_the_cpu_simulators_cache_is_sized_per_stage_as_the_engines():
+    from fluidserve.config import SimConfig
+    from fluidserve.model.arch import kv_bytes_per_token
+    from fluidserve.model.builder import SHAPES as MODEL_SHAPES
+    from fluidserve.sim.run import make_cost_model, make_executor
+
+    def blocks(max_model_len: int = 16384, **kw) -> int:
+        sim = SimConfig(cost_model="cpu", max_model_len=max_model_len)
+        eng = EngineConfig.create(**kw)
+        return make_executor(sim, eng, make_cost_model(sim, eng.parallel)).num_blocks
+
+    m = MODEL_SHAPES["250m"]
+    per_token = kv_bytes_per_token(m.num_layers, m.num_kv_heads, m.hidden_size // m.num_heads, 2)
+    one = blocks()
+    assert one == (1 << 30) // (per_token * 16)  # 1 GiB of the 250M model's KV
+    assert blocks(pipeline_parallel_size=2) == 2 * one  # each stage holds half the layers
+    # No more than two sequences of 1024 tokens can fill (with the watermark kept free).
+    assert 2 * 1024 // 16 <= blocks(1024, max_num_seqs=2) <= 2 * 1024 // 16 + 2
+
+
+@pytest.mark.parametrize("profile, why", [
+    ({"iteration_time": [], "decode": [], "chunked_prefill": []}, "0 timed points"),
+    ({"iteration_time": [{"tokens": 1}], "decode": [], "chunked_prefill": []},
+     r"iteration_time\[0\] has no time_s"),
+    ({"iteration_time": [{"tokens": 1, "time_s": 0}], "decode": [], "chunked_prefill": []},
+     r"iteration_time\[0\] has time_s 0 .must be > 0"),
+    ({"iteration_time": [], "decode": {"batch_size": 1}, "chunked_prefill": []},
+     "decode is not a list"),
+])
+def test_a_malformed_cpu_profile_is_refused_with_what_is_wrong(tmp_path, profile, why):
+    from fluidserve.config import ConfigError
+    from fluidserve.sim.cost_model import load_cpu_profile, read_telemetry
+
+    path = tmp_path / "profile.json"
+    path.write_text(json.dumps(profile))
+    with pytest.raises(ConfigError, match=f"--cpu-profile {path}: {why}"):
+        load_cpu_profile(str(path))
+    tel = tmp_path / "telemetry.jsonl"
+    tel.write_text('{"type": "iteration", "start": 1, "duration": 0.9}\n')
+    with pytest.raises(ConfigError, match="iteration record 0 has no num_prefill_tokens"):
+        read_telemetry([str(tel)])

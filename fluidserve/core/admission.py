@@ -9,6 +9,23 @@ def admissible_blocks(num_blocks: int, watermark: float) -> int:
     return num_blocks - int(watermark * num_blocks)
 
 
+def cache_blocks(per_token_bytes: int, block_size: int, memory_gb: float,
+                 max_seqs: int | None = None, max_len: int | None = None,
+                 watermark: float = 0.0) -> int:
+    """Blocks of ``block_size`` tokens that fit ``memory_gb`` at ``per_token_bytes`` (one
+    worker's share), but no more than ``max_seqs`` sequences of ``max_len`` tokens can fill
+    with the admission watermark kept free: the scheduler never runs more sequences than
+    that, so such blocks would only be allocated and zeroed."""
+    blocks = max(1, int(memory_gb * (1 << 30) // (per_token_bytes * block_size)))
+    if max_seqs and max_len:
+        need = max_seqs * -(-max_len // block_size)
+        usable = int(need / (1.0 - watermark))
+        while admissible_blocks(usable, watermark) < need:
+            usable += 1
+        blocks = min(blocks, usable)
+    return blocks
+
+
 def admission_error(num_prompt_tokens: int, max_tokens: int, max_model_len: int,
                     block_size: int, num_admissible_blocks: int) -> str | None:
     """Why a request of this size can never run, or None if it can."""

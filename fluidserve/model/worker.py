@@ -89,23 +89,14 @@ def resolve_max_model_len(arch: ArchConfig, requested: int | None) -> int:
 def kv_cache_blocks(arch: ArchConfig, dtype: str, block_size: int, memory_gb: float,
                     tp: int = 1, pp: int = 1, max_seqs: int | None = None,
                     max_len: int | None = None, watermark: float = 0.0) -> int:
-    """Blocks that fit ``memory_gb`` on each worker (the stage with the most layers), but
-    no more than ``max_seqs`` sequences of ``max_len`` tokens can fill, with the admission
-    watermark kept free: the scheduler never runs more sequences than that, so such blocks
-    would only be allocated and zeroed (a small model's 1 GiB default cache is mostly that:
-    the embedded model's 21,845 blocks against the 8,192 that 128 sequences of 1,024 tokens
-    can use)."""
-    from fluidserve.core.admission import admissible_blocks
+    """Blocks that fit ``memory_gb`` on each worker (the stage with the most layers), capped
+    as ``cache_blocks`` caps them (a small model's 1 GiB default cache is mostly blocks no
+    sequence could use: the embedded model's 21,845 blocks against the 8,192 that 128
+    sequences of 1,024 tokens can use)."""
+    from fluidserve.core.admission import cache_blocks
 
-    per_token = arch.kv_bytes_per_token(DTYPES[dtype].itemsize, tp, pp)
-    blocks = max(1, int(memory_gb * (1 << 30) // (per_token * block_size)))
-    if max_seqs and max_len:
-        need = max_seqs * -(-max_len // block_size)
-        usable = int(need / (1.0 - watermark))
-        while admissible_blocks(usable, watermark) < need:
-            usable += 1
-        blocks = min(blocks, usable)
-    return blocks
+    return cache_blocks(arch.kv_bytes_per_token(DTYPES[dtype].itemsize, tp, pp), block_size,
+                        memory_gb, max_seqs, max_len, watermark)
 
 
 def plan_workers(model_dir: str | Path, config) -> tuple[ArchConfig, WorkerSpec]:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import csv
 import json
+import math
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from functools import cache
@@ -93,7 +94,7 @@ def _op_scale(op: str, target: Shape, source: Shape, tp: int) -> float:
         return {
             "attn_pre_proj": s.hidden * (s.heads + 2 * s.kv_heads) * d,
             "attn_post_proj": s.heads * d * s.hidden,
-            "mlp_up_proj": s.hidden * 2 * s.ffn,
+            "mlp_up_proj": s.hidden * s.mlp_in,
             "mlp_down_proj": s.ffn * s.hidden,
             "mlp_act": s.ffn,
             "attn_rope": (s.heads + s.kv_heads) * d,
@@ -106,7 +107,7 @@ class GPUCostModel(CostModel):
     def __init__(self, shape: str, device: str = "a100", tp: int = 1, pp: int = 1, *,
                  prefill_attention_efficiency: float = 0.55,
                  decode_attention_efficiency: float = 0.6,
-                 overhead_s: float = 0.004) -> None:
+                 overhead_s: float = 0.004, pipeline_across_nodes: bool = False) -> None:
         if shape not in SHAPES:
             raise ValueError(f"unknown model shape {shape!r}; choose from {', '.join(SHAPES)}")
         if device not in DEVICES:
@@ -121,6 +122,7 @@ class GPUCostModel(CostModel):
         if self.shape.layers % pp:
             raise ValueError(f"{self.shape.layers} layers do not split into {pp} stages")
         self.table, self.note = pick_table(self.shape, device, root)
+        self.pipeline_across_nodes = pipeline_across_nodes
         self.eff_p, self.eff_d, self.overhead = (prefill_attention_efficiency,
                                                  decode_attention_efficiency, overhead_s)
         self._load_linear(root / "profiles" / "compute" / device / self.table / "mlp.csv")
@@ -140,26 +142,34 @@ class GPUCostModel(CostModel):
         self.emb = _dedup(tokens, [float(r["time_stats.emb.median"]) / 1e3 for r in rows])[1]
 
     def _load_network(self, root: Path, device: str) -> None:
+        """Tensor-parallel all-reduces among the GPUs of one node; pipeline hops between two
+        GPUs of one node, or of two nodes with ``pipeline_across_nodes``. (The tables hold
+        several layouts for one worker count: one node's NVLink is 10-100x faster than the
+        network between nodes, so the layout is chosen, never averaged.)"""
         self.all_reduce = self.send_recv = None
         if self.tp > 1:
             kind = "pairwise" if self.tp == 2 else "node"
-            self.all_reduce = self._net_table(root, device, kind, "all_reduce", self.tp)
+            self.all_reduce = self._net_table(root, device, kind, "all_reduce", self.tp,
+                                              per_node=self.tp)
         if self.pp > 1:
-            self.send_recv = self._net_table(root, device, "pairwise", "send_recv", 2)
+            self.send_recv = self._net_table(root, device, "pairwise", "send_recv", 2,
+                                             per_node=1 if self.pipeline_across_nodes else 2)
 
-    def _net_table(self, root, device, kind, op, workers):
+    def _net_table(self, root, device, kind, op, workers, per_node):
         folder = self.dev.network[kind]
         for name in (folder, DEVICES["a100"].network[kind]):
             path = root / "profiles" / "network" / name / f"{op}.csv"
             if path.is_file():
-                rows = [r for r in _read_csv(path) if int(r["num_workers"]) == workers]
+                rows = [r for r in _read_csv(path) if int(r["num_workers"]) == workers
+                        and int(r["devices_per_node"]) == per_node]
                 if rows:
                     if name != folder:
                         msg = f"{name} {op} stands in for {device} (not rescaled)"
                         self.note = f"{self.note}; {msg}" if self.note else msg
                     return _dedup([int(r["size"]) for r in rows],
                                   [float(r[f"time_stats.{op}.median"]) / 1e3 for r in rows])
-        raise ValueError(f"no {op} profile for {workers} workers on {device}")
+        raise ValueError(f"no {op} profile for {workers} workers, {per_node} per node, on"
+                         f" {device}")
 
     @staticmethod
     def _interp(grid: np.ndarray, vals: np.ndarray, x: float) -> float:
@@ -202,7 +212,8 @@ class GPUCostModel(CostModel):
 
 
 def _dedup(xs: list[float], ys: list[float]) -> tuple[np.ndarray, np.ndarray]:
-    """Sorted unique xs with the median y of each (tables repeat sizes across node layouts)."""
+    """Sorted unique xs with the median y of each (tables repeat a size, one row per rank or
+    per run)."""
     groups: dict[float, list[float]] = {}
     for x, y in zip(xs, ys, strict=True):
         groups.setdefault(x, []).append(y)
@@ -350,11 +361,36 @@ def read_telemetry(paths: list[str]) -> list[list[dict]]:
             raise ConfigError(f"--cpu-calibration {p}: {e.strerror or e}") from None
         except json.JSONDecodeError as e:
             raise ConfigError(f"--cpu-calibration {p}: not JSON lines ({e})") from None
-        out.append([r for r in records if isinstance(r, dict) and r.get("type") == "iteration"])
+        its = [r for r in records if isinstance(r, dict) and r.get("type") == "iteration"]
+        for i, r in enumerate(its):
+            if why := _bad_point(r, ITERATION_FIELDS, "duration"):
+                raise ConfigError(f"--cpu-calibration {p}: iteration record {i} {why} (not"
+                                  f" engine telemetry of `fluidserve serve --telemetry-file`?)")
+        out.append(its)
     return out
 
 
+def _bad_point(point, fields: tuple[str, ...], time_field: str) -> str | None:
+    """Why a profile point or telemetry record cannot be fitted, or None."""
+    if not isinstance(point, dict):
+        return "is not an object"
+    for f in fields:
+        v = point.get(f)
+        if isinstance(v, bool) or not isinstance(v, int | float) or not math.isfinite(v) \
+                or v < 0:
+            return f"has no {f} (a finite number >= 0)"
+    if not point[time_field] > 0:
+        return f"has {time_field} {point[time_field]} (must be > 0)"
+    return None
+
+
 PROFILE_KEYS = ("iteration_time", "decode", "chunked_prefill")
+PROFILE_FIELDS = {"iteration_time": ("tokens", "time_s"),
+                  "decode": ("batch_size", "context", "time_s"),
+                  "chunked_prefill": ("chunk_size", "prompt", "time_s"),
+                  "batched_prefill": ("prompts", "prompt_tokens", "time_s")}
+ITERATION_FIELDS = ("start", "duration", "num_prefill_tokens", "num_prefill_requests",
+                    "num_decode_tokens", "num_requests")
 # The shipped `fluidserve profile` results (the 250M benchmark model in bf16, 2 threads), by
 # the CPU they were taken on: the engine runs other kernels on other instruction sets, and
 # one CPU's prices are far off another's (the EPYC's priced served runs on the Xeon's at
@@ -395,4 +431,17 @@ def load_cpu_profile(path: str | None) -> dict:
     if missing:
         raise ConfigError(f"--cpu-profile {path}: not a `fluidserve profile` result (no"
                           f" {', '.join(missing)})")
+    points = 0
+    for key, fields in PROFILE_FIELDS.items():
+        entries = profile.get(key, [])
+        if not isinstance(entries, list):
+            raise ConfigError(f"--cpu-profile {path}: {key} is not a list")
+        for i, point in enumerate(entries):
+            if why := _bad_point(point, fields, "time_s"):
+                raise ConfigError(f"--cpu-profile {path}: {key}[{i}] {why}")
+        points += len(entries)
+    need = len(CPUCostModel.features(1, 0, 0, 0, 1))
+    if points < need:
+        raise ConfigError(f"--cpu-profile {path}: {points} timed points; the fit needs at"
+                          f" least {need}")
     return profile

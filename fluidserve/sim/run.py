@@ -12,6 +12,7 @@ from fluidserve.bench.capacity import search_capacity, slo_check
 from fluidserve.bench.report import constant_deadline, score_fluidity, summarize_run, write_run
 from fluidserve.bench.workload import build_workload
 from fluidserve.config import BenchConfig, CapacityConfig, EngineConfig, ParallelConfig, SimConfig
+from fluidserve.core.admission import cache_blocks
 from fluidserve.core.scheduler.output import ScheduledChunk, SchedulerOutput
 from fluidserve.core.token_budget import find_token_budget, pass_target
 from fluidserve.model.arch import kv_bytes_per_token
@@ -45,7 +46,8 @@ def make_cost_model(sim: SimConfig, par: ParallelConfig) -> CostModel:
             model.jitter = sim.cpu_jitter
         return model
     return GPUCostModel(sim.model_shape, sim.device, par.tensor_parallel_size,
-                        par.pipeline_parallel_size)
+                        par.pipeline_parallel_size,
+                        pipeline_across_nodes=sim.pipeline_across_nodes)
 
 
 def make_executor(sim: SimConfig, eng: EngineConfig, cost: CostModel) -> CostModelExecutor:
@@ -60,8 +62,10 @@ def make_executor(sim: SimConfig, eng: EngineConfig, cost: CostModel) -> CostMod
 
         m = MODEL_SHAPES["250m"]
         per_token = kv_bytes_per_token(m.num_layers, m.num_kv_heads,
-                                       m.hidden_size // m.num_heads, 2)
-        blocks = int(c.kv_cache_memory_gb * (1 << 30) // (per_token * c.block_size))
+                                       m.hidden_size // m.num_heads, 2, 1,
+                                       par.pipeline_parallel_size)
+        blocks = cache_blocks(per_token, c.block_size, c.kv_cache_memory_gb,
+                              eng.scheduler.max_num_seqs, sim.max_model_len, c.watermark)
     return CostModelExecutor(cost, blocks, c.block_size, sim.max_model_len)
 
 

@@ -16,16 +16,24 @@ class Shape:
     heads: int
     kv_heads: int
     vocab: int
+    gated_mlp: bool = True  # SwiGLU (gate and up projections); Falcon's MLP has no gate
+    tied_embeddings: bool = False
 
     @property
     def head_dim(self) -> int:
         return self.hidden // self.heads
 
     @property
+    def mlp_in(self) -> int:
+        """Output features of the MLP's input projection(s)."""
+        return (2 if self.gated_mlp else 1) * self.ffn
+
+    @property
     def params(self) -> int:
         h, d = self.hidden, self.head_dim
         attn = h * (self.heads + 2 * self.kv_heads) * d + self.heads * d * h
-        return self.layers * (attn + 3 * h * self.ffn) + 2 * self.vocab * h
+        mlp = h * (self.mlp_in + self.ffn)
+        return self.layers * (attn + mlp) + (1 if self.tied_embeddings else 2) * self.vocab * h
 
     def kv_bytes_per_token(self, dtype_bytes: int = 2, tp: int = 1, pp: int = 1) -> int:
         return kv_bytes_per_token(self.layers, self.kv_heads, self.head_dim, dtype_bytes, tp, pp)
@@ -38,7 +46,8 @@ SHAPES = {s.name: s for s in (
     Shape("codellama-34b", 8192, 22016, 48, 64, 8, 32000),
     Shape("yi-34b", 7168, 20480, 60, 56, 8, 64000),
     Shape("llama-2-70b", 8192, 28672, 80, 64, 8, 32000),
-    Shape("falcon-180b", 14848, 59392, 80, 232, 8, 65024),
+    Shape("falcon-180b", 14848, 59392, 80, 232, 8, 65024, gated_mlp=False,
+          tied_embeddings=True),  # 178.6B parameters
 )}
 
 # The measured per-layer operator tables (../shared/data/profiles/compute/<device>/<table>).

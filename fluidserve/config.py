@@ -7,6 +7,7 @@ flag is the ``help`` metadata of its field, so a knob is documented exactly once
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass, field, fields
 
 # Policies that run with a fixed token budget (sarathi_slack needs --token-budget auto).
@@ -84,6 +85,7 @@ class ModelConfig:
 
     def __post_init__(self) -> None:
         _positive("max_cudagraph_capture_size", self.max_cudagraph_capture_size)
+        _check_device(self.device)
         if self.dtype not in ("auto", *DTYPES):
             raise ConfigError(f"dtype must be auto or one of {', '.join(DTYPES)},"
                               f" got {self.dtype!r}")
@@ -268,10 +270,12 @@ class DisaggConfig:
         " prefilled (chunk: only the last chunk's transfer is on the critical path).",
         choices=KV_TRANSFER_GRANULARITIES)
     kv_transfer_bandwidth_gbps: float | None = knob(
-        None, "KV-transfer bandwidth between instances, GB/s (default in simulation: the"
-        " device's measured send/recv between two GPUs of one node, e.g. ~286 GB/s NVLink on"
-        " A100s).")
-    kv_transfer_latency: float = knob(20e-6, "Fixed cost of one KV transfer (seconds).")
+        None, "Simulation: KV-transfer bandwidth between instances, in gigabytes (not bits)"
+        " per second (default: the device's measured send/recv between two GPUs of one node,"
+        " e.g. ~286 GB/s NVLink on A100s). Served instances move KV as fast as --kv-transport"
+        " does.")
+    kv_transfer_latency: float = knob(20e-6, "Simulation: fixed cost of one KV transfer"
+                                      " (seconds).")
     kv_transport: str = knob("gloo", "How served instances move KV: gloo (torch.distributed"
                              " point-to-point) or shm (shared memory, same host).",
                              choices=KV_TRANSPORTS)
@@ -398,7 +402,8 @@ class ServerConfig:
         " in flight; after that the server fails them, turns /health to 503 and exits 1. Keep"
         " it above the longest iteration (a full token-budget prefill)."
     )
-    log_requests: bool = knob(False, "Log one line per finished request.")
+    log_requests: bool = knob(False, "Log one access line per HTTP request (uvicorn's access"
+                              " log, /health and /metrics included).")
     request_log: str | None = knob(
         None, "Append one JSON line per finished request (prompt token ids, generated length)"
         " to this file: what `fluidserve train-predictor` learns from.")
@@ -420,6 +425,11 @@ class ServerConfig:
         _positive("max_request_bytes", self.max_request_bytes)
         if not (self.watchdog_timeout > 0 and math.isfinite(self.watchdog_timeout)):
             raise ConfigError(f"watchdog_timeout must be > 0, got {self.watchdog_timeout}")
+
+
+def _check_device(device: str) -> None:
+    if not re.fullmatch(r"cpu|cuda(:\d+)?", device):
+        raise ConfigError(f"device must be cpu, cuda or cuda:N, got {device!r}")
 
 
 def _positive(name: str, value: int) -> None:
@@ -484,7 +494,7 @@ class BenchConfig:
     warmup_requests: int = knob(2, "Requests sent (and excluded) before the measured run.")
     timeout: float = knob(600.0, "Per-request timeout (s): from sending a request to its"
                           " stream's end, whatever arrives in between.")
-    output_dir: str | None = knob(None, "Run directory (default: runs/bench-<time>).")
+    output_dir: str | None = knob(None, "Run directory (default: runs/<command>-<time>).")
     plots: bool = knob(True, "Write PNG plots.")
     label: str | None = knob(None, "Name of this run in comparisons.")
 
@@ -604,6 +614,15 @@ class SimConfig:
             raise ConfigError("gpu_memory_utilization must be in (0, 1]")
         _positive("budget_decodes", self.budget_decodes)
         _positive("max_budget", self.max_budget)
+        _positive("max_model_len", self.max_model_len)
+        if self.budget_context < 0:
+            raise ConfigError("budget_context must be >= 0")
+
+
+def _model_shapes() -> list[str]:
+    from fluidserve.model.builder import SHAPES
+
+    return sorted(SHAPES)
 
 
 @dataclass(frozen=True)
@@ -611,7 +630,8 @@ class ProfileConfig:
     """Knobs of `fluidserve profile` (the engine characterization benchmark)."""
 
     model: str | None = knob(None, "Model directory (default: build the --shape benchmark model).")
-    shape: str = knob("250m", "Benchmark model shape when --model is not given.")
+    shape: str = knob("250m", "Benchmark model shape when --model is not given.",
+                      choices=_model_shapes)
     dtype: str = knob("bfloat16", "Weight dtype.", choices=DTYPES)
     device: str = knob("cpu", "Torch device.")
     num_threads: int | None = knob(None, "Torch intra-op threads (default: torch's).")
@@ -623,6 +643,7 @@ class ProfileConfig:
 
     def __post_init__(self) -> None:
         _positive("repeats", self.repeats)
+        _check_device(self.device)
 
 
 @dataclass(frozen=True)
@@ -662,12 +683,6 @@ class GenerateConfig:
     ignore_eos: bool = knob(False, "Keep generating past EOS.")
 
 
-def _model_shapes() -> list[str]:
-    from fluidserve.model.builder import SHAPES
-
-    return sorted(SHAPES)
-
-
 @dataclass(frozen=True)
 class BuildModelConfig:
     """Knobs of `fluidserve build-model` (a random-weight Llama model directory)."""
@@ -679,5 +694,6 @@ class BuildModelConfig:
     device: str = knob("cpu", "Draw the random weights here (cuda: seconds for an 8B model).")
 
     def __post_init__(self) -> None:
+        _check_device(self.device)
         if not self.out:
             raise ConfigError("give the directory to write: --out DIR")

@@ -47,6 +47,10 @@ class Recording:
             self.inner.clock = value
         super().__setattr__(name, value)
 
+    @property
+    def num_batches(self) -> int:
+        return self.inner.num_batches
+
     def submit(self, plan):
         self.batches.append(plan.composition())
         result = self.inner.submit(plan).result()
@@ -173,6 +177,7 @@ def test_simulated_pipeline_batches_equal_real_engine_batches(tiny_model_dir, sc
     fake = PipelinedRecording(CostModelExecutor(cost, 24, 8, model.max_model_len), cost)
     res = simulate(sim_work, cfg, fake)
     assert fake.batches == real.batches and len(real.batches) > 30
+    assert res.num_iterations == len(fake.batches)  # batches run, not scheduling passes
     for w, rec in zip(work, res.records, strict=True):
         r = reqs[w.index]
         assert rec.gaps == [r.token_times[0] - w.arrival] + list(np.diff(r.token_times))

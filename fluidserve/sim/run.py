@@ -98,8 +98,7 @@ def run_once(sim: SimConfig, eng: EngineConfig, bench: BenchConfig, rate: float 
     summary |= {
         "label": bench.label, "simulated": True, "request_rate": spec.request_rate,
         "lengths": source, "cost_model": sim.cost_model, "cost_model_note": cost.note,
-        "model_shape": sim.model_shape if sim.cost_model == "gpu" else None,
-        "device": sim.device if sim.cost_model == "gpu" else "this cpu",
+        **_what_is_simulated(sim),
         "tp": eng.parallel.tensor_parallel_size,
         "pp": eng.parallel.pipeline_parallel_size, "scheduler": eng.scheduler.policy,
         "token_budget": eng.scheduler.token_budget,
@@ -121,9 +120,7 @@ def _run_disaggregated(work, source, spec, sim, eng, bench, t0, jitter_seed
     summary = summarize_run(records, bench.tbt_deadline)
     summary |= {
         "label": bench.label, "simulated": True, "request_rate": spec.request_rate,
-        "lengths": source, "cost_model": sim.cost_model,
-        "model_shape": sim.model_shape if sim.cost_model == "gpu" else None,
-        "device": sim.device if sim.cost_model == "gpu" else "this cpu",
+        "lengths": source, "cost_model": sim.cost_model, **_what_is_simulated(sim),
         "tp": eng.parallel.tensor_parallel_size, "pp": eng.parallel.pipeline_parallel_size,
         "scheduler": "tetriinfer", "makespan_s": res.makespan,
         "simulation_wall_s": time.perf_counter() - t0,
@@ -177,6 +174,12 @@ def _token_budget(sim: SimConfig, eng: EngineConfig, cap: CapacityConfig, cost: 
     return 0 if msg is None else 1
 
 
+def _what_is_simulated(sim: SimConfig) -> dict:
+    if sim.cost_model == "gpu":
+        return {"model_shape": sim.model_shape, "device": sim.device}
+    return {"model_shape": None, "device": "this cpu"}  # the profiled model, as profiled
+
+
 def _capacity(sim, eng, bench, cap, cost, out: Path) -> int:
     check = slo_check(cap)
     curve = []
@@ -195,7 +198,7 @@ def _capacity(sim, eng, bench, cap, cost, out: Path) -> int:
                "num_probes": res["num_probes"], "converged": res["converged"],
                "slo": dataclasses.asdict(cap), "scheduler": eng.scheduler.policy,
                "token_budget": eng.scheduler.token_budget, "cost_model": sim.cost_model,
-               "model_shape": sim.model_shape, "device": sim.device,
+               **_what_is_simulated(sim),
                "tp": eng.parallel.tensor_parallel_size,
                "pp": eng.parallel.pipeline_parallel_size,
                "note": cost.note, "curve": curve}

@@ -41,9 +41,11 @@ class CostModelExecutor:
         self.clock: VirtualClock | None = None  # set by simulate()
         self.free_at = [0.0] * cost.pp
         self.busy = [0.0] * cost.pp
+        self.num_batches = 0  # batches run (the scheduler also numbers the empty plans)
 
     def submit(self, plan: SchedulerOutput) -> Future:
         start = t = self.clock.now()
+        self.num_batches += 1
         stage_times = [self.cost.iteration_time(plan)] if self.depth == 1 \
             else self.cost.stage_times(PlanShape.of(plan))
         for s, dt in enumerate(stage_times):
@@ -112,7 +114,7 @@ def simulate(work: list[WorkloadRequest], config: EngineConfig, executor: CostMo
         elif core.has_unfinished():
             raise RuntimeError("simulation stalled: nothing schedulable or in flight")
     records = [_record(w, reqs[w.index]) for w in work]
-    return SimResult(records, clock.now(), executor.busy, core.scheduler.iteration,
+    return SimResult(records, clock.now(), executor.busy, executor.num_batches,
                      core.scheduler.num_preemptions)
 
 

@@ -33,7 +33,7 @@ class Request:
     prompt_token_ids: list[int]
     params: SamplingParams
     arrival_time: float
-    eos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()  # the tokenizer's EOS and those the model declares
     seed: int = 0  # sampling seed: params.seed, or one drawn by the engine
     output_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
@@ -49,8 +49,7 @@ class Request:
     def stop_token_ids(self) -> tuple[int, ...]:
         """Every token that would stop this request: ``min_tokens`` bans them."""
         p = self.params
-        eos = () if p.ignore_eos or self.eos_token_id is None else (self.eos_token_id,)
-        return p.stop_token_ids + eos
+        return p.stop_token_ids if p.ignore_eos else p.stop_token_ids + self.eos_token_ids
 
     @property
     def num_prompt_tokens(self) -> int:

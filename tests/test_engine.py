@@ -161,6 +161,28 @@ def test_model_eos_ends_a_request_unless_ignored(tiny_model_dir, reference):
     assert llm.engine.block_manager.num_free_blocks == llm.engine.block_manager.num_blocks
 
 
+def test_every_end_of_sequence_the_model_declares_ends_a_request(tiny_model_dir, reference,
+                                                                  tmp_path):
+    """generation_config.json may declare more EOS ids than the tokenizer's one (Llama 3.1
+    Instruct: three); each ends a request, as in vLLM and transformers."""
+    import shutil
+
+    model = tmp_path / "model"
+    shutil.copytree(tiny_model_dir, model)
+    said = reference[1][-1]  # the token the model turns to after a few others
+    eos = json.loads((model / "config.json").read_text())["eos_token_id"]
+    (model / "generation_config.json").write_text(json.dumps({"eos_token_id": [eos, said]}))
+    llm = LLM(model=str(model))
+    base = dict(max_tokens=MAX_TOKENS[1], temperature=0.0)
+    stop, ignored = llm.generate([PROMPTS[1]] * 2, [SamplingParams(**base),
+                                                    SamplingParams(**base, ignore_eos=True)])
+    end = reference[1].index(said) + 1
+    assert 1 < end < MAX_TOKENS[1]
+    assert stop.finish_reason == "stop" and stop.token_ids == reference[1][:end]
+    assert stop.text == llm.tokenizer.decode(reference[1][:end - 1])  # its text is not output
+    assert ignored.finish_reason == "length" and ignored.token_ids == reference[1]
+
+
 def test_prompt_too_long_is_rejected(tiny_model_dir):
     llm = LLM(model=str(tiny_model_dir), max_model_len=64)
     with pytest.raises(ValueError, match="context window"):

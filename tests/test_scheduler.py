@@ -431,7 +431,7 @@ def run_stream(sched, reqs: list[Request], tokens: dict[str, list[int]]) -> list
 
 def stream_req(rid, max_tokens=10, **params):
     return Request(rid, [1, 2, 3], SamplingParams(max_tokens=max_tokens, **params), 0.0,
-                   eos_token_id=EOS)
+                   eos_token_ids=(EOS,))
 
 
 def test_stop_conditions():

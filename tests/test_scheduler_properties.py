@@ -154,7 +154,7 @@ class Harness:
         params = SamplingParams(max_tokens=spec.max_tokens, min_tokens=spec.min_tokens,
                                 ignore_eos=spec.ignore_eos,
                                 stop_token_ids=(STOP,) if spec.stop_on else ())
-        req = Request(rid, [3] * spec.prompt_len, params, self.now, eos_token_id=EOS)
+        req = Request(rid, [3] * spec.prompt_len, params, self.now, eos_token_ids=(EOS,))
         total = spec.prompt_len + spec.max_tokens
         reserve = int(self.cfg["watermark"] * self.cfg["num_blocks"])
         fits = (total <= self.cfg["max_model_len"]

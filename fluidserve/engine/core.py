@@ -112,6 +112,9 @@ class EngineCore:
         self.telemetry = telemetry or Telemetry()
         self.emit_outputs = emit_outputs
         self.vocab_size = vocab_size
+        # Besides the tokenizer's EOS (which each request carries), every id the model
+        # declares an end of sequence (config.json, generation_config.json) ends a request.
+        self.model_eos_ids = tuple(getattr(getattr(executor, "arch", None), "eos_token_ids", ()))
         self.max_model_len = min(config.model.max_model_len or executor.max_model_len,
                                  executor.max_model_len)
         sc = config.scheduler
@@ -179,7 +182,9 @@ class EngineCore:
         p = msg.params
         seed = p.seed if p.seed is not None else self._rng.getrandbits(63)
         now = self.clock.now() if msg.arrival_time is None else msg.arrival_time
-        req = Request(msg.request_id, ids, p, now, eos_token_id=msg.eos_token_id, seed=seed)
+        eos = self.model_eos_ids if msg.eos_token_id is None else tuple(
+            dict.fromkeys((msg.eos_token_id, *self.model_eos_ids)))
+        req = Request(msg.request_id, ids, p, now, eos_token_ids=eos, seed=seed)
         self.scheduler.add_request(req)
         self._changed = True
         return req
@@ -356,8 +361,8 @@ class EngineCore:
             req = self.scheduler.requests.get(c.request_id)
             where = at.get(c.request_id, ()) if isinstance(at, dict) else at
             if c.samples and c.output_index in where and req is not None \
-                    and req.eos_token_id is not None:
-                result.sampled[c.request_id] = req.eos_token_id
+                    and req.eos_token_ids:
+                result.sampled[c.request_id] = req.eos_token_ids[0]
 
     def stats(self) -> SchedulerStats:
         s = self.scheduler

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
@@ -75,7 +75,24 @@ def read_arch(model_dir: str | Path) -> ArchConfig:
         cfg = json.loads(path.read_text())
     except json.JSONDecodeError as e:
         raise ModelLoadError(f"{path}: invalid JSON ({e})") from None
-    return parse_arch(cfg, str(path))
+    arch = parse_arch(cfg, str(path))
+    # generation_config.json may declare more ends of sequence than config.json (Llama 3.1
+    # Instruct: <|end_of_text|>, <|eom_id|>, <|eot_id|>); every one of them ends a request.
+    gen = Path(model_dir) / "generation_config.json"
+    if gen.is_file():
+        try:
+            more = _token_ids(json.loads(gen.read_text()).get("eos_token_id"))
+        except (json.JSONDecodeError, AttributeError, TypeError, ValueError) as e:
+            raise ModelLoadError(f"{gen}: invalid ({e})") from None
+        arch = replace(arch, eos_token_ids=tuple(dict.fromkeys(arch.eos_token_ids + more)))
+    return arch
+
+
+def _token_ids(value) -> tuple[int, ...]:
+    """A config's token id or list of ids (``eos_token_id``), as a tuple."""
+    if value is None:
+        return ()
+    return tuple(int(v) for v in value) if isinstance(value, list) else (int(value),)
 
 
 def parse_arch(cfg: dict, where: str = "config.json") -> ArchConfig:
@@ -106,8 +123,11 @@ def parse_arch(cfg: dict, where: str = "config.json") -> ArchConfig:
             f" supported: {', '.join(SUPPORTED_ROPE_TYPES)}"
         )
     rope["rope_type"] = rope_type
-    eos = cfg.get("eos_token_id")
-    eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
+    try:
+        eos_ids = _token_ids(cfg.get("eos_token_id"))
+    except (TypeError, ValueError):
+        raise ModelLoadError(f"{where}: eos_token_id {cfg.get('eos_token_id')!r} is not a"
+                             f" token id or a list of them") from None
     is_qwen = arch == "Qwen2ForCausalLM"
     window = cfg.get("sliding_window")
     if is_qwen and not cfg.get("use_sliding_window", False):

@@ -205,7 +205,7 @@ class Scheduler(ABC):
             return None
         if token in p.stop_token_set:
             return RequestStatus.FINISHED_STOPPED
-        if not p.ignore_eos and req.eos_token_id is not None and token == req.eos_token_id:
+        if not p.ignore_eos and token in req.eos_token_ids:
             return RequestStatus.FINISHED_STOPPED
         return None
 

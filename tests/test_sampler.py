@@ -38,13 +38,19 @@ def test_frequencies_follow_softmax_of_logits_over_temperature():
 
 
 def reference_kept(logits: torch.Tensor, top_k: int, top_p: float) -> int:
-    """How many of the best tokens top-k / top-p keep: tokens are taken in order of
-    probability while the mass already taken is below top_p, at most top_k of them."""
-    probs = torch.sort(logits, descending=True).values.softmax(-1)
+    """How many of the best tokens top-k / top-p keep (vLLM's rule): top-k keeps the k best;
+    of those, tokens are taken in order of probability, renormalized over the k, while the
+    mass already taken is below top_p."""
+    best = torch.sort(logits.double(), descending=True).values
+    if top_k > 0:
+        best = best[:top_k]
+    if top_p >= 1:
+        return len(best)
+    probs = best.softmax(-1)
     keep = 1
     while keep < len(probs) and float(probs[:keep].sum()) < top_p:
         keep += 1
-    return min(keep, top_k) if top_k > 0 else keep
+    return keep
 
 
 def test_top_k_and_top_p_keep_exactly_the_reference_sets():
@@ -57,6 +63,24 @@ def test_top_k_and_top_p_keep_exactly_the_reference_sets():
         order = torch.sort(logits[row], descending=True).values
         keep = reference_kept(logits[row], int(top_k[row]), float(top_p[row]))
         assert float(threshold[row]) == float(order[keep - 1]), row
+
+
+def test_filters_off_keep_every_token_of_a_large_vocabulary():
+    """top_p = 1 and top_k = -1 keep all 128k tokens (a float32 running sum reaches 1 long
+    before the end: the tail was dropped, so a row's draw changed when another row of its
+    batch asked for a filter and the filter ran for every row)."""
+    logits = torch.randn(2, 128256, generator=torch.Generator().manual_seed(0)) * 3
+    threshold = filter_threshold(logits, torch.tensor([-1, 5]), torch.tensor([1.0, 1.0]))
+    assert float(threshold[0]) == float(logits[0].min())
+    assert float(threshold[1]) == float(torch.sort(logits[1], descending=True).values[4])
+
+
+def test_top_p_takes_the_mass_top_k_left():
+    logits = torch.log(torch.tensor([[0.4, 0.3, 0.2, 0.1]]))
+    # top-k 2 leaves 0.4 / 0.3, renormalized 0.57 / 0.43: top-p 0.5 keeps one token (over
+    # the whole distribution 0.4 < 0.5 would have kept two).
+    threshold = filter_threshold(logits, torch.tensor([2]), torch.tensor([0.5]))
+    assert float(threshold[0]) == float(logits[0, 0])
 
 
 def test_sampled_tokens_respect_the_filters():

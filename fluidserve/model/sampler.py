@@ -37,15 +37,20 @@ def uniform(seed: int, index: int) -> float:
 def filter_threshold(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor
                      ) -> torch.Tensor:
     """Per row, the smallest logit that top-k and top-p keep (logits: [R, V] float32, already
-    divided by temperature; top_k <= 0 and top_p >= 1 disable a filter). Ties with the
-    threshold are kept."""
+    divided by temperature; top_k <= 0 and top_p >= 1 disable a filter). As in vLLM, top-p
+    takes the mass of the distribution top-k left, renormalized. Ties with the threshold are
+    kept."""
     sorted_logits = torch.sort(logits, dim=-1, descending=True).values
     v = logits.shape[-1]
     k = torch.where(top_k > 0, top_k.clamp(max=v), torch.full_like(top_k, v))
-    probs = sorted_logits.softmax(-1)
+    ranks = torch.arange(v, device=logits.device)
+    probs = sorted_logits.masked_fill(ranks[None, :] >= k[:, None], float("-inf")).softmax(-1)
     # A token is kept while the mass before it is below top_p (the first is always kept).
+    # top_p >= 1 keeps every token outright: a float32 running sum reaches 1 before the end
+    # of a large vocabulary, which would drop its tail (and make a row's draw depend on
+    # whether another row in the batch asked for a filter).
     before = probs.cumsum(-1) - probs
-    kept_p = (before < top_p[:, None]).sum(-1)
+    kept_p = torch.where(top_p >= 1, v, (before < top_p[:, None]).sum(-1))
     keep = torch.minimum(k, kept_p.clamp(min=1))
     return sorted_logits.gather(1, (keep - 1)[:, None]).squeeze(1)
 

@@ -8,6 +8,8 @@ with fixed budgets and with ``auto``. Writes JSON and prints tables:
     python scripts/adaptive_budget_sim.py --out docs/adaptive.json --tables
     python scripts/adaptive_budget_sim.py --out docs/adaptive.json --auto-only  # after a change
                                                   # to auto: rerun it, keep the fixed budgets
+    python scripts/adaptive_budget_sim.py --out docs/adaptive.json --only llama-2-70b
+                                                  # one model's jobs, keep the others
     python scripts/adaptive_budget_sim.py --sweep yi-34b:arxiv:0.5:1.75 --margin 0.02
                                                   # budgets x seeds at one rate
 """
@@ -156,6 +158,8 @@ def main() -> int:
     ap.add_argument("--tables", action="store_true")
     ap.add_argument("--auto-only", action="store_true",
                     help="Rerun only the auto jobs; keep the other results already in --out.")
+    ap.add_argument("--only", metavar="SHAPE", help="Rerun only this model shape's jobs; keep"
+                    " the other results already in --out.")
     ap.add_argument("--fluidity", action="store_true",
                     help="Instead: fluidity-index capacity of sarathi_slack vs sarathi (auto).")
     ap.add_argument("--sweep", metavar="SHAPE:TRACE:SLO:RATE",
@@ -173,9 +177,15 @@ def main() -> int:
     todo = (fluidity_jobs if args.fluidity else jobs)(args.num_prompts, args.margin)
     t0 = time.perf_counter()
     results = []
-    if args.auto_only:
-        todo = [j for j in todo if j["budget"] == "auto"]
-        results = [r for r in json.loads(Path(args.out).read_text()) if r["budget"] != "auto"]
+    if args.auto_only or args.only:
+        def rerun(j: dict) -> bool:
+            return ((not args.auto_only or j["budget"] == "auto")
+                    and (not args.only or j["shape"] == args.only))
+
+        todo = [j for j in todo if rerun(j)]
+        if not todo:
+            ap.error("nothing to rerun")
+        results = [r for r in json.loads(Path(args.out).read_text()) if not rerun(r)]
     with ProcessPoolExecutor(args.jobs) as pool:
         for r in pool.map(capacity, todo):
             results.append(r)

@@ -31,7 +31,8 @@ def engine(scheduler: str, budget: int, max_seqs: int = 128, tp: int = 1, pp: in
 
 
 def capacity(job: dict) -> dict:
-    sim = SimConfig(model_shape=job["shape"], device=job["device"])
+    sim = SimConfig(model_shape=job["shape"], device=job["device"],
+                    pipeline_across_nodes=job.get("across_nodes", False))
     eng = engine(job["scheduler"], job["budget"], job.get("max_seqs", 128), job["tp"], job["pp"])
     bench = BenchConfig(dataset_name="sharegpt", num_prompts=job["num_prompts"], seed=0,
                         max_prompt_len=8192, max_output_len=8192, plots=False)
@@ -58,21 +59,23 @@ def capacity(job: dict) -> dict:
 
 def jobs(n: int) -> list[dict]:
     out = []
-    # The paper's budgets (512 strict, 2048 relaxed); for Llama-2-70B TP4-PP2 on A40 the
-    # budget `fluidserve simulate --find-token-budget --tile-size 128` gives for 1.0 s (896:
-    # a pass of at most 2/3 of the SLO, see core/token_budget.pass_target) and, for 0.2 s,
-    # where no budget meets the SLO at the reference batch, the smallest tile (128).
-    for shape, device, tp, pp, slos, budgets in (
-            ("mistral-7b", "a100", 1, 1, (0.1, 0.5), (512, 2048)),
-            ("yi-34b", "a100", 2, 1, (0.2, 1.0), (512, 2048)),
-            ("llama-2-70b", "a40", 4, 2, (0.2, 1.0), (128, 896))):
+    # The paper's budgets (512 strict, 2048 relaxed); for the pipelines the budgets
+    # `fluidserve simulate --find-token-budget --tile-size 128` gives (a pass of at most 2/3
+    # of the SLO, see core/token_budget.pass_target): Llama-2-70B TP4-PP2 on one node of
+    # A40s 128 for 0.2 s and 1664 for 1.0 s; Falcon-180B TP4-PP2 on two nodes of four A100s
+    # (the paper's deployment; --pipeline-across-nodes) 128 and 1280.
+    for shape, device, tp, pp, slos, budgets, across in (
+            ("mistral-7b", "a100", 1, 1, (0.1, 0.5), (512, 2048), False),
+            ("yi-34b", "a100", 2, 1, (0.2, 1.0), (512, 2048), False),
+            ("llama-2-70b", "a40", 4, 2, (0.2, 1.0), (128, 1664), False),
+            ("falcon-180b", "a100", 4, 2, (0.2, 1.0), (128, 1280), True)):
         for slo, budget in zip(slos, budgets, strict=True):
             for sched in ("sarathi", "vllm", "orca"):
                 if pp > 1 and sched == "orca":
                     continue
                 out.append({"figure": "capacity", "shape": shape, "device": device, "tp": tp,
-                            "pp": pp, "slo": slo, "budget": budget, "scheduler": sched,
-                            "num_prompts": n})
+                            "pp": pp, "across_nodes": across, "slo": slo, "budget": budget,
+                            "scheduler": sched, "num_prompts": n})
     for slo in (0.05, 0.1, 0.2, 0.5, 1.0):  # Figure 12: Mistral-7B on one A100
         for seqs in (32, 64, 128):
             out.append({"figure": "fig12", "shape": "mistral-7b", "device": "a100", "tp": 1,
@@ -85,7 +88,8 @@ def jobs(n: int) -> list[dict]:
     return out
 
 
-PAPER = {("mistral-7b", 0.1): "up to 2.6x vLLM", ("yi-34b", 0.2): "3.7x vLLM, 4.0x Orca"}
+PAPER = {("mistral-7b", 0.1): "up to 2.6x vLLM", ("yi-34b", 0.2): "3.7x vLLM, 4.0x Orca",
+         ("falcon-180b", 0.2): "up to 5.6x vLLM"}
 
 
 def tables(results: list[dict]) -> str:
@@ -101,8 +105,9 @@ def tables(results: list[dict]) -> str:
         def ratio(a, b):
             return f"{a / b:.2f}x" if a and b else "-"
 
+        nodes = ", 2 nodes" if row["sarathi"].get("across_nodes") else ""
         gpus = f"{key[2] * key[3]}x {key[1].upper()} (TP{key[2]}" + (
-            f"-PP{key[3]})" if key[3] > 1 else ")")
+            f"-PP{key[3]}{nodes})" if key[3] > 1 else ")")
         lines.append(f"| {key[0]} | {gpus} | {key[4]} s | {sar:.3g} ({row['sarathi']['budget']})"
                      f" | {vl:.3g} | {f'{orc:.3g}' if orc else '-'} | {ratio(sar, vl)} |"
                      f" {ratio(sar, orc)} | {PAPER.get((key[0], key[4]), '')} |")
@@ -130,14 +135,21 @@ def main() -> None:
     ap.add_argument("--jobs", type=int, default=2)
     ap.add_argument("--out", default="docs/reproduction.json")
     ap.add_argument("--tables", action="store_true", help="Print the tables of --out and exit.")
+    ap.add_argument("--only", metavar="SHAPE", help="Rerun only this model shape's jobs; keep"
+                    " the other results already in --out.")
     args = ap.parse_args()
     if args.tables:
         print(tables(json.loads(Path(args.out).read_text())))
         return
-    todo = jobs(args.num_prompts)
+    todo, results = jobs(args.num_prompts), []
+    if args.only:
+        if args.only not in {j["shape"] for j in todo}:
+            ap.error(f"--only: no jobs for {args.only!r}")
+        results = [r for r in json.loads(Path(args.out).read_text())
+                   if r["shape"] != args.only]
+        todo = [j for j in todo if j["shape"] == args.only]
     t0 = time.perf_counter()
     with ProcessPoolExecutor(args.jobs) as pool:
-        results = []
         for r in pool.map(capacity, todo):
             results.append(r)
             print(f"[{time.perf_counter() - t0:6.0f}s] {r['figure']} {r['shape']} tp{r['tp']}"

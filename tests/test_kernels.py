@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -172,6 +173,26 @@ def test_eager_attention_matches_reference(dtype):
     out = A.paged_attention(q, k, v, k_cache, v_cache, meta, 0.125)
     ref = reference(q, k_cache, v_cache, meta.runs, tables, 0.125)
     assert (out.float() - ref.float()).abs().max() <= (1e-5 if dtype == torch.float32 else 3e-2)
+
+
+@pytest.mark.parametrize("backend", ["eager", "native"])
+def test_stale_cache_slots_past_a_context_never_reach_the_output(backend):
+    """NaN in slots no run's context covers (its last block's tail, block 0 padding shorter
+    block tables): one request's overflow must not poison the others' attention."""
+    if backend == "native" and cpu_ops() is None:
+        pytest.skip(f"native kernels unavailable: {build_error()}")
+    for seed in range(50):  # a batch where block 0 pads the first table and holds no context
+        q, k, v, k_cache, v_cache, meta, tables = batch(8, 2, 64, 16, torch.float32, seed=seed,
+                                                        lengths=[(1, 20), (1, 70)], num_blocks=40)
+        if all(0 not in t for t in tables):
+            break
+    want = A.paged_attention(q, k, v, k_cache.clone(), v_cache.clone(),
+                             dataclasses.replace(meta, backend=backend), 0.125)
+    k_cache[tables[0][-1], :, :, 5:], v_cache[tables[0][-1], :, 5:, :] = float("nan"), float("nan")
+    k_cache[0], v_cache[0] = float("nan"), float("nan")
+    got = A.paged_attention(q, k, v, k_cache, v_cache, dataclasses.replace(meta, backend=backend),
+                            0.125)
+    assert torch.equal(got, want)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -200,8 +200,14 @@ def _single_token_attention(q, k_cache, v_cache, meta: AttentionMetadata, runs: 
     kh = k_cache[tables].permute(0, 2, 1, 4, 3).reshape(s, hkv, nb * bs, d)
     vh = v_cache[tables].permute(0, 2, 1, 3, 4).reshape(s, hkv, nb * bs, d)
     pos = torch.arange(nb * bs, device=q.device)
-    mask = (pos[None, :] < ctx[:, None])[:, None, None, :]  # [S, 1, 1, ctx]
+    valid = pos[None, :] < ctx[:, None]  # [S, ctx_max]
+    # Slots past a run's context (a block's unused tail, the block 0 that pads short tables)
+    # hold whatever another request left there: zero them, since a masked NaN still turns
+    # a score, and a zero-weighted NaN value an output, into NaN.
+    hidden = ~valid[:, None, :, None]
+    kh, vh = kh.masked_fill(hidden, 0), vh.masked_fill(hidden, 0)
     o = F.scaled_dot_product_attention(
-        q.unsqueeze(2), kh, vh, attn_mask=mask, scale=scale, enable_gqa=True
+        q.unsqueeze(2), kh, vh, attn_mask=valid[:, None, None, :], scale=scale,
+        enable_gqa=True
     )
     return o.squeeze(2)  # [S, H, D]

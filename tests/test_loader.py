@@ -92,6 +92,21 @@ def test_unsupported_rope_type(model_copy):
         load_model(model_copy)
 
 
+@pytest.mark.parametrize("changes, why", [
+    ({"rope_scaling": {"rope_type": "llama3", "factor": 8.0}},
+     "'llama3' needs original_max_position_embeddings"),
+    ({"rope_scaling": {"rope_type": "linear"}}, "'linear' needs factor"),
+    ({"max_position_embeddings": 0}, "max_position_embeddings must be >= 1"),
+    ({"num_key_value_heads": 3}, "heads do not share 3 key-value heads evenly"),
+    ({"eos_token_id": "</s>"}, "eos_token_id '</s>' is not a token id"),
+])
+def test_a_config_the_model_cannot_run_with_is_refused_before_loading(model_copy, changes,
+                                                                       why):
+    edit_config(model_copy, **changes)
+    with pytest.raises(ModelLoadError, match=why):
+        load_model(model_copy)
+
+
 def test_dtype_auto_runs_the_checkpoint_in_its_own_dtype(tmp_path):
     """``--dtype auto`` (the default, as in vllm serve): the dtype config.json names; float16
     checkpoints run in bfloat16 on the CPU; float32 when the config names none."""

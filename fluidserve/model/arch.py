@@ -8,6 +8,8 @@ from pathlib import Path
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+ROPE_FIELDS = {"default": (), "linear": ("factor",),  # what each rope type cannot do without
+               "llama3": ("factor", "original_max_position_embeddings")}
 
 
 def kv_bytes_per_token(layers: int, kv_heads: int, head_dim: int, dtype_bytes: int,
@@ -123,6 +125,11 @@ def parse_arch(cfg: dict, where: str = "config.json") -> ArchConfig:
             f" supported: {', '.join(SUPPORTED_ROPE_TYPES)}"
         )
     rope["rope_type"] = rope_type
+    for key in ROPE_FIELDS[rope_type]:
+        value = rope.get(key)
+        if isinstance(value, bool) or not isinstance(value, int | float) or not value > 0:
+            raise ModelLoadError(f"{where}: rope scaling {rope_type!r} needs {key} (a number"
+                                 f" > 0), got {value!r}")
     try:
         eos_ids = _token_ids(cfg.get("eos_token_id"))
     except (TypeError, ValueError):
@@ -132,7 +139,7 @@ def parse_arch(cfg: dict, where: str = "config.json") -> ArchConfig:
     window = cfg.get("sliding_window")
     if is_qwen and not cfg.get("use_sliding_window", False):
         window = None
-    return ArchConfig(
+    out = ArchConfig(
         architecture=arch,
         vocab_size=int(need("vocab_size")),
         hidden_size=hidden,
@@ -154,3 +161,11 @@ def parse_arch(cfg: dict, where: str = "config.json") -> ArchConfig:
         sliding_window=int(window) if window else None,
         dtype=cfg.get("torch_dtype") or cfg.get("dtype"),
     )
+    for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
+                 "num_kv_heads", "head_dim", "max_position_embeddings"):
+        if getattr(out, name) < 1:
+            raise ModelLoadError(f"{where}: {name} must be >= 1, got {getattr(out, name)}")
+    if out.num_heads % out.num_kv_heads:
+        raise ModelLoadError(f"{where}: {out.num_heads} attention heads do not share"
+                             f" {out.num_kv_heads} key-value heads evenly")
+    return out

@@ -54,7 +54,8 @@ class ModelConfig:
     device: str = knob("cpu", "Torch device: cpu, cuda, cuda:N.")
     seed: int = knob(0, "Sampling seed for requests that do not carry one.")
     max_model_len: int | None = knob(
-        None, "Context window in tokens (default: the model's max_position_embeddings)."
+        None, "Context window in tokens (default and upper bound: the model's"
+        " max_position_embeddings)."
     )
     num_threads: int | None = knob(
         None, "Torch intra-op threads on CPU, per worker process (default: torch's).")

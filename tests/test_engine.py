@@ -191,6 +191,14 @@ def test_prompt_too_long_is_rejected(tiny_model_dir):
         llm.generate([[1, 2, 10**9]], SamplingParams(max_tokens=4))
 
 
+def test_a_context_window_beyond_the_models_is_refused(tiny_model_dir):
+    from fluidserve.config import ConfigError
+
+    with pytest.raises(ConfigError, match="--max-model-len 4096 is longer than the model's"
+                                          " context window .max_position_embeddings 2048"):
+        LLM(model=str(tiny_model_dir), max_model_len=4096)
+
+
 def test_telemetry_records_tokens_and_iterations(tiny_model_dir, tmp_path):
     llm = LLM(model=str(tiny_model_dir), token_budget=16)
     outs = llm.generate(PROMPTS[:3], [greedy(i) for i in range(3)])

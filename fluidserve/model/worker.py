@@ -79,9 +79,16 @@ class WorkerSpec:
 
 
 def resolve_max_model_len(arch: ArchConfig, requested: int | None) -> int:
-    n = min(requested or arch.max_position_embeddings, arch.max_position_embeddings)
+    from fluidserve.config import ConfigError
+
+    if requested is not None and requested > arch.max_position_embeddings:
+        raise ConfigError(f"--max-model-len {requested} is longer than the model's context"
+                          f" window (max_position_embeddings {arch.max_position_embeddings})")
+    n = requested or arch.max_position_embeddings
     if arch.sliding_window and arch.sliding_window < n:
         # Sliding-window attention is not implemented; within the window it is exact.
+        log.warning("context window capped at the model's sliding window, %d tokens (sliding"
+                    " window attention is not implemented)", arch.sliding_window)
         n = arch.sliding_window
     return n
 

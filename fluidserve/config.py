@@ -268,7 +268,8 @@ class DisaggConfig:
                                        " above this (tokens).")
     kv_transfer_granularity: str = knob(
         "request", "Send a request's KV when its prefill ends (request) or each chunk as it is"
-        " prefilled (chunk: only the last chunk's transfer is on the critical path).",
+        " prefilled (chunk: the transfer overlaps the prefill; what the link has not carried"
+        " by its end, and at least the last chunk, remains).",
         choices=KV_TRANSFER_GRANULARITIES)
     kv_transfer_bandwidth_gbps: float | None = knob(
         None, "Simulation: KV-transfer bandwidth between instances, in gigabytes (not bits)"

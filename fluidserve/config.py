@@ -354,6 +354,18 @@ class EngineConfig:
             raise ConfigError("--async-scheduling runs the model in one process: it does not"
                               " combine with --tensor-parallel-size/--pipeline-parallel-size"
                               " > 1 or --disaggregate")
+        sc = self.scheduler
+        if self.disagg.disaggregate:
+            moot = [flag for flag, given in (
+                ("--scheduler", sc.policy != SchedulerConfig.policy),
+                ("--queue-policy", sc.queue_policy != SchedulerConfig.queue_policy),
+                ("--token-budget auto", sc.token_budget == "auto")) if given]
+            if moot:
+                raise ConfigError(
+                    f"--disaggregate runs TetriInfer's own schedulers (prefill instances:"
+                    f" --prefill-policy, --prefill-chunk-size; decode instances:"
+                    f" --decode-admission under a fixed --token-budget): {', '.join(moot)}"
+                    f" would be ignored")
 
     def knobs(self) -> dict:
         """The flat knob names and values (the inverse of ``create``)."""

@@ -180,6 +180,13 @@ def test_disagg_config_rejects_bad_values():
         EngineConfig.create(num_decode_instances=0)
     with pytest.raises(ConfigError):
         EngineConfig.create(predictor_accuracy=1.5)
+    # The colocated engine's scheduler knobs have no say over the instances: refused, not
+    # silently ignored.
+    for knob in ({"scheduler": "vllm"}, {"queue_policy": "sjf"},
+                 {"token_budget": "auto", "tbt_slo": 0.2}):
+        with pytest.raises(ConfigError, match="would be ignored"):
+            EngineConfig.create(disaggregate=True, **knob)
+    EngineConfig.create(disaggregate=True, token_budget=1024, prefill_policy="sjf")
 
 
 # ---------------------------------------------------------------- the cluster, simulated

@@ -79,14 +79,14 @@ def check_elementwise_ops(ops, dtype, exact_norm: bool, device: str = "cpu") -> 
         h, r = norm.add_native(x.clone(), res.clone(), ops)
         torch.testing.assert_close(r, res + x, atol=0, rtol=0)
         torch.testing.assert_close(h, norm(res + x), **tol)
-        # RoPE in place on views of a fused QKV row (H=3, Hkv=2, D=32), positions out of order.
+        # RoPE in place on views of a fused QKV row (H=6, Hkv=2, D=32), positions out of order.
         cfg = parse_arch({"architectures": ["LlamaForCausalLM"], "vocab_size": 10,
-                          "hidden_size": 96, "intermediate_size": 10, "num_hidden_layers": 1,
-                          "num_attention_heads": 3, "num_key_value_heads": 2})
+                          "hidden_size": 192, "intermediate_size": 10, "num_hidden_layers": 1,
+                          "num_attention_heads": 6, "num_key_value_heads": 2})
         rot = Rotary(cfg, 64).to(device)
-        qkv = torch.randn(5, (3 + 2 + 2) * 32, generator=g).to(dtype).to(device)
+        qkv = torch.randn(5, (6 + 2 + 2) * 32, generator=g).to(dtype).to(device)
         pos = torch.tensor([3, 0, 63, 17, 5], device=device)
-        q, k = qkv[:, :96].view(5, 3, 32), qkv[:, 96:160].view(5, 2, 32)
+        q, k = qkv[:, :192].view(5, 6, 32), qkv[:, 192:256].view(5, 2, 32)
         cos, sin = rot(pos)
         want_q, want_k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         ops.rope(q, k, pos, rot.cos, rot.sin)

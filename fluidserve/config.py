@@ -358,13 +358,13 @@ class EngineConfig:
         if self.disagg.disaggregate:
             moot = [flag for flag, given in (
                 ("--scheduler", sc.policy != SchedulerConfig.policy),
-                ("--queue-policy", sc.queue_policy != SchedulerConfig.queue_policy),
                 ("--token-budget auto", sc.token_budget == "auto")) if given]
             if moot:
                 raise ConfigError(
                     f"--disaggregate runs TetriInfer's own schedulers (prefill instances:"
                     f" --prefill-policy, --prefill-chunk-size; decode instances:"
-                    f" --decode-admission under a fixed --token-budget): {', '.join(moot)}"
+                    f" --decode-admission under a fixed --token-budget, their waiting"
+                    f" requests in --queue-policy order): {', '.join(moot)}"
                     f" would be ignored")
 
     def knobs(self) -> dict:

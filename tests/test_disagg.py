@@ -182,11 +182,11 @@ def test_disagg_config_rejects_bad_values():
         EngineConfig.create(predictor_accuracy=1.5)
     # The colocated engine's scheduler knobs have no say over the instances: refused, not
     # silently ignored.
-    for knob in ({"scheduler": "vllm"}, {"queue_policy": "sjf"},
-                 {"token_budget": "auto", "tbt_slo": 0.2}):
+    for knob in ({"scheduler": "vllm"}, {"token_budget": "auto", "tbt_slo": 0.2}):
         with pytest.raises(ConfigError, match="would be ignored"):
             EngineConfig.create(disaggregate=True, **knob)
-    EngineConfig.create(disaggregate=True, token_budget=1024, prefill_policy="sjf")
+    EngineConfig.create(disaggregate=True, token_budget=1024, prefill_policy="sjf",
+                        queue_policy="sjf")  # (decode instances order their waiting queue)
 
 
 # ---------------------------------------------------------------- the cluster, simulated

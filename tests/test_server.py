@@ -384,7 +384,7 @@ def test_overload_gets_503_and_nothing_is_lost(tiny_model_dir):
 
 
 @pytest.mark.parametrize("extra, group", [
-    ([], False),
+    (["--scheduler", "vllm"], False),
     # Ctrl-C, `timeout` and `kill -- -PGID` signal every process of the group: the engine's
     # processes must leave the shutdown to the front end, or the drain has nothing to drain.
     (["--disaggregate"], True)])
@@ -404,8 +404,6 @@ def test_cli_serve_drains_on_sigterm(tiny_model_dir, tmp_path, extra, group):
             str(tiny_model_dir),
             "--served-model-name",
             "m",
-            "--scheduler",
-            "vllm",
             "--drain-timeout",
             "60",
             "--num-threads",

@@ -97,6 +97,7 @@ def test_unsupported_rope_type(model_copy):
      "'llama3' needs original_max_position_embeddings"),
     ({"rope_scaling": {"rope_type": "linear"}}, "'linear' needs factor"),
     ({"max_position_embeddings": 0}, "max_position_embeddings must be >= 1"),
+    ({"num_attention_heads": 0}, "num_attention_heads must be >= 1"),
     ({"num_key_value_heads": 3}, "heads do not share 3 key-value heads evenly"),
     ({"eos_token_id": "</s>"}, "eos_token_id '</s>' is not a token id"),
 ])

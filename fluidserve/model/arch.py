@@ -113,6 +113,8 @@ def parse_arch(cfg: dict, where: str = "config.json") -> ArchConfig:
 
     hidden = int(need("hidden_size"))
     heads = int(need("num_attention_heads"))
+    if heads < 1:
+        raise ModelLoadError(f"{where}: num_attention_heads must be >= 1, got {heads}")
     act = cfg.get("hidden_act", "silu")
     if act not in ("silu", "swish"):
         raise ModelLoadError(f"{where}: hidden_act {act!r} is not supported (only silu)")

@@ -24,8 +24,9 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from fluidserve.config import EngineConfig, ProfileConfig
+from fluidserve.config import ConfigError, EngineConfig, ProfileConfig
 from fluidserve.core.scheduler.output import ScheduledChunk, SchedulerOutput
+from fluidserve.model.arch import read_arch
 from fluidserve.model.runner import ModelExecutor
 from fluidserve.sampling_params import SamplingParams
 
@@ -291,12 +292,18 @@ def run_profile(args: ProfileConfig) -> int:
     out_dir.mkdir(parents=True, exist_ok=True)
     need_tokens = max(q["tokens"] + [q["chunk_prompt"]])
     blocks = -(-need_tokens // 16) + max(q["batch_sizes"]) * -(-(q["decode_context"] + 1) // 16)
+    context = max(need_tokens, q["stall_prompt"] + 64)
+    window = read_arch(model_dir).max_position_embeddings
+    if window < context:
+        raise ConfigError(f"{model_dir}: a context window of {window} tokens, but the"
+                          f" {'quick' if args.quick else 'full'} profile runs prompts of up to"
+                          f" {context} (take a longer model, e.g. --shape 250m, or --quick)")
     ex = ModelExecutor(
         model_dir,
         dtype=args.dtype,
         device=args.device,
         num_blocks=blocks + 1,
-        max_model_len=max(need_tokens, q["stall_prompt"] + 64),
+        max_model_len=context,
         # CUDA: decode batches replay graphs, as in the engine (cuda_graph_batch)
         cuda_graph_max_batch=max(q["batch_sizes"]) if args.device.startswith("cuda") else 0,
     )

@@ -144,7 +144,9 @@ def kill_decoder_mid_stream(s) -> tuple[int, str]:
         os.kill(client.instances[victim].proc.pid, signal.SIGKILL)
         events = [x for x in lines if x.startswith("data: ")]
     assert events[-1] == "data: [DONE]"
-    return victim, json.loads(events[-2][6:])["error"]["message"]
+    error = json.loads(events[-2][6:])["error"]
+    assert error["code"] == 503, error  # the server's state, not the request's: retry
+    return victim, error["message"]
 
 
 def test_a_dying_decode_instance_fails_its_requests_and_the_rest_go_on(deployments):

@@ -211,7 +211,8 @@ class DisaggClient:
                     and i not in self._draining]
             if not live:  # the last one died a moment ago
                 self.on_outputs(EngineCoreOutputs([RequestDelta(
-                    msg.request_id, [], "error", "no prefill instance is alive")]))
+                    msg.request_id, [], "error", "no prefill instance is alive",
+                    unavailable=True)]))
                 return
             target = min(live, key=lambda i: (self._outstanding[i], i))
             n = len(msg.prompt_token_ids)
@@ -291,7 +292,7 @@ class DisaggClient:
             if rid not in self._where:
                 return  # ended meanwhile (aborted): the prefill instance freed it
             if e.dst not in self._alive:
-                self._fail_request(rid, f"decode instance {e.dst} is gone")
+                self._fail_request(rid, f"decode instance {e.dst} is gone", unavailable=True)
                 return
             if self.roles[e.dst] != "decode":  # it flipped after the dispatcher's last view
                 self.instances[i].send(Redispatch(rid))
@@ -320,12 +321,13 @@ class DisaggClient:
         self._decoder.pop(rid, None)
         return self._where.pop(rid, set())
 
-    def _fail_request(self, rid: str, message: str) -> None:
+    def _fail_request(self, rid: str, message: str, unavailable: bool = False) -> None:
         for j in self._forget(rid):
             if j in self._alive:
                 self.instances[j].abort([rid])
         self._prompt_done(rid)
-        self.on_outputs(EngineCoreOutputs([RequestDelta(rid, [], "error", message)]))
+        self.on_outputs(EngineCoreOutputs([RequestDelta(rid, [], "error", message,
+                                                        unavailable=unavailable)]))
 
     def _total_stats(self) -> SchedulerStats:
         s = list(self._stats.values())
@@ -350,7 +352,7 @@ class DisaggClient:
             else:
                 fatal = None
                 for rid in [r for r, where in self._where.items() if i in where]:
-                    self._fail_request(rid, what)
+                    self._fail_request(rid, what, unavailable=True)
         if fatal is not None:
             self._die(fatal)
         else:

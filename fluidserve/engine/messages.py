@@ -81,6 +81,8 @@ class RequestDelta:
     # output token (``ttft``), from the previous token for the others (``tbt``).
     ttft: float | None = None
     tbt: float | None = None
+    # The error is the server's state (an instance that served it died), not the request's.
+    unavailable: bool = False
 
     @property
     def finished(self) -> bool:

@@ -84,7 +84,7 @@ class OutputProcessor:
             reason = "stop"
         out = RequestOutput(delta.request_id, delta.new_token_ids, text, reason is not None,
                             reason, delta.error, delta.num_prompt_tokens, st.num_output_tokens,
-                            delta.new_logprobs, delta.scheduling_delay)
+                            delta.new_logprobs, delta.scheduling_delay, delta.unavailable)
         if out.finished:
             del self._states[delta.request_id]
         return out, stopped and not delta.finished

@@ -111,10 +111,10 @@ class RayExecutor(FailsInFlightOnDeath):
         self.pads_rows = spec.pads_rows()
         self.depth = parallel.pipeline_parallel_size
         self.sampler_rank = world - tp
-        self.pg = placement_group([{"CPU": threads}] * world, strategy="PACK")
-        self.actors: list = []
+        self.pg, self.actors = None, []
         self._closing = False
         try:  # anything that fails or times out on the way leaves nothing behind
+            self.pg = placement_group([{"CPU": threads}] * world, strategy="PACK")
             ray.get(self.pg.ready(), timeout=startup_timeout)
             actor = ray.remote(_Rank)
             self.actors = [
@@ -178,10 +178,14 @@ class RayExecutor(FailsInFlightOnDeath):
         self._release()
 
     def _release(self) -> None:
-        """Kill the ranks, free their placement group, stop the Ray instance started here."""
+        """Kill the ranks, free their placement group, stop the Ray instance started here
+        (each step whatever the one before it met: a dead cluster refuses them all)."""
         self._closing = True
-        self._kill()
-        self.ray.util.remove_placement_group(self.pg)
+        for step in (self._kill, self._remove_group):
+            try:
+                step()
+            except Exception:
+                log.exception("releasing the Ray ranks")
         if self._own_ray:
             self.ray.shutdown()
 
@@ -203,6 +207,10 @@ class RayExecutor(FailsInFlightOnDeath):
             with self._lock:
                 done = set(ready)
                 self._watch = [r for r in self._watch if r not in done]
+
+    def _remove_group(self) -> None:
+        if self.pg is not None:
+            self.ray.util.remove_placement_group(self.pg)
 
     def _kill(self) -> None:
         for a in self.actors:

@@ -508,7 +508,8 @@ class BenchConfig:
     warmup_requests: int = knob(2, "Requests sent (and excluded) before the measured run.")
     timeout: float = knob(600.0, "Per-request timeout (s): from sending a request to its"
                           " stream's end, whatever arrives in between.")
-    output_dir: str | None = knob(None, "Run directory (default: runs/<command>-<time>).")
+    output_dir: str | None = knob(None, "Run directory (default: runs/bench-<time>, runs/sim-"
+                                  "<time> or runs/capacity-<time>).")
     plots: bool = knob(True, "Write PNG plots.")
     label: str | None = knob(None, "Name of this run in comparisons.")
 

@@ -100,6 +100,7 @@ def test_unsupported_rope_type(model_copy):
     ({"num_attention_heads": 0}, "num_attention_heads must be >= 1"),
     ({"num_key_value_heads": 3}, "heads do not share 3 key-value heads evenly"),
     ({"eos_token_id": "</s>"}, "eos_token_id '</s>' is not a token id"),
+    ({"eos_token_id": [2, True]}, r"eos_token_id \[2, True\] is not a token id"),
 ])
 def test_a_config_the_model_cannot_run_with_is_refused_before_loading(model_copy, changes,
                                                                        why):

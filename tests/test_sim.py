@@ -220,6 +220,13 @@ def test_network_costs_come_from_the_chosen_layout_never_a_blend_of_layouts():
     assert ar == pytest.approx(_profile_median("a100_dgx", "all_reduce", 4, 4, size))
     hop = one._interp(*one.send_recv, size)
     assert hop == pytest.approx(_profile_median("a100_pairwise_nvlink", "send_recv", 2, 2, size))
+    from fluidserve.config import ParallelConfig, SimConfig
+    from fluidserve.sim.run import make_cost_model
+
+    for sim, pp in ((SimConfig(cost_model="cpu", pipeline_across_nodes=True), 2),
+                    (SimConfig(pipeline_across_nodes=True), 1)):  # nothing it could place
+        with pytest.raises(ValueError, match="--pipeline-across-nodes places GPU"):
+            make_cost_model(sim, ParallelConfig(pipeline_parallel_size=pp))
     far = apart._interp(*apart.send_recv, size)
     assert far == pytest.approx(_profile_median("a100_pairwise_nvlink", "send_recv", 2, 1, size))
     assert far > 5 * hop

@@ -94,7 +94,10 @@ def _token_ids(value) -> tuple[int, ...]:
     """A config's token id or list of ids (``eos_token_id``), as a tuple."""
     if value is None:
         return ()
-    return tuple(int(v) for v in value) if isinstance(value, list) else (int(value),)
+    ids = value if isinstance(value, list) else [value]
+    if not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in ids):
+        raise ValueError(f"{value!r} is not a token id or a list of them")
+    return tuple(ids)
 
 
 def parse_arch(cfg: dict, where: str = "config.json") -> ArchConfig:

@@ -37,6 +37,10 @@ SIM_MAX_MODEL_LEN = 16384
 
 
 def make_cost_model(sim: SimConfig, par: ParallelConfig) -> CostModel:
+    if sim.pipeline_across_nodes and (sim.cost_model == "cpu"
+                                      or par.pipeline_parallel_size == 1):
+        raise ValueError("--pipeline-across-nodes places GPU pipeline stages on nodes of their"
+                         " own: it needs --cost-model gpu and --pipeline-parallel-size > 1")
     if sim.cost_model == "cpu":
         if par.tensor_parallel_size != 1:
             raise ValueError("the cpu cost model has no tensor parallelism")
@@ -176,7 +180,8 @@ def _token_budget(sim: SimConfig, eng: EngineConfig, cap: CapacityConfig, cost: 
 
 def _what_is_simulated(sim: SimConfig) -> dict:
     if sim.cost_model == "gpu":
-        return {"model_shape": sim.model_shape, "device": sim.device}
+        return {"model_shape": sim.model_shape, "device": sim.device,
+                "pipeline_across_nodes": sim.pipeline_across_nodes}
     return {"model_shape": None, "device": "this cpu"}  # the profiled model, as profiled
 
 

@@ -354,8 +354,8 @@ class EngineConfig:
             raise ConfigError("--async-scheduling runs the model in one process: it does not"
                               " combine with --tensor-parallel-size/--pipeline-parallel-size"
                               " > 1 or --disaggregate")
-        sc = self.scheduler
         if self.disagg.disaggregate:
+            sc = self.scheduler
             moot = [flag for flag, given in (
                 ("--scheduler", sc.policy != SchedulerConfig.policy),
                 ("--token-budget auto", sc.token_budget == "auto")) if given]

@@ -99,7 +99,7 @@ class LLMEngine:
         eos = self.tokenizer.eos_token_id if self.tokenizer else None
         req = self.core.add(AddRequest(request_id, ids, params, eos, arrival_time))
         if self.core.emit_outputs:
-            self.outputs.add(request_id, params)
+            self.outputs.add(request_id, params, ids)
         return req
 
     def abort(self, request_id: str) -> bool:

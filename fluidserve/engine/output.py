@@ -53,8 +53,9 @@ class OutputProcessor:
         self.tokenizer = tokenizer
         self._states: dict[str, _State] = {}
 
-    def add(self, request_id: str, params: SamplingParams) -> None:
-        detok = IncrementalDetokenizer(self.tokenizer) if self.tokenizer is not None else None
+    def add(self, request_id: str, params: SamplingParams, prompt_ids: list[int] = ()) -> None:
+        detok = IncrementalDetokenizer(self.tokenizer, prompt_ids) \
+            if self.tokenizer is not None else None
         self._states[request_id] = _State(params, detok)
 
     def forget(self, request_id: str) -> None:

@@ -77,7 +77,11 @@ class Tokenizer:
         return list(self.hf.encode(text, add_special_tokens=add_special_tokens))
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
-        return self.hf.decode(ids, skip_special_tokens=skip_special_tokens)
+        # Never "clean up tokenization spaces" (Llama 3's tokenizer_config.json asks for it):
+        # that rewrites " !=" as "!=" and " 's" as "'s" in the model's own text, and applied
+        # to each window of an incremental decode it drops characters outright.
+        return self.hf.decode(ids, skip_special_tokens=skip_special_tokens,
+                              clean_up_tokenization_spaces=False)
 
     def chat(self, messages: list[dict]) -> list[int]:
         """Token ids of a conversation rendered with the chat template, ready for a reply."""
@@ -93,15 +97,20 @@ class IncrementalDetokenizer:
     """Turns a growing list of token ids into text deltas.
 
     A multi-byte character may span tokens; text is only emitted once the tail decodes
-    without a replacement character, so deltas concatenate to the full decode.
+    without a replacement character, so deltas concatenate to the full decode. The first
+    tokens decode after the end of the prompt (``context``, its last few ids), as in vLLM:
+    alone, SentencePiece decoders strip the first token's leading space ("said" + "the"
+    where the model wrote "said the").
     """
 
-    def __init__(self, tokenizer: Tokenizer) -> None:
+    CONTEXT = 5  # prompt tokens decoded before the output (vLLM's initial offset)
+
+    def __init__(self, tokenizer: Tokenizer, context: list[int] | tuple[int, ...] = ()) -> None:
         self.tok = tokenizer
-        self.ids: list[int] = []
+        self.ids: list[int] = list(context[-self.CONTEXT:]) if context else []
         self.text = ""
         self._prefix = 0  # ids[_prefix:_read] decode to the last few emitted characters
-        self._read = 0
+        self._read = len(self.ids)
 
     def push(self, token_ids: list[int]) -> str:
         self.ids.extend(token_ids)

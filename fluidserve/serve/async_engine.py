@@ -158,7 +158,7 @@ class AsyncEngine:
                 self._last_progress = time.monotonic()
             texts = params.logprobs is not None and self.tokenizer is not None
             self._streams[request_id] = (asyncio.get_running_loop(), queue, texts)
-            self._outputs.add(request_id, params)
+            self._outputs.add(request_id, params, prompt_ids)
             self._added_since_stats += 1
         if self.request_log is not None:
             self.request_log.add(request_id, prompt_ids, params.max_tokens)

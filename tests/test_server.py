@@ -113,6 +113,13 @@ def test_logprobs(client):
     assert len(lp.tokens) == 3 and len(lp.top_logprobs[0]) == 2
     # Greedy: the sampled token is the most likely one.
     assert lp.token_logprobs[0] == pytest.approx(max(lp.top_logprobs[0].values()))
+    # As OpenAI and vLLM: the sampled token is always among top_logprobs (logprobs + 1 at
+    # most), so logprobs=0 gives it alone.
+    r = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=3, temperature=2.0,
+                                  seed=1, logprobs=0, extra_body={"ignore_eos": True})
+    lp = r.choices[0].logprobs
+    assert lp.top_logprobs == [{t: v} for t, v in zip(lp.tokens, lp.token_logprobs,
+                                                      strict=True)]
     c = client.chat.completions.create(
         model="tiny",
         messages=[{"role": "user", "content": "x"}],

@@ -61,7 +61,9 @@ def _completion_logprobs(ctx: Context, entries: list, offset: int) -> dict | Non
     return {
         "tokens": tokens,
         "token_logprobs": [_lp(lp) for _, lp, _ in entries],
-        "top_logprobs": [{ctx.token_text(i): _lp(v) for i, v in top} for _, _, top in entries],
+        # As OpenAI and vLLM: the sampled token too, first, so up to logprobs + 1 entries.
+        "top_logprobs": [{ctx.token_text(t): _lp(lp)} | {ctx.token_text(i): _lp(v) for i, v in top}
+                         for t, lp, top in entries],
         "text_offset": offsets,
     }
 

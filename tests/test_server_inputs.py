@@ -306,3 +306,14 @@ def test_chars_per_token_bounds_only_where_text_cannot_vanish(srv):
                                  "model": bpe})) is None
     assert chars_per_token(Stub({"normalizer": None, "pre_tokenizer": None,
                                  "model": {"type": "BPE", "fuse_unk": True}})) is None
+
+
+def test_text_parts_of_a_message_are_lines_of_its_content():
+    """vLLM joins a message's text parts with newlines; the same request must make the same
+    prompt here."""
+    from fluidserve.serve.protocol import ChatCompletionRequest
+
+    body = ChatCompletionRequest.model_validate_json(json.dumps({"messages": [{
+        "role": "user", "content": [{"type": "text", "text": "Hello"},
+                                    {"type": "text", "text": "world"}]}]}))
+    assert body.messages[0].text() == "Hello\nworld"

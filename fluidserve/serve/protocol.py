@@ -226,8 +226,8 @@ class ChatMessage(BaseModel):
     function_call: Unsupported = Field(None, description=NOT_SUPPORTED)
 
     def text(self) -> str:
-        if isinstance(self.content, list):
-            return "".join(p.text for p in self.content)
+        if isinstance(self.content, list):  # parts on lines of their own, as vLLM joins them
+            return "\n".join(p.text for p in self.content)
         return self.content or ""
 
 

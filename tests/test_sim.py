@@ -416,6 +416,14 @@ def test_simulate_cli_run_budget_and_capacity(tmp_path, capsys):
                  "--output-dir", str(tmp_path / "cap")]) == 0
     c = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert c["capacity_qps"] > 0 and c["num_probes"] <= 6
+    assert (c["model_shape"], c["device"], c["pipeline_across_nodes"]) == ("mistral-7b", "a100",
+                                                                           False)
+    # Simulating this CPU, the summary names no GPU model or device (it once named the
+    # defaults of the gpu cost model's knobs).
+    assert main(["simulate", "--cost-model", "cpu", "--num-prompts", "20", "--no-plots",
+                 "--capacity", "--max-probes", "2", "--output-dir", str(tmp_path / "cpu")]) == 0
+    c = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert (c["model_shape"], c["device"]) == (None, "this cpu")
 
 
 def test_find_token_budget_reports_an_unreachable_slo(capsys):

@@ -63,3 +63,15 @@ def test_point_reports_median_and_spread():
     p = _point([1.0, 3.0, 2.0])
     assert p["time_s"] == 2.0 and p["spread"] == pytest.approx(3.0)
     assert p["samples_s"] == [1.0, 3.0, 2.0]
+
+
+def test_engine_overhead_times_every_step_at_the_batch_size_it_reports(tiny_model_dir):
+    """64 prompts of 200 tokens take several 2048-token prefill steps, in which the first
+    admitted already decode: outputs that ended after a few tokens shrank the timed batch
+    (97 -> 19 of 128 in the full profile) while the report said 128."""
+    from fluidserve.config import ProfileConfig
+    from fluidserve.profiler.run import engine_overhead
+
+    out = engine_overhead(str(tiny_model_dir), ProfileConfig(dtype="float32"), 64, 200)
+    assert out["running"] == 64 and out["decode_batches"] == [64] * 10
+    assert 0 < out["forward_s"] < out["step_s"]

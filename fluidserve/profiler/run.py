@@ -240,12 +240,15 @@ def engine_overhead(model_dir: str, args: ProfileConfig, running: int, context: 
     the rest (scheduling, input preparation, sampling, state updates) is engine overhead."""
     from fluidserve.engine.engine import LLMEngine
 
-    bs = 16
+    bs, budget = 16, max(running, 2048)
+    # Decodes go first while the others prefill, so the first admitted decode for as many
+    # steps as the prefills take: outputs long enough that all ``running`` stay to the end.
+    max_tokens = -(-running * context // budget) + steps + 8
     cfg = EngineConfig.create(model=model_dir, dtype=args.dtype, device=args.device,
-                              max_num_seqs=running, token_budget=max(running, 2048),
-                              num_kv_blocks=running * -(-(context + steps + 8) // bs) + 16)
+                              max_num_seqs=running, token_budget=budget,
+                              num_kv_blocks=running * -(-(context + max_tokens) // bs) + 16)
     eng = LLMEngine(cfg)
-    params = SamplingParams(max_tokens=steps + 4, temperature=0.0, ignore_eos=True)
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
     for i in range(running):
         eng.add_request(f"r{i}", [5 + i % 50] * context, params)
     # Prefilling them all under a large budget stalls the first ones' decodes on purpose:
@@ -256,6 +259,7 @@ def engine_overhead(model_dir: str, args: ProfileConfig, running: int, context: 
     try:
         while any(not r.is_decode for r in eng.scheduler.running) or eng.scheduler.num_waiting:
             eng.step()
+        eng.step()  # the first decode-only step of this batch size, untimed (first-use costs)
     finally:
         core_log.setLevel(level)
     ex = eng.executor.worker
@@ -272,12 +276,21 @@ def engine_overhead(model_dir: str, args: ProfileConfig, running: int, context: 
         return out
 
     ex.forward = timed
+    def decoding() -> int:
+        return sum(r.is_decode for r in eng.scheduler.running)
+
+    if decoding() != running:
+        raise RuntimeError(f"engine overhead: {decoding()} of {running} requests decoding")
     t0 = time.perf_counter()
     for _ in range(steps):
         eng.step()
     total = time.perf_counter() - t0
     ex.forward = forward
-    return {"running": running, "context": context, "step_s": total / steps,
+    batches = [it.num_decode_tokens for it in list(eng.telemetry.iterations)[-steps:]]
+    if batches != [running] * steps:  # every timed step held all of them
+        raise RuntimeError(f"engine overhead: decode batches of {batches}, not {running}")
+    return {"running": running, "context": context, "decode_batches": batches,
+            "step_s": total / steps,
             "forward_s": spent[0] / steps, "overhead_fraction": 1 - spent[0] / total}
 
 

@@ -75,3 +75,14 @@ def test_engine_overhead_times_every_step_at_the_batch_size_it_reports(tiny_mode
     out = engine_overhead(str(tiny_model_dir), ProfileConfig(dtype="float32"), 64, 200)
     assert out["running"] == 64 and out["decode_batches"] == [64] * 10
     assert 0 < out["forward_s"] < out["step_s"]
+
+
+def test_a_stall_timeline_runs_on_a_warmed_engine_and_holds_only_its_requests(tiny_model_dir):
+    from fluidserve.config import ProfileConfig
+    from fluidserve.profiler.run import QUICK, stall_timeline
+
+    r = stall_timeline(str(tiny_model_dir), ProfileConfig(dtype="float32"), QUICK, "vllm")
+    times = r["token_times"]
+    assert set(times) == {"d0", "d1", "long"}  # the warm-up request is not in it
+    assert min(min(ts) for ts in times.values()) == 0.0  # and does not set its clock
+    assert len(times["long"]) == 4 and r["long_arrival_s"] > 0

@@ -14,6 +14,7 @@ counts.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from fluidserve.engine.messages import RequestDelta
@@ -53,7 +54,8 @@ class OutputProcessor:
         self.tokenizer = tokenizer
         self._states: dict[str, _State] = {}
 
-    def add(self, request_id: str, params: SamplingParams, prompt_ids: list[int] = ()) -> None:
+    def add(self, request_id: str, params: SamplingParams, prompt_ids: Sequence[int] = ()
+            ) -> None:
         detok = IncrementalDetokenizer(self.tokenizer, prompt_ids) \
             if self.tokenizer is not None else None
         self._states[request_id] = _State(params, detok)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
 
 from fluidserve.model.arch import ModelLoadError
@@ -105,7 +106,7 @@ class IncrementalDetokenizer:
 
     CONTEXT = 5  # prompt tokens decoded before the output (vLLM's initial offset)
 
-    def __init__(self, tokenizer: Tokenizer, context: list[int] | tuple[int, ...] = ()) -> None:
+    def __init__(self, tokenizer: Tokenizer, context: Sequence[int] = ()) -> None:
         self.tok = tokenizer
         self.ids: list[int] = list(context[-self.CONTEXT:]) if context else []
         self.text = ""

@@ -17,6 +17,8 @@ from pathlib import Path
 
 import torch
 
+from fluidserve.config import ConfigError
+from fluidserve.core.admission import cache_blocks
 from fluidserve.model.arch import ArchConfig, read_arch
 from fluidserve.model.attention import (
     AttentionMetadata,
@@ -79,8 +81,6 @@ class WorkerSpec:
 
 
 def resolve_max_model_len(arch: ArchConfig, requested: int | None) -> int:
-    from fluidserve.config import ConfigError
-
     if requested is not None and requested > arch.max_position_embeddings:
         raise ConfigError(f"--max-model-len {requested} is longer than the model's context"
                           f" window (max_position_embeddings {arch.max_position_embeddings})")
@@ -100,8 +100,6 @@ def kv_cache_blocks(arch: ArchConfig, dtype: str, block_size: int, memory_gb: fl
     as ``cache_blocks`` caps them (a small model's 1 GiB default cache is mostly blocks no
     sequence could use: the embedded model's 21,845 blocks against the 8,192 that 128
     sequences of 1,024 tokens can use)."""
-    from fluidserve.core.admission import cache_blocks
-
     return cache_blocks(arch.kv_bytes_per_token(DTYPES[dtype].itemsize, tp, pp), block_size,
                         memory_gb, max_seqs, max_len, watermark)
 

@@ -31,7 +31,7 @@ MAX_TOKENS = [12, 20, 8, 24, 16, 10]
 def deployments(tiny_model_dir, tmp_path_factory):
     """1 prefill + 2 decode instances over gloo (chunks of 16, KV sent chunk by chunk), the
     same with instance flips (KV sent per request), and 1 + 1 over shared memory (chunks of
-    64, KV sent chunk by chunk) writing a request log."""
+    64, KV sent chunk by chunk, 48 KV blocks an instance) writing a request log."""
     log = tmp_path_factory.mktemp("log") / "requests.jsonl"
     specs = {
         "flip": dict(engine_kw=BASE | dict(
@@ -42,7 +42,7 @@ def deployments(tiny_model_dir, tmp_path_factory):
                                            prefill_chunk_size=16, kv_transfer_timeout=20,
                                            kv_transfer_granularity="chunk")),
         "shm": dict(engine_kw=BASE | dict(disaggregate=True, kv_transport="shm",
-                                          prefill_chunk_size=64,
+                                          prefill_chunk_size=64, num_kv_blocks=48,
                                           kv_transfer_granularity="chunk"),
                     request_log=str(log)),
     }
@@ -100,6 +100,20 @@ def test_served_disaggregation_equals_the_colocated_engine(deployments, referenc
         assert sorted(x["generated"] for x in lines) == sorted(MAX_TOKENS)
         assert {x["finish_reason"] for x in lines} == {"length"}
         assert all(x["num_prompt_tokens"] == len(x["prompt_token_ids"]) > 0 for x in lines)
+
+
+def test_a_request_no_single_instance_can_hold_is_refused_up_front(deployments):
+    """A request lives on one instance at a time: the instances' caches together (96 blocks
+    here) are not what it can use, one instance's (48) is."""
+    s = deployments["shm"]
+    big = body(3, max_tokens=400)  # 4 + 400 tokens: 51 blocks of 8
+    r = httpx.post(s.url + "/v1/completions", json=big, timeout=30)
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["code"] == "context_length_exceeded"
+    assert "48 admissible blocks" in r.json()["error"]["message"]
+    ok = httpx.post(s.url + "/v1/completions", json=body(3, max_tokens=300), timeout=60)
+    assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] == 300
+    assert s.kv_idle()
 
 
 def test_a_client_leaving_mid_stream_frees_its_blocks_everywhere(deployments):

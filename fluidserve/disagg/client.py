@@ -153,9 +153,11 @@ class DisaggClient:
         for i, info in enumerate(infos):
             if self.roles[i] == "decode":
                 self._loads[i] = DecodeLoad(i, info.num_kv_blocks, 0, 0)
+        # A request lives on one instance at a time: what it may use (the front end's
+        # admission check) is one instance's cache, not the instances' together.
         self.info = dataclasses.replace(
             infos[0], max_model_len=min(i.max_model_len for i in infos),
-            num_kv_blocks=sum(i.num_kv_blocks for i in infos),
+            num_kv_blocks=min(i.num_kv_blocks for i in infos),
             load_seconds=max(i.load_seconds for i in infos))
         d = self.config.disagg
         log.info("disaggregated: %d prefill + %d decode instances (%d threads each), KV over"

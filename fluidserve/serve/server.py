@@ -203,13 +203,14 @@ def run_server(engine_config: EngineConfig, config: ServerConfig) -> int:
     app = build_app(engine, config, name)
     info = engine.info
     log.info(
-        "model %s ready in %.1fs (engine core: %.1fs): %d KV blocks of %d tokens,"
+        "model %s ready in %.1fs (engine core: %.1fs): %d KV blocks of %d tokens%s,"
         " max_model_len %d, scheduler %s (token budget %s)",
         name,
         time.perf_counter() - t0,
         info.load_seconds,
         info.num_kv_blocks,
         info.block_size,
+        " per instance" if engine_config.disagg.disaggregate else "",
         info.max_model_len,
         engine_config.scheduler.policy,
         engine_config.scheduler.token_budget,

@@ -108,13 +108,14 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     if args.compare:
         from pathlib import Path
 
-        from fluidserve.bench.report import compare_table, load_run
+        from fluidserve.bench.report import compare_table, load_run, run_names
 
         print(compare_table(args.compare))
         if args.output_dir and args.plots:
             from fluidserve.bench.plots import plot_compare
 
-            plot_compare({Path(d).name: load_run(d)[0] for d in args.compare},
+            plot_compare({name: load_run(d)[0] for name, d in zip(run_names(args.compare),
+                                                                  args.compare, strict=True)},
                          Path(args.output_dir))
             print(f"wrote {Path(args.output_dir) / 'compare_cdfs.png'}", file=sys.stderr)
         return 0

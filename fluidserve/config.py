@@ -473,7 +473,9 @@ class BenchConfig:
         " stand-ins when absent), fixed, uniform, zipf, TetriInfer LPLD/LPHD/HPLD/HPHD/mixed.",
     )
     dataset_path: str | None = knob(
-        None, "CSV with num_prefill_tokens,num_decode_tokens[,arrived_at]."
+        None, "CSV with num_prefill_tokens,num_decode_tokens[,arrived_at]: the trace to"
+        " replay (in place of --dataset-name's file), or the pool the TetriInfer classes are"
+        " drawn from; not with fixed, uniform or zipf lengths."
     )
     num_prompts: int = knob(100, "Requests to send.")
     input_len: int | None = knob(None, "Prompt length: the mean with --dataset-name uniform,"

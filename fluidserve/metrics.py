@@ -6,6 +6,7 @@ Every metric derives from a request's arrival time, the time its first chunk was
 
 from __future__ import annotations
 
+import json
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -52,3 +53,22 @@ def summarize(values: Sequence[float]) -> dict[str, float]:
     p50, p90, p99 = np.percentile(xs, [50, 90, 99])
     return {"mean": float(xs.mean()), "p50": float(p50), "p90": float(p90), "p99": float(p99),
             "max": float(xs.max()), "count": int(len(xs))}
+
+
+def json_safe(obj):
+    """``obj`` with every float JSON cannot hold (NaN: a statistic over no values; infinity:
+    requests sent all at once) as null, and numpy scalars as Python numbers."""
+    if isinstance(obj, dict):
+        return {k: json_safe(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [json_safe(v) for v in obj]
+    if isinstance(obj, (np.floating, np.integer, np.bool_)):
+        obj = obj.item()
+    if isinstance(obj, float) and not math.isfinite(obj):
+        return None
+    return obj
+
+
+def to_json(obj, indent: int | None = None) -> str:
+    """Standard JSON (no NaN or Infinity, which ``jq`` and browsers refuse) of a summary."""
+    return json.dumps(json_safe(obj), indent=indent, allow_nan=False)

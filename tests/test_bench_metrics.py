@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from fluidserve.bench.capacity import delay_stats, search_capacity, slo_check
-from fluidserve.bench.client import Client, ClientConfig, RequestRecord
+from fluidserve.bench.client import Client, ClientConfig, RequestRecord, arrival_gaps
 from fluidserve.bench.fluidity import (
     deadline_counts,
     fluid_token_rate,
@@ -170,6 +170,10 @@ def test_one_token_outputs_bound_no_gap():
     assert slo_check(CapacityConfig(slo="tpot"))(s)[0]
     assert not slo_check(CapacityConfig(slo="tbt"))(s | {"num_failed": 1})[0]
     assert not slo_check(CapacityConfig(slo="tbt"))(s | {"num_completed": 0})[0]
+    # The same summary read back from a probe cache, where JSON holds NaN as null.
+    null = json.loads(json.dumps({k: None for k in nan}))
+    assert slo_check(CapacityConfig(slo="tbt"))(s | {"tbt_s": null, "tpot_s": null})[0]
+    assert slo_check(CapacityConfig(slo="tpot"))(s | {"tbt_s": null, "tpot_s": null})[0]
 
 
 def test_the_slo_percentile_is_one_a_summary_carries():
@@ -207,6 +211,22 @@ def test_tetri_classes(cls):
     heavy_d = all(r.output_len >= TETRI_DECODE_THRESHOLD for r in reqs)
     light_d = all(r.output_len < TETRI_DECODE_THRESHOLD for r in reqs)
     assert (heavy_p if cls[0] == "H" else light_p) and (heavy_d if cls[2] == "H" else light_d)
+
+
+def test_a_dataset_path_is_the_trace_or_the_pool_of_the_classes(tmp_path):
+    path = tmp_path / "lengths.csv"
+    rows = [(100, 20), (2000, 300), (150, 400), (3000, 50)] * 5
+    path.write_text("num_prefill_tokens,num_decode_tokens\n" +
+                    "".join(f"{p},{o}\n" for p, o in rows))
+    trace, src = build_workload(WorkloadSpec(dataset="sharegpt", dataset_path=str(path),
+                                             num_prompts=20, max_prompt_len=8192))
+    assert src == str(path) and sorted((r.prompt_len, r.output_len) for r in trace) == \
+        sorted(rows)
+    lpld, src = build_workload(WorkloadSpec(dataset="LPLD", dataset_path=str(path),
+                                            num_prompts=10, max_prompt_len=8192))
+    assert {(r.prompt_len, r.output_len) for r in lpld} == {(100, 20)} and str(path) in src
+    with pytest.raises(ValueError, match="--dataset-path gives the lengths of a trace"):
+        WorkloadSpec(dataset="fixed", dataset_path=str(path))
 
 
 def test_trace_standins_work_without_data_files(monkeypatch, tmp_path):
@@ -250,6 +270,101 @@ def test_client_counts_bundled_chunks_and_records_errors():
     assert recs[0].num_output_tokens == 4 and recs[0].gaps[2:] == [0.0, 0.0]
     assert recs[1].num_output_tokens == 4 and len(recs[1].gaps) == 4
     assert recs[2].error == "HTTP 400: nope" and recs[2].gaps == []
+
+
+def slow_sse(*objs, delay: float = 0.05, done: bool = True):
+    """The chunks of ``sse`` one at a time, ``delay`` apart."""
+    async def gen():
+        for o in objs:
+            await asyncio.sleep(delay)
+            yield b"data: " + json.dumps(o).encode() + b"\n\n"
+        if done:
+            yield b"data: [DONE]\n\n"
+    return gen()
+
+
+def chat_chunk(delta: dict, reason=None) -> dict:
+    return {"choices": [{"index": 0, "delta": delta, "finish_reason": reason}]}
+
+
+def test_a_reasoning_stream_is_timed_token_by_token():
+    # A reasoning model streams delta.reasoning_content; only the final usage counts tokens.
+    async def handler(request: httpx.Request) -> httpx.Response:
+        return httpx.Response(200, content=slow_sse(
+            chat_chunk({"role": "assistant", "content": ""}),
+            *[chat_chunk({"reasoning_content": "t"}) for _ in range(3)],
+            {"choices": [], "usage": {"prompt_tokens": 3, "completion_tokens": 3}}))
+
+    client = Client(ClientConfig("http://test", endpoint="/v1/chat/completions"),
+                    transport=httpx.MockTransport(handler))
+    rec = asyncio.run(client.run([WorkloadRequest(0, 0.0, 3, 3)], ["p"]))[0]
+    assert rec.ok and rec.num_output_tokens == 3
+    assert rec.gaps[0] >= 0.09 and min(rec.gaps[1:]) >= 0.04  # not bundled at time zero
+
+
+def test_streams_cut_short_or_aborted_are_failures_and_bad_chunks_fail_one_request():
+    def chunk(text, reason=None, n=None):
+        usage = None if n is None else {"completion_tokens": n}
+        return {"choices": [{"index": 0, "text": text, "finish_reason": reason}], "usage": usage}
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        prompt = json.loads(request.content)["prompt"]
+        if prompt == "cut":  # the connection closes after 2 of 10 tokens, no [DONE]
+            return httpx.Response(200, content=slow_sse(chunk("a", n=1), chunk("b", n=2),
+                                                         delay=0, done=False))
+        if prompt == "abort":
+            return httpx.Response(200, content=sse(chunk("a", "abort", 1)))
+        if prompt == "array":  # valid JSON, not an object
+            return httpx.Response(200, content=b"data: [1, 2]\n\n")
+        return httpx.Response(200, content=sse(chunk("a", n=1) | {"metrics": None},
+                                               chunk("b", "length", 2)))
+
+    client = Client(ClientConfig("http://test"), transport=httpx.MockTransport(handler))
+    work = [WorkloadRequest(i, 0.0, 3, 10) for i in range(4)]
+    cut, abort, array, ok = asyncio.run(client.run(work, ["cut", "abort", "array", "ok"]))
+    assert cut.error == "the stream ended before its [DONE] after 2 tokens"
+    assert len(cut.gaps) == 2  # what arrived still counts in the TBT statistics
+    assert abort.error == "the server ended the stream with finish_reason 'abort'"
+    assert array.error.startswith("ValueError: a stream chunk is not a JSON object")
+    assert ok.ok and ok.num_output_tokens == 2
+
+
+def test_reconciling_with_the_servers_count_keeps_every_arrival_time():
+    chunks = [(0.1 * i, 1) for i in range(1, 7)]  # six chunks, 0.1 s apart, one token each
+    # The server counted 12: each chunk carried two.
+    assert arrival_gaps(chunks, 0.0, 12) == pytest.approx([0.1, 0] * 6)
+    # The server counted 3: three pairs of chunks were one token each; the first and the last
+    # arrival times stay, so TTFT and the end-to-end latency do too.
+    gaps = arrival_gaps([(0.1, 1), (0.2, 2), (0.25, 1), (0.4, 1), (0.6, 1)], 0.0, 3)
+    assert len(gaps) == 3 and gaps[0] == pytest.approx(0.1) and sum(gaps) == pytest.approx(0.6)
+    # Nothing was counted (text the client could not see): the tokens came with the last chunk.
+    assert arrival_gaps([(0.2, 0), (0.5, 0)], 0.0, 2) == pytest.approx([0.5, 0.0])
+    assert arrival_gaps(chunks, 0.0, None) == pytest.approx([0.1] * 6)
+
+
+def test_each_run_after_the_first_sends_other_text_of_the_same_lengths(monkeypatch):
+    # Else a server with prefix caching answers every later capacity probe from its cache.
+    from fluidserve.bench import run as bench_run
+    from fluidserve.config import BenchConfig
+
+    monkeypatch.setattr(bench_run, "server_model", lambda cfg: ("m", None))
+    bench = bench_run.Bench(BenchConfig(base_url="http://test", num_prompts=4, input_len=40,
+                                        output_len=2, warmup_requests=0), quiet=True)
+    seen: list[str] = []
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        seen.append(json.loads(request.content)["prompt"])
+        return httpx.Response(200, content=sse({"choices": [{"index": 0, "text": "a b"}],
+                                                "usage": {"completion_tokens": 2}}))
+
+    bench.client.transport = httpx.MockTransport(handler)
+    assert bench.run()[1]["num_completed"] == 4
+    first = sorted(seen)
+    seen.clear()
+    assert bench.run(8.0)[1]["num_completed"] == 4
+    assert first == sorted(bench.prompts) and not set(first) & set(seen)
+    count = bench.builder.count
+    assert sorted(map(count, first)) == sorted(map(count, seen)) == [40] * 4
 
 
 def test_the_timeout_bounds_the_whole_request():

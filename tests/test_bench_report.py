@@ -18,6 +18,7 @@ from fluidserve.bench.report import (
     constant_deadline,
     fluidity_slo_met,
     load_run,
+    run_names,
     score_fluidity,
     summarize_run,
     write_run,
@@ -180,3 +181,39 @@ def test_compare_table(tmp_path):
         "vllm-baseline".rjust(cols[1])
     assert lines[2] == "request throughput (req/s)".ljust(width) + "1.2".rjust(cols[0]) + \
         "-".rjust(cols[1])
+
+
+def strict_json(text: str):
+    """json.loads refusing NaN and Infinity, as jq, browsers and JSON.parse do."""
+    def refuse(name):
+        raise ValueError(f"not JSON: {name}")
+    return json.loads(text, parse_constant=refuse)
+
+
+def test_summaries_are_standard_json_even_without_bounds(tmp_path):
+    # Every output arrived in one chunk (no inter-token time) and requests were sent all at
+    # once (an infinite rate): rates without bounds become null, and nothing raises.
+    bundled = [RequestRecord(i, 5, 4, 0.0, sent=0.0, gaps=[0.5, 0.0, 0.0, 0.0],
+                             num_output_tokens=4) for i in range(3)]
+    s = summarize_run(bundled, 0.25) | {"request_rate": math.inf}
+    assert s["tpot_based_token_rate"] == s["p99_tbt_based_token_rate"] == math.inf
+    one_token = summarize_run([RequestRecord(0, 5, 1, 0.0, sent=0.0, gaps=[0.5],
+                                             num_output_tokens=1)], 0.25)
+    assert math.isnan(one_token["tpot_based_token_rate"])  # no interval to measure
+    write_run(tmp_path / "a", bundled, s)
+    loaded = strict_json((tmp_path / "a" / "summary.json").read_text())
+    assert loaded["request_rate"] is None and loaded["tpot_based_token_rate"] is None
+    assert loaded["ttft_s"]["p50"] == 0.5
+    write_run(tmp_path / "b", [], one_token)
+    assert strict_json((tmp_path / "b" / "summary.json").read_text())["tbt_s"]["p99"] is None
+    assert compare_table([tmp_path / "a", tmp_path / "b"])  # null reads as "-"
+
+
+def test_runs_of_the_same_name_are_told_apart(tmp_path):
+    for d in ("x/vllm", "y/vllm", "y/fluidserve"):
+        write_run(tmp_path / d, [], {"num_completed": 0, "num_failed": 0})
+    assert run_names([tmp_path / "y/vllm", tmp_path / "y/fluidserve"]) == ["vllm", "fluidserve"]
+    names = run_names([tmp_path / "x/vllm", tmp_path / "y/vllm"])
+    assert names == [str(tmp_path / "x/vllm"), str(tmp_path / "y/vllm")]
+    assert compare_table([tmp_path / "x/vllm", tmp_path / "y/vllm"]).splitlines()[0].split()[1:] \
+        == names

@@ -16,6 +16,7 @@ from pathlib import Path
 
 from fluidserve.bench.report import fluidity_slo_met
 from fluidserve.config import CapacityConfig
+from fluidserve.metrics import to_json
 from fluidserve.net import stop_process, wait_healthy
 
 Probe = Callable[[float], tuple[bool, dict]]
@@ -84,10 +85,11 @@ def delay_stats(cfg: CapacityConfig, s: dict) -> tuple[str, dict]:
     return "scheduling", reported
 
 
-def _within(value: float, bound: float) -> bool:
-    """A statistic over no values (NaN: e.g. TBT when every output is one token) bounds
-    nothing, so it holds; the run's completions are checked separately."""
-    return math.isnan(value) or value <= bound
+def _within(value: float | None, bound: float) -> bool:
+    """A statistic over no values (NaN, or null read back from JSON: e.g. TBT when every
+    output is one token) bounds nothing, so it holds; the run's completions are checked
+    separately."""
+    return value is None or math.isnan(value) or value <= bound
 
 
 def slo_check(cfg: CapacityConfig) -> Callable[[dict], tuple[bool, float]]:
@@ -129,7 +131,7 @@ class ProbeCache:
     def put(self, key: str, summary: dict) -> None:
         self.data[key] = summary
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        self.path.write_text(json.dumps(self.data, default=float))
+        self.path.write_text(to_json(self.data))
 
 
 class LaunchedServer:

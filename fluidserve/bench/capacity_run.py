@@ -20,6 +20,7 @@ from fluidserve.bench.capacity import (
 from fluidserve.bench.report import write_run
 from fluidserve.bench.run import Bench
 from fluidserve.config import BenchConfig, CapacityConfig
+from fluidserve.metrics import to_json
 
 SUMMARY_KEYS = ("num_completed", "num_failed", "request_throughput", "ttft_s", "tbt_s",
                 "tpot_s", "scheduling_delay_s", "fraction_fluid_requests")
@@ -111,8 +112,8 @@ def run_capacity(bcfg: BenchConfig, ccfg: CapacityConfig, launch: list[str]) -> 
                "variants": {n: {k: v for k, v in r.items() if k != "probes"} | {
                    "curve": curves[n]} for n, r in results.items()}}
     out.mkdir(parents=True, exist_ok=True)
-    (out / "capacity.json").write_text(json.dumps(summary | {"probes": {
-        n: r["probes"] for n, r in results.items()}}, indent=1, default=float))
+    (out / "capacity.json").write_text(to_json(summary | {"probes": {
+        n: r["probes"] for n, r in results.items()}}, indent=1))
     log(f"wrote {out}")
-    print(json.dumps(summary, default=float))
+    print(to_json(summary))
     return 0

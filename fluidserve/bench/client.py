@@ -3,8 +3,11 @@
 Records the arrival time of every streamed token. A chunk that carries k tokens counts as
 k tokens arriving together (the first gap is the wait, the other k-1 gaps are zero); k comes
 from per-chunk usage (``continuous_usage_stats``) when the server sends it, else from the
-chunk's logprobs, else from re-tokenizing the chunk text, and the total is reconciled with
-the final ``usage`` when the server reports it.
+chunk's logprobs, else from re-tokenizing the chunk text (a reasoning model's
+``reasoning_content`` counts), and the total is reconciled with the final ``usage`` when the
+server reports it. A request succeeded only if its stream ended with ``[DONE]`` and not with
+``finish_reason`` ``abort`` or ``error``; whatever else goes wrong with one request (a status,
+a malformed chunk, a timeout) is that request's error, never the run's.
 """
 
 from __future__ import annotations
@@ -90,7 +93,7 @@ class Client:
         except TimeoutError:
             rec.error = (f"timed out after {self.cfg.timeout:g} s (--timeout) with"
                          f" {len(rec.gaps)} tokens")
-        except (httpx.HTTPError, OSError, ValueError) as e:
+        except Exception as e:  # anything a server sends ends this request, not the run
             rec.error = f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
         if rec.error is None and rec.num_output_tokens == 0:
             rec.error = "the stream ended without any token"
@@ -102,14 +105,18 @@ class Client:
                 body = (await r.aread()).decode(errors="replace")
                 rec.error = f"HTTP {r.status_code}: {_error_message(body)}"
                 return
-            last, counted, final = t0, 0, None
+            chunks: list[tuple[float, int]] = []  # (arrival, tokens counted in it)
+            last, counted, final, done, reason = t0, 0, None, False, None
             async for line in r.aiter_lines():
                 if not line.startswith("data:"):
                     continue
                 data = line[5:].strip()
                 if data == "[DONE]":
+                    done = True
                     break
                 obj = json.loads(data)
+                if not isinstance(obj, dict):
+                    raise ValueError(f"a stream chunk is not a JSON object: {data[:100]}")
                 if "error" in obj:
                     rec.error = f"stream error: {_error_message(json.dumps(obj))}"
                     return
@@ -117,23 +124,27 @@ class Client:
                 usage = obj.get("usage") or {}
                 if usage.get("prompt_tokens") is not None:
                     rec.server_prompt_tokens = usage["prompt_tokens"]
-                if "metrics" in obj and obj["metrics"].get("scheduling_delay") is not None:
-                    rec.scheduling_delay = obj["metrics"]["scheduling_delay"]
+                metrics = obj.get("metrics")
+                if isinstance(metrics, dict) and metrics.get("scheduling_delay") is not None:
+                    rec.scheduling_delay = metrics["scheduling_delay"]
                 if not obj.get("choices"):
                     final = usage.get("completion_tokens", final)
+                    if final and not chunks:  # every token came in this one chunk
+                        chunks.append((now, 0))
                     continue
-                k = self._tokens_in(obj, usage, counted)
-                if k > 0:
+                reason = obj["choices"][0].get("finish_reason") or reason
+                k = max(self._tokens_in(obj, usage, counted), 0)
+                chunks.append((now, k))
+                if k:  # as they come, for a stream cut short by the timeout
                     rec.gaps += [now - last] + [0.0] * (k - 1)
-                    counted += k
-                    last = now
-            if final is not None and final != counted:  # reconcile with the server's count
-                if final > counted:
-                    rec.gaps += [0.0] * (final - counted)
-                else:
-                    del rec.gaps[final:]
-                counted = final
-            rec.num_output_tokens = counted
+                    counted, last = counted + k, now
+            if not done:
+                n = final if final is not None else counted
+                rec.error = f"the stream ended before its [DONE] after {n} tokens"
+            elif reason in ("abort", "error"):
+                rec.error = f"the server ended the stream with finish_reason {reason!r}"
+            rec.gaps = arrival_gaps(chunks, t0, final)
+            rec.num_output_tokens = len(rec.gaps)
 
     def _tokens_in(self, obj: dict, usage: dict, counted: int) -> int:
         if usage.get("completion_tokens") is not None:
@@ -142,12 +153,59 @@ class Client:
         lp = choice.get("logprobs") or {}
         if lp.get("tokens") or lp.get("content"):
             return len(lp.get("tokens") or lp.get("content"))
-        text = (choice.get("delta") or {}).get("content") if self.chat else choice.get("text")
+        if self.chat:
+            delta = choice.get("delta") or {}
+            text = "".join(delta.get(f) or "" for f in ("content", "reasoning_content",
+                                                         "reasoning"))
+        else:
+            text = choice.get("text")
         if not text:  # e.g. the chat role chunk; the final usage reconciles the count
             return 0
         if self.tokenizer is None:
             return 1
         return max(1, len(self.tokenizer.encode(text, add_special_tokens=False)))
+
+
+def arrival_gaps(chunks: list[tuple[float, int]], t0: float, final: int | None
+                 ) -> list[float]:
+    """TTFT then every inter-token gap, from each chunk's arrival time and the tokens counted
+    in it; a chunk of k tokens is k tokens arriving together.
+
+    Counts that were estimated (from re-tokenized text) are reconciled with the server's own
+    total (``final``) keeping every arrival time: an estimate short of it is scaled up (when
+    nothing was counted, every token came with the last chunk); tokens it over-counted come
+    off the most bundled chunks first, then two chunks that followed each other most closely
+    become one (the likeliest to be one token split in two; the first token's time and the
+    last one's are kept)."""
+    counts = [k for _, k in chunks]
+    if final is not None and chunks:
+        extra = final - sum(counts)
+        if extra > 0 and sum(counts):  # spread in proportion to the estimates
+            total = sum(counts)
+            scaled = [k * final / total for k in counts]
+            counts = [int(x) for x in scaled]
+            for i in sorted(range(len(counts)), key=lambda j: int(scaled[j]) - scaled[j]
+                            )[:final - sum(counts)]:
+                counts[i] += 1
+        elif extra > 0:  # nothing was counted: they came with the last chunk
+            counts[-1] = extra
+        while extra < 0:
+            i = max(range(len(counts)), key=lambda j: counts[j])
+            if counts[i] > 1:
+                counts[i] -= 1
+            else:  # a token a chunk: merge the closest pair into its later chunk's time
+                kept = [j for j, k in enumerate(counts) if k]
+                pairs = list(zip(kept[1:], kept[2:], strict=False))  # not the first token's
+                a = min(pairs, key=lambda p: chunks[p[1]][0] - chunks[p[0]][0])[0] if pairs \
+                    else kept[-1]
+                counts[a] = 0
+            extra += 1
+    gaps, last_t = [], t0
+    for (t, _), k in zip(chunks, counts, strict=True):
+        if k > 0:
+            gaps += [t - last_t] + [0.0] * (k - 1)
+            last_t = t
+    return gaps
 
 
 def _error_message(body: str) -> str:

@@ -77,11 +77,19 @@ def plot_run(records: Sequence[RequestRecord], summary: dict, out: Path, title: 
 
 def plot_capacity(curves: dict[str, list[dict]], metric: str, out: Path, slo: float | None
                   ) -> None:
-    """curves: variant -> probes [{"rate", "value", "ok"}]; one load-latency line each."""
+    """curves: variant -> probes [{"rate", "value", "ok"}]; one load-latency line each, a dot
+    for a probe that met the SLO and a cross for one that did not (the metric plotted may be
+    within its bound while another part of the SLO failed: the delay bound, failed requests)."""
     fig, ax = plt.subplots(figsize=(6.5, 4))
     for name, probes in curves.items():
         pts = sorted(probes, key=lambda p: p["rate"])
-        ax.plot([p["rate"] for p in pts], [p["value"] for p in pts], "o-", label=name)
+        line, = ax.plot([p["rate"] for p in pts], [p["value"] for p in pts], "-", label=name)
+        for ok, marker in ((True, "o"), (False, "x")):
+            sel = [p for p in pts if bool(p["ok"]) == ok]
+            ax.plot([p["rate"] for p in sel], [p["value"] for p in sel], marker, ls="",
+                    c=line.get_color())
+    if any(not p["ok"] for probes in curves.values() for p in probes):
+        ax.plot([], [], "kx", ls="", label="SLO missed")
     if slo is not None:
         ax.axhline(slo, ls="--", c="red", label="SLO")
     ax.set(xlabel="request rate (req/s)", ylabel=metric, title="Load vs latency (capacity search)")

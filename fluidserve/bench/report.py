@@ -17,7 +17,7 @@ from fluidserve.bench.fluidity import (
     fluidity_index,
 )
 from fluidserve.bench.records import RequestRecord
-from fluidserve.metrics import summarize
+from fluidserve.metrics import summarize, to_json
 
 Deadline = Callable[[int], float]  # prompt length -> TTFT deadline D_p
 
@@ -81,9 +81,17 @@ def summarize_run(records: Sequence[RequestRecord], tbt_deadline: float, duratio
         if records else math.nan,
         "fluid_token_generation_rate": fluid_rate,
         "fluid_tbt_deadline_s": fluid_d,
-        "tpot_based_token_rate": 1.0 / mean_tpot if tpot else math.nan,
-        "p99_tbt_based_token_rate": 1.0 / p99_tbt if tbt else math.nan,
+        "tpot_based_token_rate": _rate(mean_tpot),
+        "p99_tbt_based_token_rate": _rate(p99_tbt),
     }
+
+
+def _rate(interval: float) -> float:
+    """Tokens per second at one token every ``interval`` seconds: unbounded (inf) when tokens
+    came bundled (a zero interval), NaN when there was no interval to measure."""
+    if math.isnan(interval):
+        return math.nan
+    return 1.0 / interval if interval > 0 else math.inf
 
 
 def fluidity_slo_met(summary: dict) -> bool:
@@ -108,12 +116,12 @@ def write_run(out_dir: Path, records: Sequence[RequestRecord], summary: dict) ->
     out_dir.mkdir(parents=True, exist_ok=True)
     with open(out_dir / "requests.jsonl", "w") as f:
         for r in records:
-            f.write(json.dumps(r.to_dict()) + "\n")
+            f.write(to_json(r.to_dict()) + "\n")
     with open(out_dir / "requests.csv", "w", newline="") as f:
         w = csv.writer(f)
         w.writerow(CSV_COLUMNS)
         w.writerows(_csv_row(r) for r in records)
-    (out_dir / "summary.json").write_text(json.dumps(summary, indent=1, default=_json_default))
+    (out_dir / "summary.json").write_text(to_json(summary, indent=1))
 
 
 def load_run(run_dir: str | Path) -> tuple[list[RequestRecord], dict]:
@@ -125,12 +133,6 @@ def load_run(run_dir: str | Path) -> tuple[list[RequestRecord], dict]:
         with open(run_dir / "requests.jsonl") as f:
             records = [RequestRecord(**json.loads(line)) for line in f if line.strip()]
     return records, json.loads((run_dir / "summary.json").read_text())
-
-
-def _json_default(o):
-    if isinstance(o, (np.floating, np.integer)):
-        return o.item()
-    raise TypeError(type(o))
 
 
 ROWS = [
@@ -157,8 +159,16 @@ def _f(x) -> str:
     return f"{x:.4g}"
 
 
+def run_names(run_dirs: Sequence[str | Path]) -> list[str]:
+    """A column name per run: its directory's name, or its path where two names are alike
+    (``runs/a/vllm`` and ``runs/b/vllm``)."""
+    names = [Path(d).name for d in run_dirs]
+    return names if len(set(names)) == len(names) else [str(Path(d)) for d in run_dirs]
+
+
 def compare_table(run_dirs: Sequence[str | Path]) -> str:
-    summaries = [(Path(d).name, load_run(d)[1]) for d in run_dirs]
+    summaries = [(name, load_run(d)[1]) for name, d in zip(run_names(run_dirs), run_dirs,
+                                                            strict=True)]
     rows = []
     for name, fn in ROWS:
         cells = []

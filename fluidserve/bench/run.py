@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import json
 import math
 import sys
 import time
@@ -25,6 +24,7 @@ from fluidserve.bench.report import (
 )
 from fluidserve.bench.workload import WorkloadRequest, WorkloadSpec, build_workload
 from fluidserve.config import BenchConfig
+from fluidserve.metrics import to_json
 
 PREFILL_PROFILE_POINTS = 8
 PROMPT_TOKENS_TOLERANCE = 0.02  # server/built prompt-token ratio beyond which the run warns
@@ -83,7 +83,11 @@ def server_model(cfg: BenchConfig) -> tuple[str, str | None]:
 
 
 class Bench:
-    """A prepared workload (prompts built once) that can be run at any request rate."""
+    """A prepared workload that can be run at any request rate.
+
+    Each run after the first sends prompts of the same lengths with other text: a server with
+    prefix caching (vLLM's default) would otherwise find every later probe of a capacity
+    search in its cache and answer its prefills for free."""
 
     def __init__(self, cfg: BenchConfig, tokenizer=None, quiet: bool = False) -> None:
         self.cfg = cfg
@@ -94,17 +98,21 @@ class Bench:
         else:
             self.tokenizer_source = "given"
         self.tokenizer = tokenizer
-        text, self.corpus_source = load_corpus()
-        chat = "chat" in cfg.endpoint
-        self.builder = PromptBuilder(self.tokenizer, text, cfg.seed, add_special_tokens=not chat)
+        self.text, self.corpus_source = load_corpus()
+        self.builder = self._builder(cfg.seed)
         self.spec = workload_spec(cfg)
         self.work, self.length_source = build_workload(self.spec)
         self.prompts = [self.builder.build(w.prompt_len) for w in self.work]
+        self.runs = 0
         self.client = Client(ClientConfig(cfg.base_url, cfg.endpoint, self.model, cfg.api_key,
                                           cfg.ignore_eos, cfg.timeout, cfg.max_concurrency,
                                           cfg.temperature), self.tokenizer)
         self.ttft_deadline: Deadline = constant_deadline(cfg.ttft_deadline)
         self.prefill_fit: list[float] | None = None
+
+    def _builder(self, seed: int) -> PromptBuilder:
+        return PromptBuilder(self.tokenizer, self.text, seed,
+                             add_special_tokens="chat" not in self.cfg.endpoint)
 
     def log(self, msg: str) -> None:
         if not self.quiet:
@@ -152,8 +160,13 @@ class Bench:
             spec = dataclasses.replace(self.spec, request_rate=request_rate)
             work = build_workload(spec)[0]
         rate = request_rate if request_rate is not None else self.spec.request_rate
+        prompts = self.prompts
+        if self.runs:  # same lengths, other text (see the class)
+            builder = self._builder(self.cfg.seed + 1_000_003 * self.runs)
+            prompts = [builder.build(w.prompt_len) for w in work]
+        self.runs += 1
         t0 = time.perf_counter()
-        records = self._run(work, self.prompts, f"bench @ {rate:g} req/s")
+        records = self._run(work, prompts, f"bench @ {rate:g} req/s")
         wall = time.perf_counter() - t0
         score_fluidity(records, self.ttft_deadline, self.cfg.tbt_deadline)
         summary = summarize_run(records, self.cfg.tbt_deadline)
@@ -204,5 +217,5 @@ def run_bench(cfg: BenchConfig) -> int:
     if summary["num_failed"]:
         bench.log(f"{summary['num_failed']} requests failed: {summary['errors']}")
     bench.log(f"wrote {out}")
-    print(json.dumps(summary, default=float))
+    print(to_json(summary))
     return 0

@@ -77,6 +77,10 @@ class WorkloadSpec:
         if self.dataset not in DATASETS and not self.dataset_path:
             raise ValueError(f"unknown dataset {self.dataset!r}; choose from {', '.join(DATASETS)}"
                              " or give --dataset-path")
+        if self.dataset in SYNTHETIC and self.dataset_path:
+            raise ValueError(f"--dataset-path gives the lengths of a trace; dataset"
+                             f" {self.dataset!r} (--dataset-name, or --input-len/--output-len"
+                             " which imply fixed) makes its own: give one or the other")
         if self.num_prompts < 1:
             raise ValueError("num_prompts must be >= 1")
         if min(self.input_len, self.output_len, self.max_prompt_len, self.max_output_len) < 1:
@@ -212,12 +216,12 @@ def build_workload(spec: WorkloadSpec) -> tuple[list[WorkloadRequest], str]:
     rng = np.random.default_rng(spec.seed)
     n = spec.num_prompts
     trace_arr = None
-    if spec.dataset in TRACE_FILES or spec.dataset_path:
-        prompt, output, trace_arr, source = base_lengths(spec, spec.dataset, n, rng)
-    elif spec.dataset in SYNTHETIC:
+    if spec.dataset in SYNTHETIC:
         (prompt, output), source = synthetic_lengths(spec, n, rng), f"synthetic {spec.dataset}"
-    else:
+    elif spec.dataset in (*TETRI_CLASSES, "mixed"):  # drawn from --dataset-path if given
         prompt, output, source = tetri_lengths(spec, n, rng)
+    else:  # a trace: --dataset-path, or the named trace's file (or its stand-in)
+        prompt, output, trace_arr, source = base_lengths(spec, spec.dataset, n, rng)
     prompt = np.clip(np.rint(prompt * spec.prompt_scale), 1, spec.max_prompt_len).astype(int)
     output = np.clip(np.rint(output * spec.output_scale), 1, spec.max_output_len).astype(int)
     arrivals = arrival_times(spec, n, rng, trace_arr)

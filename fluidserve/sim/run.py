@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import json
 import sys
 import time
 from pathlib import Path
@@ -15,6 +14,7 @@ from fluidserve.config import BenchConfig, CapacityConfig, EngineConfig, Paralle
 from fluidserve.core.admission import cache_blocks
 from fluidserve.core.scheduler.output import ScheduledChunk, SchedulerOutput
 from fluidserve.core.token_budget import find_token_budget, pass_target
+from fluidserve.metrics import to_json
 from fluidserve.model.arch import kv_bytes_per_token
 from fluidserve.sampling_params import SamplingParams
 from fluidserve.sim.cost_model import (
@@ -149,7 +149,7 @@ def run_simulate(sim: SimConfig, eng: EngineConfig, bench: BenchConfig, cap: Cap
 
         plot_run(records, summary, out, bench.label or f"simulated {eng.scheduler.policy}")
     print(f"wrote {out}", file=sys.stderr)
-    print(json.dumps(summary, default=float))
+    print(to_json(summary))
     return 0
 
 
@@ -174,7 +174,7 @@ def _token_budget(sim: SimConfig, eng: EngineConfig, cap: CapacityConfig, cost: 
               "error": msg, "tile_size": eng.scheduler.tile_size,
               "reference_batch": {"decodes": sim.budget_decodes, "context": sim.budget_context},
               "cost_model": sim.cost_model, "note": cost.note}
-    print(json.dumps(result))
+    print(to_json(result))
     return 0 if msg is None else 1
 
 
@@ -208,12 +208,11 @@ def _capacity(sim, eng, bench, cap, cost, out: Path) -> int:
                "pp": eng.parallel.pipeline_parallel_size,
                "note": cost.note, "curve": curve}
     out.mkdir(parents=True, exist_ok=True)
-    (out / "capacity.json").write_text(json.dumps(summary | {"probes": res["probes"]}, indent=1,
-                                                  default=float))
+    (out / "capacity.json").write_text(to_json(summary | {"probes": res["probes"]}, indent=1))
     if bench.plots:
         from fluidserve.bench.plots import plot_capacity
 
         plot_capacity({eng.scheduler.policy: curve}, "P99 TBT (s)" if cap.slo == "tbt" else cap.slo,
                       out, cap.tbt_slo if cap.slo == "tbt" else None)
-    print(json.dumps(summary, default=float))
+    print(to_json(summary))
     return 0

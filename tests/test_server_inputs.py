@@ -93,6 +93,15 @@ HOSTILE = [
     ("template kwargs", "/v1/chat/completions",
      {"messages": [{"role": "user", "content": "hi"}],
       "chat_template_kwargs": {"enable_thinking": False}}),
+    ("no special tokens", "/v1/completions", {"prompt": "hi", "add_special_tokens": False}),
+    ("tokens as ids", "/v1/completions", {"prompt": "hi", "logprobs": 1,
+                                           "return_tokens_as_token_ids": True}),
+    ("logits processors", "/v1/completions", {"prompt": "hi", "logits_processors": ["m.f"]}),
+    ("prompt embeddings", "/v1/completions", {"prompt": "hi", "prompt_embeds": "AAAA"}),
+    ("audio out", "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}],
+                                           "modalities": ["text", "audio"]}),
+    ("logit bias of junk", "/v1/completions",
+     {"prompt": "hi", "logit_bias": {str(i): "x" for i in range(20_000)}}),
 ]
 
 
@@ -108,7 +117,8 @@ def test_neutral_values_of_unimplemented_parameters_change_nothing(srv):
     base = {"prompt": PROMPT, "max_tokens": 6, "temperature": 0}
     neutral = {"repetition_penalty": 1.0, "min_p": 0, "use_beam_search": False,
                "skip_special_tokens": True, "include_stop_str_in_output": False,
-               "response_format": {"type": "text"}, "guided_json": None, "bad_words": []}
+               "response_format": {"type": "text"}, "guided_json": None, "bad_words": [],
+               "add_special_tokens": True, "return_tokens_as_token_ids": False}
     plain = post(srv, "/v1/completions", base)
     same = post(srv, "/v1/completions", base | neutral)
     assert plain.status_code == same.status_code == 200, same.text
@@ -117,7 +127,8 @@ def test_neutral_values_of_unimplemented_parameters_change_nothing(srv):
     plain = post(srv, "/v1/chat/completions", chat)
     same = post(srv, "/v1/chat/completions", chat | {
         "tools": [], "tool_choice": "none", "echo": False, "add_generation_prompt": True,
-        "continue_final_message": False, "chat_template": None})
+        "continue_final_message": False, "chat_template": None, "add_special_tokens": False,
+        "modalities": ["text"]})
     assert plain.status_code == same.status_code == 200, same.text
     assert (same.json()["choices"][0]["message"]["content"]
             == plain.json()["choices"][0]["message"]["content"])
@@ -129,6 +140,48 @@ def test_an_error_speaks_of_the_form_the_value_has(srv):
     assert err["param"] == "stop" and "at most 16 items" in err["message"]
     err = assert_error(post(srv, "/v1/completions", {"prompt": "hi", "stop": 5}), 400)
     assert "valid string" in err["message"]
+
+
+def test_a_parts_type_is_what_its_error_names(srv):
+    err = assert_error(post(srv, "/v1/chat/completions", {"messages": [{"role": "user", "content": [
+        {"type": "text", "text": "a"}, {"type": "image_url", "image_url": {"url": "x"}}]}]}), 400)
+    assert err["param"] == "messages.0.content.1.type" and "'text'" in err["message"]
+
+
+def test_a_list_of_junk_is_one_error_not_one_per_item(monkeypatch):
+    # The report of two million item errors held the event loop for ten seconds.
+    from fluidserve.serve import inputs
+    from fluidserve.serve.protocol import Limits, request_models
+
+    completion, chat = request_models(Limits(512, 1000, 512 * 14))
+    seen = []
+    real = inputs.validation_error
+    monkeypatch.setattr(inputs, "validation_error", lambda errors: seen.append(errors) or
+                        real(errors))
+    cases = [(chat, {"messages": [1] * 400}), (completion, {"prompt": ["x"] * 400}),
+             (chat, {"messages": [{"role": "user", "content": [1] * 400}]}),
+             (completion, {"prompt": [-1] * 400})]
+    for model, body in cases:
+        with pytest.raises(inputs.ApiError):
+            inputs.parse_body(json.dumps(body).encode(), model)
+        assert len(seen.pop()) <= 4, body  # one per alternative of a union, not per item
+    with pytest.raises(inputs.ApiError, match="at most 511 items"):  # a token each at least
+        inputs.parse_body(json.dumps({"messages": [{"role": "user"}] * 600}).encode(), chat)
+
+
+def test_continuous_usage_comes_with_the_final_usage_only(srv):
+    def usages(options: dict) -> list:
+        body = {"prompt": PROMPT, "max_tokens": 3, "ignore_eos": True, "stream": True,
+                "stream_options": options}
+        with httpx.stream("POST", srv.url + "/v1/completions", json=body, timeout=60) as s:
+            chunks = [json.loads(x[6:]) for x in s.iter_lines() if x.startswith("data: {")]
+        return [(len(c["choices"]), (c.get("usage") or {}).get("completion_tokens"))
+                for c in chunks]
+
+    both = usages({"include_usage": True, "continuous_usage_stats": True})
+    assert both == [(1, 1), (1, 2), (1, 3), (0, 3)]
+    assert usages({"include_usage": True}) == [(1, None)] * 3 + [(0, 3)]
+    assert usages({"continuous_usage_stats": True}) == [(1, None)] * 3  # as vLLM: needs both
 
 
 def test_top_k_zero_is_every_token_as_in_vllm(srv):
@@ -209,6 +262,12 @@ def test_a_prompt_that_cannot_fit_is_refused_without_tokenizing(srv, schema, tex
         err = assert_error(post(srv, path, body), 400, schema)
         assert "context window" in err["message"] or "at most" in err["message"]
     assert text_work["encode"] == [] and text_work["chat"] == []
+    # Every message takes a token besides its text: 400 messages leave 111 of the 511 tokens
+    # for their 4000 characters, which 14 characters a token cannot fit.
+    many = {"messages": [{"role": "user", "content": "0123456789"}] * 400}
+    err = assert_error(post(srv, "/v1/chat/completions", many), 400, schema)
+    assert err["message"].startswith("400 messages of 4000 characters")
+    assert text_work["chat"] == []
     # Short enough in characters but not in tokens: tokenized, then refused the same way.
     err = assert_error(post(srv, "/v1/completions", {"prompt": "word " * 600}), 400, schema)
     assert err["code"] == "context_length_exceeded" and len(text_work["encode"]) == 1

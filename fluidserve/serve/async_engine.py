@@ -187,7 +187,10 @@ class AsyncEngine:
     def _on_outputs(self, msg: EngineCoreOutputs) -> None:
         self._observe(msg)
         if self.request_log is not None and (msg.finished or msg.rejected):
-            self.request_log.finished(msg.finished, list(msg.rejected))
+            try:  # a full disk costs log lines, never the outputs of this message
+                self.request_log.finished(msg.finished, list(msg.rejected))
+            except Exception:
+                log.exception("writing the request log failed")
         ready, stopped, failed = [], [], []
         with self._lock:
             if msg.stats is not None:

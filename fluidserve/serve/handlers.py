@@ -83,21 +83,24 @@ async def chat_ids(state: ServerState, body: ChatCompletionRequest) -> list[int]
     if state.prompts.tokenizer is None:
         raise ApiError(400, "this model has no tokenizer, so chat is unavailable")
     messages = [{"role": m.role, "content": m.text()} for m in body.messages]
+    # Each message takes a token at least (its role, as the template renders it), so that
+    # many fewer tokens are left for the text.
     _check_chars(state, sum(len(m["content"]) for m in messages), body.max_new_tokens,
-                 "messages")
+                 "messages", len(messages))
     try:
         return await state.prompts.chat(messages)
     except (ValueError, TypeError, jinja2.TemplateError) as e:
         raise ApiError(400, f"cannot apply the chat template: {e}", param="messages") from None
 
 
-def _check_chars(state: ServerState, num_chars: int, max_tokens: int | None, param: str) -> None:
+def _check_chars(state: ServerState, num_chars: int, max_tokens: int | None, param: str,
+                 num_messages: int = 0) -> None:
     max_len = state.max_model_len
     room = max_len - (max_tokens or 1)
-    limit = state.prompts.max_chars(room)
+    limit = state.prompts.max_chars(max(room - num_messages, 0))
     if limit is not None and num_chars > limit:
         state.metrics.rejected.labels("invalid").inc()
-        raise too_long(num_chars, room, max_len, param)
+        raise too_long(num_chars, room, max_len, param, num_messages)
 
 
 async def generate(state: ServerState, body, request: Request, chat: bool) -> Response:

@@ -26,6 +26,17 @@ from fluidserve.serve.protocol import CONTEXT_LENGTH_EXCEEDED, ApiError
 TOKENIZE_THREADS = 2
 
 
+LARGE_BODY = 64 << 10  # bytes: bodies above this are parsed off the event loop
+
+
+async def read_body(raw: bytes, model: type[BaseModel]) -> BaseModel:
+    """``parse_body``, on a worker thread for a large body, so that the streams of others keep
+    flowing meanwhile (the thread yields the interpreter every few milliseconds)."""
+    if len(raw) <= LARGE_BODY:
+        return parse_body(raw, model)
+    return await asyncio.to_thread(parse_body, raw, model)
+
+
 def parse_body(raw: bytes, model: type[BaseModel]) -> BaseModel:
     """The validated request, or ApiError(400) saying what is wrong with it."""
     try:
@@ -40,10 +51,12 @@ def parse_body(raw: bytes, model: type[BaseModel]) -> BaseModel:
 
 
 def validation_error(errors: list) -> ApiError:
-    # Of a union's alternatives, the one whose type the value has says best what is wrong
-    # (17 stop strings: "at most 16 items", not "should be a valid string"), then the one
-    # that got furthest into the value.
-    first = max(errors, key=lambda e: (not _wrong_type(e), len(e.get("loc", ()))), default={})
+    # A part's wrong "type" tag says what is wrong ("image_url": only text parts), whatever
+    # else that part lacks. Else, of a union's alternatives, the one whose type the value has
+    # says best (17 stop strings: "at most 16 items", not "should be a valid string"), then
+    # the one that got furthest into the value.
+    first = max(errors, key=lambda e: (_type_tag(e), not _wrong_type(e),
+                                       len(e.get("loc", ()))), default={})
     loc = [str(x) for x in first.get("loc", ()) if not _union_tag(x)]
     msg = str(first.get("msg", "invalid request")).removeprefix("Value error, ")
     where = ".".join(loc)
@@ -57,16 +70,25 @@ def _wrong_type(error: dict) -> bool:
                                               "is_instance_of", "model_attributes_type")
 
 
+def _type_tag(error: dict) -> bool:
+    loc = error.get("loc", ())
+    return error.get("type") == "literal_error" and bool(loc) and loc[-1] == "type"
+
+
 def _union_tag(part) -> bool:
     """Whether a location part names a union alternative (a type), not a field or index."""
     return isinstance(part, str) and (any(c in part for c in "[-") or part[:1].isupper()
                                       or part in ("str", "int", "float", "bool", "none"))
 
 
-def too_long(num_chars: int, room: int, max_model_len: int, param: str) -> ApiError:
-    return ApiError(400, f"the prompt ({num_chars} characters) cannot fit in the {room} tokens"
-                    f" the context window of {max_model_len} tokens leaves for it",
-                    param=param, code=CONTEXT_LENGTH_EXCEEDED)
+def too_long(num_chars: int, room: int, max_model_len: int, param: str,
+             num_messages: int = 0) -> ApiError:
+    plural = "s" if num_messages != 1 else ""
+    what = f"{num_messages} message{plural} of {num_chars} characters (a token each at least," \
+        " besides their text)" if num_messages else f"the prompt ({num_chars} characters)"
+    return ApiError(400, f"{what} cannot fit in the {room} tokens the context window of"
+                    f" {max_model_len} tokens leaves for it", param=param,
+                    code=CONTEXT_LENGTH_EXCEEDED)
 
 
 class PromptTokenizer:

@@ -135,7 +135,8 @@ class _Common(BaseModel):
         None, description="Only 0 is supported.")
     frequency_penalty: Annotated[float, Field(ge=0.0, le=0.0)] | None = Field(
         None, description="Only 0 is supported.")
-    logit_bias: Annotated[dict[str, float], Field(max_length=0)] | None = Field(
+    # Any values: a 300k-entry map is refused for its size, not after 300k checks.
+    logit_bias: Annotated[dict[str, Any], Field(max_length=0)] | None = Field(
         None, description="Not supported: must be empty.")
     return_metrics: bool = False  # fluidserve extension: server-side timings in the response
     # Parameters of the OpenAI API and vLLM's extensions that this server does not implement:
@@ -159,6 +160,10 @@ class _Common(BaseModel):
     allowed_token_ids: Unsupported = Field(None, description=NOT_SUPPORTED)
     bad_words: NoItems | None = Field(None, description="Not supported: must be empty.")
     truncate_prompt_tokens: Unsupported = Field(None, description=NOT_SUPPORTED)
+    return_tokens_as_token_ids: OnlyFalse | None = Field(
+        None, description="Only false is supported.")
+    logits_processors: Unsupported = Field(None, description=NOT_SUPPORTED)
+    prompt_embeds: Unsupported = Field(None, description=NOT_SUPPORTED)
 
     def sampling_params(self, max_tokens: int, logprobs: int | None) -> SamplingParams:
         return SamplingParams(
@@ -188,7 +193,8 @@ class _Common(BaseModel):
 
     @property
     def continuous_usage(self) -> bool:
-        return bool(self.stream_options and self.stream_options.continuous_usage_stats)
+        """Usage in every chunk: only along with the final usage chunk, as in vLLM."""
+        return self.include_usage and bool(self.stream_options.continuous_usage_stats)
 
 
 class CompletionRequest(_Common):
@@ -201,6 +207,9 @@ class CompletionRequest(_Common):
     best_of: One | None = Field(None, description="Only 1 is supported.")
     suffix: Annotated[str, Field(max_length=0)] | None = Field(
         None, description="Not supported: must be empty.")
+    add_special_tokens: OnlyTrue | None = Field(
+        None, description="Only true (the default): a text prompt gets the tokenizer's"
+        " special tokens (BOS); give token ids to send a prompt without them.")
 
     @property
     def the_prompt(self) -> str | list[int]:
@@ -251,6 +260,12 @@ class ChatCompletionRequest(_Common):
     chat_template: Unsupported = Field(
         None, description="Not supported: the model's own template is used.")
     chat_template_kwargs: Unsupported = Field(None, description=NOT_SUPPORTED)
+    add_special_tokens: OnlyFalse | None = Field(
+        None, description="Only false (the default): the chat template places the special"
+        " tokens.")
+    modalities: Annotated[list[Literal["text"]], Field(max_length=1)] | None = Field(
+        None, description='Only ["text"].')
+    audio: Unsupported = Field(None, description=NOT_SUPPORTED)
 
     @property
     def num_logprobs(self) -> int | None:
@@ -273,15 +288,20 @@ class Limits:
 
 def request_models(limits: Limits) -> tuple[type[CompletionRequest], type[ChatCompletionRequest]]:
     """The request models with this model's bounds (the schema and the validation)."""
+    # Lists stop at their first bad item (fail_fast): a 4 MB list of junk is one error, not
+    # two million (whose report alone held the event loop for ten seconds).
     room = limits.max_model_len - 1  # a prompt has at least one token
     vocab = limits.vocab_size
     token = Int(ge=0, le=vocab - 1) if vocab else Int(ge=0)
-    ids = Annotated[list[token], Field(min_length=1, max_length=room)]
+    ids = Annotated[list[token], Field(min_length=1, max_length=room, fail_fast=True)]
     text = Annotated[str, Field(min_length=1, max_length=limits.max_prompt_chars)]
     content = Annotated[str, Field(max_length=limits.max_prompt_chars)]
     part = create_model("TextPart", __base__=TextPart, text=(content, ...))
+    # Parts are joined with newlines, so n parts are at least n - 1 characters.
+    max_parts = None if limits.max_prompt_chars is None else limits.max_prompt_chars + 1
+    parts = Annotated[list[part], Field(max_length=max_parts, fail_fast=True)]
     message = create_model("ChatMessage", __base__=ChatMessage,
-                           content=(content | list[part] | None, None))
+                           content=(content | parts | None, None))
     new_tokens = Int(ge=1, le=room) | None
     prompt_field = CompletionRequest.model_fields["prompt"]
     stop_ids_field = CompletionRequest.model_fields["stop_token_ids"]
@@ -295,7 +315,10 @@ def request_models(limits: Limits) -> tuple[type[CompletionRequest], type[ChatCo
         max_tokens=(new_tokens, None), stop_token_ids=stop_ids)
     chat = create_model(
         "ChatCompletionRequest", __base__=ChatCompletionRequest,
-        messages=(Annotated[list[message], Field(min_length=1)], ...),
+        # Every message takes at least one token of the prompt (its role, as the template
+        # renders it).
+        messages=(Annotated[list[message], Field(min_length=1, max_length=room,
+                                                 fail_fast=True)], ...),
         max_tokens=(new_tokens, None), max_completion_tokens=(new_tokens, None),
         stop_token_ids=stop_ids)
     return completion, chat

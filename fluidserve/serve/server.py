@@ -29,7 +29,7 @@ from fluidserve.serve import responses as R
 from fluidserve.serve.async_engine import AsyncEngine
 from fluidserve.serve.gate import Gate
 from fluidserve.serve.handlers import ServerState, generate
-from fluidserve.serve.inputs import PromptTokenizer, parse_body
+from fluidserve.serve.inputs import PromptTokenizer, read_body
 from fluidserve.serve.metrics import ServerMetrics
 from fluidserve.serve.protocol import ApiError, Limits, error_body, request_models
 
@@ -85,14 +85,14 @@ def build_app(engine: AsyncEngine, config: ServerConfig, model_name: str) -> Fas
               responses=api.generate_responses(api.CompletionResponse,
                                                   api.CompletionChunk, protected))
     async def completions(request: Request) -> Response:
-        body = parse_body(await request.body(), completion_model)
+        body = await read_body(await request.body(), completion_model)
         return await generate(state, body, request, chat=False)
 
     @app.post("/v1/chat/completions", openapi_extra=api.request_body("ChatCompletionRequest"),
               responses=api.generate_responses(api.ChatCompletionResponse,
                                                   api.ChatCompletionChunk, protected))
     async def chat(request: Request) -> Response:
-        body = parse_body(await request.body(), chat_model)
+        body = await read_body(await request.body(), chat_model)
         return await generate(state, body, request, chat=True)
 
     api.install_openapi(app, [completion_model, chat_model], config)

@@ -250,6 +250,101 @@ def test_instance_flip_moves_an_idle_decode_instance_to_prefill_and_loses_nothin
     assert ttft < sum(r.gaps[0] for r in base_records) / len(base_records)
 
 
+def test_an_offer_waiting_at_an_idle_decode_instance_is_admitted_when_blocks_free():
+    # The first request ends with its first token on its prefill instance after its first
+    # chunk reserved blocks at the decode instance; the second, offered meanwhile, waits for
+    # them. The decode instance runs nothing then: only the end of the first may admit it
+    # (the simulated cluster stalled here, where a served decode instance admits every loop).
+    work = [WorkloadRequest(0, 0.0, 2500, 1), WorkloadRequest(1, 0.1, 200, 500)]
+    for granularity in ("chunk", "request"):
+        records, _ = simulate(work, num_prefill_instances=2, num_decode_instances=1,
+                              num_kv_blocks=200, decode_admission="reserve_dynamic",
+                              kv_transfer_granularity=granularity, length_predictor="oracle")
+        assert [r.num_output_tokens for r in records] == [1, 500], granularity
+
+
+class FakeInstance:
+    """What the control plane sends an instance."""
+
+    def __init__(self) -> None:
+        self.sent: list = []
+
+    def send(self, msg) -> None:
+        self.sent.append(msg)
+
+    add = send
+
+    def abort(self, ids, reason: str = "abort") -> None:
+        self.sent.append(("abort", list(ids)))
+
+
+def control_plane(*roles: str, flip: bool = True):
+    from fluidserve.disagg.control import ControlPlane
+
+    config = EngineConfig.create(disaggregate=True, instance_flip=flip)
+    outputs: list = []
+    cp = ControlPlane(config, list(roles), outputs.append, lambda why: outputs.append(why))
+    cp.instances = [FakeInstance() for _ in roles]
+    cp._blocks = [100] * len(roles)
+    cp._loads = {i: DecodeLoad(i, 100, 0, 0) for i, r in enumerate(roles) if r == "decode"}
+    return cp, outputs
+
+
+def handoff(rid: str, dst: int):
+    from fluidserve.disagg.messages import Handoff
+
+    return Handoff(req(rid, 10), dst, 8, True)
+
+
+def test_a_hand_off_to_a_decode_instance_that_died_is_dispatched_again():
+    from fluidserve.disagg.messages import Migrate, Redispatch
+
+    cp, outputs = control_plane("prefill", "decode", "decode", flip=False)
+    cp._where["r"] = {0}
+    cp._on_instance_dead(2, "killed")
+    cp._relay(0, handoff("r", 2))  # chosen before the dispatcher heard of the death
+    assert cp.instances[0].sent[-1] == Redispatch("r") and not outputs
+    cp._relay(0, handoff("r", 1))
+    assert isinstance(cp.instances[1].sent[-1], Migrate) and cp._where["r"] == {0, 1}
+
+
+def test_a_load_reported_before_a_flip_does_not_outlive_it():
+    from fluidserve.disagg.messages import DecodeLoads
+    from fluidserve.engine.messages import EngineCoreOutputs
+
+    cp, _ = control_plane("prefill", "decode", "decode")
+    cp._draining.add(2)
+    cp._balance(0.0)  # nothing held there: it flips
+    assert cp.roles[2] == "prefill" and 2 not in cp._loads
+    cp._on_instance_outputs(2, EngineCoreOutputs([], load=DecodeLoad(2, 100, 0, 0)))  # late
+    cp._broadcast()
+    assert [x.instance for x in cp.instances[0].sent[-1].loads] == [1]
+    assert isinstance(cp.instances[0].sent[-1], DecodeLoads)
+
+
+def test_a_dying_instance_neither_blocks_later_flips_nor_takes_a_roles_last_one():
+    from fluidserve.disagg.messages import SetRole
+
+    # Decode instance 3 drains, then dies: the next drain may start and flip.
+    cp, _ = control_plane("prefill", "prefill", "decode", "decode")
+    cp._draining.add(3)
+    cp._on_instance_dead(3, "killed")
+    assert not cp._draining
+    # Decode instance 1 drains to become a prefill instance, and the other decode instance
+    # dies: 1 is the last decode instance now, so it stays one (and is offered work again).
+    cp, _ = control_plane("prefill", "decode", "decode")
+    cp._where["q"] = {1}
+    cp._draining.add(1)
+    cp._on_instance_dead(2, "killed")
+    assert not cp._draining and cp.roles == ["prefill", "decode", "decode"]
+    del cp._where["q"]
+    cp._balance(1.0)
+    assert cp.roles[1] == "decode" and not any(isinstance(m, SetRole)
+                                               for m in cp.instances[1].sent)
+    cp._broadcast()
+    assert [x.accepting for x in cp.instances[0].sent[-1].loads] == [True]
+
+
 # ---------------------------------------------------------------- the cluster, real model
 PROMPTS = [
     "The river rose slowly in the spring, and the people of the valley moved their goats.",

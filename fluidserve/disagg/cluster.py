@@ -308,15 +308,20 @@ class Cluster:
         """Whatever any instance holds of ``req`` (queued, prefilling, an offer, blocks
         reserved or in use) is released, and the hand-off forgets it."""
         rid = req.request_id
+        freed = []
         for inst in self.instances:
             if inst.sched.find(rid) is not None:
                 inst.sched.finish(req, status, t)
                 self._wake(inst, t)
+                freed.append(inst)
         self._streaming.discard(rid)
         self._early.discard(rid)
         self._admitted.pop(rid, None)
         self.owner.pop(rid, None)
         self.undispatched = [u for u in self.undispatched if u[1] is not req]
+        for inst in freed:  # an idle decode instance admits the offers its blocks now fit
+            if inst.role == "decode":
+                self._admit(inst, t)
 
     def _admit(self, dst: Instance, t: float) -> None:
         while (req := dst.sched.admit_next()) is not None:
@@ -356,7 +361,8 @@ class Cluster:
         self._wake(src, t)  # its blocks are free again
         self.owner.pop(rid, None)
         self._wake(dst, t)
-        dst.sched.activate(rid)  # False (and blocks freed) if it was aborted in transit
+        if not dst.sched.activate(rid):  # aborted in transit: its blocks are free again
+            self._admit(dst, t)
 
     # ------------------------------------------------------------------ monitor and flips
     def _loads(self) -> list[DecodeLoad]:
@@ -378,6 +384,9 @@ class Cluster:
         for src, req, predicted in waiting:
             if not req.status.finished:
                 self._dispatch(t, src, req, predicted)
+        for inst in self.role_of("decode"):  # as a served decode instance does every loop
+            if inst.sched.incoming:
+                self._admit(inst, t)
         if self.d.instance_flip:
             self._balance(t)
 

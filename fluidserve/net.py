@@ -7,7 +7,9 @@ from __future__ import annotations
 import os
 import socket
 import subprocess
+import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 
 def free_port() -> int:
@@ -56,6 +58,21 @@ def die_with_parent(parent: int) -> None:
     ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGKILL)
     if os.getppid() != parent:  # it died before the request took effect
         os._exit(1)
+
+
+_OWNER: ThreadPoolExecutor | None = None
+_OWNER_LOCK = threading.Lock()
+
+
+def process_owner() -> ThreadPoolExecutor:
+    """A thread that lives as long as this process, to start children from: a child that
+    asks ``die_with_parent`` dies with the *thread* that started it, and the caller may be
+    short-lived (an engine built in a worker thread, a server started from a thread pool)."""
+    global _OWNER
+    with _OWNER_LOCK:
+        if _OWNER is None:
+            _OWNER = ThreadPoolExecutor(1, thread_name_prefix="fluidserve-process-owner")
+        return _OWNER
 
 
 def wait_healthy(url: str, timeout: float, proc: subprocess.Popen | None = None,

@@ -124,6 +124,97 @@ def test_ray_start_up_that_times_out_leaves_nothing_behind(tiny_model_dir):
     assert not ray.is_initialized(), "the Ray instance started for the ranks was left running"
 
 
+def bad_plan():
+    """A batch every rank fails on: a token id far outside the vocabulary."""
+    from fluidserve.core.scheduler.output import ScheduledChunk, SchedulerOutput
+
+    return SchedulerOutput(0, [ScheduledChunk("x", 0, (10**9,), (0,), True,
+                                              SamplingParams(max_tokens=1), 0, 0)])
+
+
+def test_a_ray_rank_that_raises_fails_its_batch_with_the_cause(tiny_model_dir):
+    # The sampling rank's failure reached the batch's callback after the batch had left the
+    # pending list, so nothing failed it (and killing the ranks from Ray's callback thread
+    # blocked that thread): the engine waited for ever.
+    pytest.importorskip("ray")
+    from fluidserve.engine.core import ExecutorDead
+
+    engine = LLMEngine(EngineConfig.create(**knobs(tiny_model_dir, tensor_parallel_size=2,
+                                                   distributed_executor_backend="ray")))
+    try:
+        fut = engine.executor.submit(bad_plan())
+        with pytest.raises(ExecutorDead, match="rank failed: IndexError: index out of range"):
+            fut.result(timeout=60)
+        with pytest.raises(ExecutorDead):
+            engine.executor.submit(bad_plan()).result(timeout=60)
+    finally:
+        engine.shutdown()
+
+
+def test_ranks_outlive_the_thread_that_started_them_and_a_dying_sampler_says_how(
+        tiny_model_dir, reference):
+    import threading
+
+    from fluidserve.engine.core import ExecutorDead
+
+    built = []  # a short-lived thread builds the engine (a server started from a pool)
+    t = threading.Thread(target=lambda: built.append(LLMEngine(EngineConfig.create(
+        **knobs(tiny_model_dir, pipeline_parallel_size=2)))))
+    t.start()
+    t.join()
+    engine = built[0]
+    try:
+        assert generate(engine) == reference
+        ex = engine.executor
+        os.kill(ex.procs[ex.sampler_rank].pid, signal.SIGKILL)
+        engine.add_request("late", PROMPTS[0], greedy(0))
+        with pytest.raises(ExecutorDead, match=r"worker rank 1 died \(exit code -9\)"):
+            while engine.has_unfinished():
+                engine.step()
+    finally:
+        engine.shutdown()
+
+
+def test_a_batch_submitted_as_a_rank_dies_fails_instead_of_waiting_for_ever(monkeypatch):
+    # The reader declared the executor dead between submit's check and its queueing the
+    # batch: the batch landed in a queue nobody would fail again.
+    import threading
+    from collections import deque
+
+    from fluidserve.engine import distributed
+    from fluidserve.engine.core import ExecutorDead
+
+    ex = distributed.MultiprocExecutor.__new__(distributed.MultiprocExecutor)
+    ex.dead, ex._closing, ex._lock, ex._pending = None, False, threading.Lock(), deque()
+    ex.block_size, ex.inboxes = 16, []
+    ex._kill = lambda: None
+    real = distributed.prepare_inputs
+
+    def dies_meanwhile(plan, block_size):
+        ex._die("worker rank 1 died (exit code -9)")
+        return real(plan, block_size)
+
+    monkeypatch.setattr(distributed, "prepare_inputs", dies_meanwhile)
+    plan = bad_plan()
+    with pytest.raises(ExecutorDead, match="rank 1 died"):
+        ex.submit(plan)
+    assert not ex._pending
+
+
+def test_a_rank_error_is_one_line_naming_its_cause():
+    from fluidserve.engine.ray_executor import describe
+
+    class RayTaskError(Exception):  # the shape of ray.exceptions.RayTaskError
+        def __init__(self, cause):
+            super().__init__("\x1b[36mray::_Rank.step()\x1b[39m (pid=1, ip=127.0.0.1)\n"
+                             "  File ...\nValueError: bad shape")
+            self.cause = cause
+
+    assert describe(RayTaskError(ValueError("bad shape\nmore"))) == "ValueError: bad shape"
+    assert describe(RuntimeError("\x1b[31mThe actor died\x1b[0m\nbecause")) == \
+        "RuntimeError: The actor died"
+
+
 def test_bad_split_is_a_clear_error(tiny_model_dir):
     with pytest.raises(ValueError, match="must divide"):
         LLM(**knobs(tiny_model_dir, tensor_parallel_size=3))

@@ -34,7 +34,7 @@ from fluidserve.engine.core import ExecutorDead
 from fluidserve.engine.core_proc import kill_unless_exited, wait_exit
 from fluidserve.model.inputs import prepare_inputs
 from fluidserve.model.worker import WorkerSpec
-from fluidserve.net import die_with_parent, local_store, loopback_collectives
+from fluidserve.net import die_with_parent, local_store, loopback_collectives, process_owner
 
 log = logging.getLogger(__name__)
 
@@ -66,7 +66,11 @@ class RankRunner:
         self.rank = rank
         cuda = spec.device.startswith("cuda")
         if cuda:
-            spec = dataclasses.replace(spec, device=f"cuda:{rank % torch.cuda.device_count()}")
+            device = rank % torch.cuda.device_count()
+            # The current device too: Triton launches and CUDA events (the host copy of the
+            # sampled tokens) follow it, not the tensors' device.
+            torch.cuda.set_device(device)
+            spec = dataclasses.replace(spec, device=f"cuda:{device}")
         backend = "nccl" if cuda else "gloo"
         if init_method.startswith(DRIVER_STORE):  # a store the driver hosts on 127.0.0.1
             host, port = init_method.removeprefix(DRIVER_STORE).rsplit(":", 1)
@@ -112,24 +116,31 @@ def rank_main(rank: int, parallel: ParallelConfig, spec: WorkerSpec, init_method
     loopback_collectives()
     logging.basicConfig(level=logging.INFO,
                         format=f"%(asctime)s %(levelname)s %(name)s[rank {rank}]: %(message)s")
+    def reply(msg) -> None:
+        try:
+            outbox.send(msg)
+        except OSError:
+            os._exit(1)  # the driver is gone
+
     try:
         runner = RankRunner(rank, parallel, spec, init_method, threads)
         freeze_startup_heap()
-        outbox.send(("ready", rank))
+        reply(("ready", rank))
         while True:
-            kind, payload = pickle.loads(inbox.recv_bytes())
+            try:
+                kind, payload = pickle.loads(inbox.recv_bytes())
+            except (EOFError, OSError):
+                os._exit(1)  # the driver is gone
             if kind == "step":
                 out = runner.step(payload)
                 if out is not None:
-                    outbox.send(("result", out))
+                    reply(("result", out))
             elif kind == "stats":
-                outbox.send(("stats", runner.stats()))
+                reply(("stats", runner.stats()))
             elif kind == "shutdown":
                 runner.close()
                 return
-    except (EOFError, OSError):
-        os._exit(1)  # the driver is gone
-    except BaseException as e:
+    except BaseException as e:  # an OSError of its own (a full disk) included: reported
         log.exception("rank %d failed", rank)
         try:
             outbox.send(("failed", f"rank {rank}: {type(e).__name__}: {e}"))
@@ -184,7 +195,7 @@ class MultiprocExecutor(FailsInFlightOnDeath):
             p = ctx.Process(target=rank_main, name=f"fluidserve-rank-{rank}", daemon=True,
                             args=(rank, parallel, spec, init, threads, in_r, out_w,
                                   os.getpid()))
-            p.start()
+            process_owner().submit(p.start).result()  # see die_with_parent
             in_r.close()
             out_w.close()
             self.procs.append(p)
@@ -213,7 +224,12 @@ class MultiprocExecutor(FailsInFlightOnDeath):
             ready = wait(conns + [self.procs[r].sentinel for r in waiting], timeout=1.0)
             for r in list(waiting):
                 if self.outboxes[r] in ready:
-                    msg = self.outboxes[r].recv()
+                    try:
+                        msg = self.outboxes[r].recv()
+                    except (EOFError, OSError):  # it died: its pipe closed before its sentinel
+                        raise RuntimeError(f"worker rank {r} exited with code"
+                                           f" {wait_exit(self.procs[r], 5)} while starting"
+                                           ) from None
                     if msg[0] != "ready":
                         raise RuntimeError(f"worker rank {r} failed to start: {msg[1]}")
                     waiting.discard(r)
@@ -230,7 +246,9 @@ class MultiprocExecutor(FailsInFlightOnDeath):
         inputs = prepare_inputs(plan, self.block_size)
         payload = pickle.dumps(("step", pickle.dumps(inputs)), protocol=pickle.HIGHEST_PROTOCOL)
         fut: Future = Future()
-        with self._lock:
+        with self._lock:  # a rank may have died since the check above: _die holds this lock
+            if self.dead is not None:
+                raise ExecutorDead(self.dead)
             self._pending.append((fut, inputs.sampling.request_ids))
         try:
             for conn in self.inboxes:
@@ -293,6 +311,13 @@ class MultiprocExecutor(FailsInFlightOnDeath):
             wait_exit(p, 5)
 
     def _read(self) -> None:
+        try:
+            self._read_outputs()
+        except Exception as e:  # else every batch in flight would wait for ever
+            log.exception("reading the worker ranks' outputs failed")
+            self._die(f"reading the worker ranks' outputs failed: {type(e).__name__}: {e}")
+
+    def _read_outputs(self) -> None:
         from fluidserve.model.runner import runner_output
 
         conn = self.outboxes[self.sampler_rank]
@@ -302,8 +327,14 @@ class MultiprocExecutor(FailsInFlightOnDeath):
             if conn in ready:
                 try:
                     kind, body = conn.recv()
-                except (EOFError, OSError):
-                    kind, body = "failed", f"rank {self.sampler_rank}: pipe closed"
+                except (EOFError, OSError):  # the sampling rank died: say how
+                    if self._closing:
+                        return
+                    r = self.sampler_rank
+                    code = wait_exit(self.procs[r], 5)
+                    self._die(f"worker rank {r} died (exit code {code})" if code is not None
+                              else f"worker rank {r}: its pipe closed")
+                    return
                 if kind == "result":
                     (tokens, logprobs), seconds = body
                     with self._lock:

@@ -16,9 +16,10 @@ from __future__ import annotations
 import logging
 import os
 import pickle
+import re
 import threading
 from collections import deque
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 
 from fluidserve.config import ParallelConfig
 from fluidserve.core.scheduler.output import SchedulerOutput
@@ -26,7 +27,7 @@ from fluidserve.engine.core import ExecutorDead
 from fluidserve.engine.distributed import FailsInFlightOnDeath, RankRunner, rank_threads
 from fluidserve.model.inputs import prepare_inputs
 from fluidserve.model.worker import WorkerSpec
-from fluidserve.net import free_port
+from fluidserve.net import free_port, process_owner
 
 log = logging.getLogger(__name__)
 
@@ -48,7 +49,7 @@ def connect_ray(num_cpus_needed: int):
         # Ray's processes die with the thread that started them (PR_SET_PDEATHSIG), and the
         # caller may be a short-lived thread (a server started from a thread pool): start
         # them from a thread that lives as long as this process.
-        _ray_owner().submit(
+        process_owner().submit(
             ray.init, num_cpus=max(os.cpu_count() or 1, num_cpus_needed),
             include_dashboard=False, _node_ip_address="127.0.0.1",
             object_store_memory=256 << 20, log_to_driver=False).result()
@@ -56,14 +57,14 @@ def connect_ray(num_cpus_needed: int):
         return ray, True
 
 
-_OWNER: ThreadPoolExecutor | None = None
-
-
-def _ray_owner() -> ThreadPoolExecutor:
-    global _OWNER
-    if _OWNER is None:
-        _OWNER = ThreadPoolExecutor(1, thread_name_prefix="fluidserve-ray-owner")
-    return _OWNER
+def describe(e: BaseException) -> str:
+    """One line for an error of a rank: a RayTaskError's own cause (its text is the remote
+    traceback, in colour, whose first line names only the actor and the task)."""
+    cause = getattr(e, "cause", None)
+    if isinstance(cause, BaseException):
+        e = cause
+    lines = [x for x in re.sub(r"\x1b\[[0-9;]*m", "", str(e)).splitlines() if x.strip()]
+    return f"{type(e).__name__}: {lines[0].strip()}" if lines else type(e).__name__
 
 
 class _Rank:
@@ -155,12 +156,19 @@ class RayExecutor(FailsInFlightOnDeath):
                 return
             try:
                 (tokens, logprobs), seconds = rf.result()
+                out = runner_output(rids, tokens, logprobs, seconds)
             except Exception as e:
-                self._die(f"a Ray worker rank failed: {type(e).__name__}: {e}")
+                why = f"a Ray worker rank failed: {describe(e)}"
+                fut.set_exception(ExecutorDead(why))  # no longer pending: _die would not
+                # Not on this thread (Ray's own callback thread): killing the ranks from it
+                # blocks it for good.
+                threading.Thread(target=self._die, args=(why,), daemon=True).start()
                 return
-            fut.set_result(runner_output(rids, tokens, logprobs, seconds))
+            fut.set_result(out)
 
-        with self._lock:
+        with self._lock:  # a rank may have died since the check above: _die holds this lock
+            if self.dead is not None:
+                raise ExecutorDead(self.dead)
             self._pending.append(fut)
             self._watch.extend(refs)
         refs[self.sampler_rank].future().add_done_callback(done)
@@ -202,7 +210,7 @@ class RayExecutor(FailsInFlightOnDeath):
                 try:
                     self.ray.get(ref)
                 except Exception as e:
-                    self._die(f"a Ray worker rank failed: {type(e).__name__}: {e}")
+                    self._die(f"a Ray worker rank failed: {describe(e)}")
                     return
             with self._lock:
                 done = set(ready)

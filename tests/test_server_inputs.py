@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import threading
+import unicodedata
 
 import httpx
 import pytest
@@ -357,8 +358,10 @@ def test_chars_per_token_bounds_only_where_text_cannot_vanish(srv):
     bpe = {"type": "BPE", "fuse_unk": False}
     assert chars_per_token(Stub({"normalizer": None, "pre_tokenizer": {"type": "ByteLevel"},
                                  "model": bpe})) == 3
+    # NFC composes up to four code points into one (here U+1F8B).
+    assert len(unicodedata.normalize("NFC", "\u0391\u0314\u0300\u0345")) == 1
     assert chars_per_token(Stub({"normalizer": {"type": "NFC"}, "pre_tokenizer": None,
-                                 "model": bpe})) == 9
+                                 "model": bpe})) == 12
     assert chars_per_token(Stub({"normalizer": None, "pre_tokenizer": {
         "type": "Whitespace"}, "model": bpe})) is None
     assert chars_per_token(Stub({"normalizer": {"type": "Strip"}, "pre_tokenizer": None,

@@ -151,7 +151,9 @@ def _normalizer_shrink(spec: dict | None) -> int | None:
     if kind in ("NFD", "NFKD", "Lowercase", "Prepend"):
         return 1
     if kind in ("NFC", "NFKC"):
-        return 3  # composition: at most three code points into one (Hangul L+V+T)
+        # Composition: at most four code points into one (U+1F82 is four decomposed; no
+        # decomposition, compatibility or canonical, makes text shorter).
+        return 4
     if kind == "Replace":
         pattern, content = spec.get("pattern", {}).get("String"), spec.get("content", "")
         if pattern is None or not content:

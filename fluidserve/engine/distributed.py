@@ -136,7 +136,7 @@ def rank_main(rank: int, parallel: ParallelConfig, spec: WorkerSpec, init_method
                 if out is not None:
                     reply(("result", out))
             elif kind == "stats":
-                reply(("stats", runner.stats()))
+                reply(("stats", (payload, runner.stats())))
             elif kind == "shutdown":
                 runner.close()
                 return
@@ -204,7 +204,8 @@ class MultiprocExecutor(FailsInFlightOnDeath):
         self.dead: str | None = None
         self._closing = False
         self._pending: deque[tuple[Future, list[str]]] = deque()
-        self._stats: deque = deque()
+        self._stats: deque = deque()  # (call, statistics) from the sampling rank
+        self._stats_calls = 0
         self._lock = threading.Lock()
         try:
             self._wait_ready(startup_timeout)
@@ -259,7 +260,10 @@ class MultiprocExecutor(FailsInFlightOnDeath):
 
     def stats(self, timeout: float = 30.0) -> list[dict]:
         """Per rank: busy seconds (computing steps) and wall seconds since it started."""
-        msg = pickle.dumps(("stats", None))
+        # Each call's number comes back with its replies: a reply that came after an earlier
+        # call had given up is skipped, not taken for this call's.
+        self._stats_calls = call = self._stats_calls + 1
+        msg = pickle.dumps(("stats", call))
         try:
             if self.dead is not None:
                 raise OSError
@@ -271,22 +275,30 @@ class MultiprocExecutor(FailsInFlightOnDeath):
         deadline = time.monotonic() + timeout
         for r, conn in enumerate(self.outboxes):
             if r == self.sampler_rank:  # (its pipe is read by the reader thread)
-                while not self._stats and time.monotonic() < deadline and self.dead is None:
+                while time.monotonic() < deadline and self.dead is None:
+                    while self._stats and self._stats[0][0] != call:
+                        self._stats.popleft()
+                    if self._stats:
+                        break
                     time.sleep(0.01)
                 if not self._stats:
                     raise RuntimeError(self.dead or f"worker rank {r} sent no statistics"
                                        f" within {timeout:g}s")
-                out.append(self._stats.popleft())
+                out.append(self._stats.popleft()[1])
                 continue
-            if not conn.poll(max(0.0, deadline - time.monotonic())):
-                raise RuntimeError(f"worker rank {r} sent no statistics within {timeout:g}s")
-            try:
-                kind, body = conn.recv()
-            except (EOFError, OSError):
-                kind, body = "failed", f"rank {r}: pipe closed"
-            if kind != "stats":
-                raise RuntimeError(f"worker {body}")
-            out.append(body)
+            while True:
+                if not conn.poll(max(0.0, deadline - time.monotonic())):
+                    raise RuntimeError(f"worker rank {r} sent no statistics within"
+                                       f" {timeout:g}s")
+                try:
+                    kind, body = conn.recv()
+                except (EOFError, OSError):
+                    kind, body = "failed", f"rank {r}: pipe closed"
+                if kind != "stats":
+                    raise RuntimeError(f"worker {body}")
+                if body[0] == call:
+                    out.append(body[1])
+                    break
         return out
 
     def shutdown(self) -> None:

@@ -174,8 +174,11 @@ class RayExecutor(FailsInFlightOnDeath):
         refs[self.sampler_rank].future().add_done_callback(done)
         return fut
 
-    def stats(self) -> list[dict]:
-        return self.ray.get([a.stats.remote() for a in self.actors])
+    def stats(self, timeout: float = 30.0) -> list[dict]:
+        try:
+            return self.ray.get([a.stats.remote() for a in self.actors], timeout=timeout)
+        except Exception as e:  # a dead or stuck rank: an error, as from the mp ranks
+            raise RuntimeError(self.dead or f"worker rank statistics: {describe(e)}") from None
 
     def shutdown(self) -> None:
         self._closing = True

@@ -13,6 +13,7 @@ a malformed chunk, a timeout) is that request's error, never the run's.
 from __future__ import annotations
 
 import asyncio
+import heapq
 import json
 import time
 from dataclasses import dataclass
@@ -189,17 +190,21 @@ def arrival_gaps(chunks: list[tuple[float, int]], t0: float, final: int | None
                 counts[i] += 1
         elif extra > 0:  # nothing was counted: they came with the last chunk
             counts[-1] = extra
-        while extra < 0:
-            i = max(range(len(counts)), key=lambda j: counts[j])
-            if counts[i] > 1:
-                counts[i] -= 1
-            else:  # a token a chunk: merge the closest pair into its later chunk's time
-                kept = [j for j, k in enumerate(counts) if k]
-                pairs = list(zip(kept[1:], kept[2:], strict=False))  # not the first token's
-                a = min(pairs, key=lambda p: chunks[p[1]][0] - chunks[p[0]][0])[0] if pairs \
-                    else kept[-1]
-                counts[a] = 0
+        # (In O(n log n): this runs on the client's event loop as the stream ends.)
+        bundles = [(-k, i) for i, k in enumerate(counts) if k > 1]
+        heapq.heapify(bundles)
+        while extra < 0 and bundles:
+            _, i = heapq.heappop(bundles)
+            counts[i] -= 1
             extra += 1
+            if counts[i] > 1:
+                heapq.heappush(bundles, (-counts[i], i))
+        if extra < 0:  # a token a chunk: those closest to the next become part of it
+            kept = [j for j, k in enumerate(counts) if k]
+            after = {a: b for a, b in zip(kept, kept[1:], strict=False)}
+            inner = sorted(kept[1:-1], key=lambda j: chunks[after[j]][0] - chunks[j][0])
+            for j in (inner + kept[-1:])[:-extra]:  # (then the last: final is tiny)
+                counts[j] = 0
     gaps, last_t = [], t0
     for (t, _), k in zip(chunks, counts, strict=True):
         if k > 0:

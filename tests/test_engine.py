@@ -189,6 +189,16 @@ def test_prompt_too_long_is_rejected(tiny_model_dir):
         llm.generate("word " * 80, SamplingParams(max_tokens=4))
     with pytest.raises(ValueError, match="token ids"):
         llm.generate([[1, 2, 10**9]], SamplingParams(max_tokens=4))
+    # A bad prompt among good ones: the ones before it are not left running, and the next
+    # call is served as if nothing had happened (vLLM aborts them too).
+    params = SamplingParams(max_tokens=4, ignore_eos=True, temperature=0.0)
+    with pytest.raises(ValueError, match="context window"):
+        llm.generate(["Hello", "Hi there", "word " * 80, "Hi"], params)
+    assert not llm.engine.has_unfinished()
+    bm = llm.engine.block_manager
+    assert bm.num_free_blocks == bm.num_blocks
+    out = llm.generate(["Hi there"], params)
+    assert out[0].token_ids and out[0].finish_reason == "length"
 
 
 def test_a_context_window_beyond_the_models_is_refused(tiny_model_dir):
@@ -204,6 +214,8 @@ def test_telemetry_records_tokens_and_iterations(tiny_model_dir, tmp_path):
     outs = llm.generate(PROMPTS[:3], [greedy(i) for i in range(3)])
     tel = llm.engine.telemetry
     assert len(tel.tokens) == sum(len(o.token_ids) for o in outs)
+    # The most recent records only: an offline engine that runs for days stays bounded.
+    assert tel.tokens.maxlen == tel.iterations.maxlen == tel.finished.maxlen == 100_000
     assert all(r.num_prefill_tokens + r.num_decode_tokens <= 16 for r in tel.iterations)
     assert sum(r.num_prefill_tokens for r in tel.iterations) == sum(
         len(o.prompt_token_ids) for o in outs

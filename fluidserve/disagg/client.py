@@ -38,6 +38,7 @@ from fluidserve.engine.messages import (
     CoreReady,
     EngineCoreOutputs,
 )
+from fluidserve.engine.telemetry import MAX_RECORDS
 from fluidserve.net import local_store
 
 log = logging.getLogger(__name__)
@@ -58,7 +59,7 @@ class DisaggClient(ControlPlane):
 
     def __init__(self, config: EngineConfig, on_outputs: Callable[[EngineCoreOutputs], None],
                  on_dead: Callable[[str], None], telemetry_file: str | None = None,
-                 max_records: int | None = 100_000) -> None:
+                 max_records: int | None = MAX_RECORDS) -> None:
         check_served(config)
         d = config.disagg
         roles = ["prefill"] * d.num_prefill_instances + ["decode"] * d.num_decode_instances

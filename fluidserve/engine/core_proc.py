@@ -38,6 +38,7 @@ from fluidserve.engine.messages import (
     RequestDelta,
     Shutdown,
 )
+from fluidserve.engine.telemetry import MAX_RECORDS
 
 log = logging.getLogger(__name__)
 
@@ -248,7 +249,7 @@ class EngineCoreClient:
 
     def __init__(self, config: EngineConfig, on_outputs: Callable[[EngineCoreOutputs], None],
                  on_dead: Callable[[str], None], telemetry_file: str | None = None,
-                 max_records: int | None = 100_000, instance=None, placement=None) -> None:
+                 max_records: int | None = MAX_RECORDS, instance=None, placement=None) -> None:
         """``placement``: where to start the core instead of a local process (a
         ``fluidserve.disagg.placement.RayPlacement``); the placed core connects back."""
         name = "fluidserve-engine-core" if instance is None \

@@ -66,22 +66,33 @@ class LLM:
             raise ValueError(f"{len(prompts)} prompts but {len(params)} sampling params")
         eng = self.engine
         order, reqs = [], {}
-        for prompt, p in zip(prompts, params, strict=True):
-            rid = f"gen-{self._counter}"
-            self._counter += 1
-            reqs[rid] = eng.add_request(rid, prompt if isinstance(prompt, str) else list(prompt), p)
-            order.append(rid)
-        texts = {rid: [] for rid in order}
-        logprobs = {rid: [] for rid in order}
-        bar = _progress(len(order)) if use_tqdm else None
-        while eng.has_unfinished():
-            for out in eng.step():
-                texts[out.request_id].append(out.new_text)
-                logprobs[out.request_id].extend(out.new_logprobs)
-                if out.finished and bar is not None:
-                    bar.update(1)
-        if bar is not None:
-            bar.close()
+        texts: dict[str, list[str]] = {}
+        logprobs: dict[str, list] = {}
+        bar = None
+        try:  # a prompt refused, an interrupt, a dead executor: nothing is left running
+            for prompt, p in zip(prompts, params, strict=True):
+                rid = f"gen-{self._counter}"
+                self._counter += 1
+                reqs[rid] = eng.add_request(rid, prompt if isinstance(prompt, str)
+                                            else list(prompt), p)
+                order.append(rid)
+                texts[rid], logprobs[rid] = [], []
+            bar = _progress(len(order)) if use_tqdm else None
+            while eng.has_unfinished():
+                for out in eng.step():
+                    if out.request_id not in texts:  # of an earlier call that was cut short
+                        continue
+                    texts[out.request_id].append(out.new_text)
+                    logprobs[out.request_id].extend(out.new_logprobs)
+                    if out.finished and bar is not None:
+                        bar.update(1)
+        except BaseException:
+            for rid in order:
+                eng.abort(rid)
+            raise
+        finally:
+            if bar is not None:
+                bar.close()
         return [self._result(reqs[rid], "".join(texts[rid]), logprobs[rid]) for rid in order]
 
     @staticmethod

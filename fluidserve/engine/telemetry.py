@@ -55,10 +55,13 @@ def finished_row(req: Request) -> dict:
     }
 
 
+MAX_RECORDS = 100_000  # of each kind, by default: an engine that runs for days stays bounded
+
+
 class Telemetry:
     """Keeps the most recent ``max_records`` iterations and token events (None: all)."""
 
-    def __init__(self, max_records: int | None = None) -> None:
+    def __init__(self, max_records: int | None = MAX_RECORDS) -> None:
         self.iterations: deque[IterationRecord] = deque(maxlen=max_records)
         self.tokens: deque[TokenEvent] = deque(maxlen=max_records)
         self.finished: deque[dict] = deque(maxlen=max_records)

@@ -24,6 +24,56 @@ def test_sharded_and_single_file_load_identically(tmp_path):
         assert torch.equal(p1, p2), n1
 
 
+def test_the_files_read_are_the_checkpoints_as_transformers_finds_them(tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    def state(d):
+        return load_model(d)[1].state_dict()
+
+    fresh = state(build_model_dir(tmp_path / "fresh", "tiny", seed=4))
+    # Rebuilt unsharded where a sharded build was: the old shards and index go.
+    d = build_model_dir(tmp_path / "d", "tiny", seed=3, max_shard_bytes=1 << 20)
+    index = (d / "model.safetensors.index.json").read_text()
+    build_model_dir(d, "tiny", seed=4)
+    assert list(d.glob("*.safetensors")) == [d / "model.safetensors"]
+    assert all(torch.equal(t, fresh[k]) for k, t in state(d).items())
+    # A stale index left beside a newer model.safetensors (save_pretrained leaves it): the
+    # single file is the checkpoint, as transformers reads it.
+    (d / "model.safetensors.index.json").write_text(index)
+    assert all(torch.equal(t, fresh[k]) for k, t in state(d).items())
+    (d / "model.safetensors.index.json").unlink()
+    # One file of another name is the checkpoint; two files are ambiguous, not merged.
+    (d / "model.safetensors").rename(d / "weights.safetensors")
+    assert all(torch.equal(t, fresh[k]) for k, t in state(d).items())
+    save_file(load_file(d / "weights.safetensors"), str(d / "weights_v0.safetensors"))
+    with pytest.raises(ModelLoadError, match="several weight files.*index"):
+        load_model(d)
+
+
+def test_a_tied_checkpoint_may_hold_its_matrix_under_either_name(model_copy, caplog):
+    from safetensors.torch import load_file, save_file
+
+    _, ref = load_model(model_copy)
+    weights = load_file(model_copy / "model.safetensors")
+    embed = weights.pop("model.embed_tokens.weight")
+    save_file(weights | {"lm_head.weight": embed}, str(model_copy / "model.safetensors"))
+    _, m = load_model(model_copy)  # only the head: it is the embedding too
+    assert all(torch.equal(t, ref.state_dict()[k]) for k, t in m.state_dict().items())
+    save_file(weights | {"model.embed_tokens.weight": embed, "lm_head.weight": embed + 1},
+              str(model_copy / "model.safetensors"))
+    with caplog.at_level("WARNING"):
+        _, m = load_model(model_copy)  # a head that differs: reported, the embedding used
+    assert "lm_head.weight differs" in caplog.text
+    assert all(torch.equal(t, ref.state_dict()[k]) for k, t in m.state_dict().items())
+
+
+def test_a_config_without_architectures_goes_by_model_type(model_copy):
+    cfg = json.loads((model_copy / "config.json").read_text())
+    del cfg["architectures"]
+    (model_copy / "config.json").write_text(json.dumps(cfg))
+    assert load_model(model_copy)[0].architecture == "LlamaForCausalLM"
+
+
 def test_embedded_model_is_deterministic(tmp_path, monkeypatch):
     monkeypatch.setenv("FLUIDSERVE_CACHE", str(tmp_path))
     d = cached_model_dir()

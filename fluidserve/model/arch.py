@@ -7,6 +7,8 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
+MODEL_TYPES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
+               "qwen2": "Qwen2ForCausalLM"}  # for a config.json naming no architectures
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 ROPE_FIELDS = {"default": (), "linear": ("factor",),  # what each rope type cannot do without
                "llama3": ("factor", "original_max_position_embeddings")}
@@ -103,6 +105,8 @@ def _token_ids(value) -> tuple[int, ...]:
 def parse_arch(cfg: dict, where: str = "config.json") -> ArchConfig:
     archs = cfg.get("architectures") or []
     arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
+    if not archs:  # transformers then goes by model_type
+        arch = MODEL_TYPES.get(cfg.get("model_type"))
     if arch is None:
         raise ModelLoadError(
             f"{where}: architecture {archs or cfg.get('model_type')!r} is not supported;"

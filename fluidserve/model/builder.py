@@ -164,6 +164,10 @@ def random_weights(cfg: dict, seed: int, dtype, device: str = "cpu"):
 def save_sharded(weights: dict, out_dir: Path, max_shard_bytes: int) -> None:
     from safetensors.torch import save_file
 
+    # The weights of an earlier build here would be read with these (a stale index first).
+    for old in [*out_dir.glob("*.safetensors"), out_dir / "model.safetensors.index.json"]:
+        old.unlink(missing_ok=True)
+
     shards: list[dict] = [{}]
     size = 0
     for name, t in weights.items():

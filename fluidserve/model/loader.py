@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import re
 from pathlib import Path
 
@@ -11,6 +12,8 @@ from safetensors import safe_open
 
 from fluidserve.model.arch import ArchConfig, ModelLoadError, read_arch
 from fluidserve.model.llama import LlamaForCausalLM, Rotary, Shard, TensorParallel
+
+log = logging.getLogger(__name__)
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -41,6 +44,12 @@ _FUSED = {
 
 
 def safetensors_files(model_dir: Path) -> list[Path]:
+    """The checkpoint's files, found as transformers finds them: ``model.safetensors``, else
+    the shards its index names (an index left beside a newer single file is stale), else the
+    one ``*.safetensors`` file there is; never several files that were not named together."""
+    single = model_dir / "model.safetensors"
+    if single.is_file():
+        return [single]
     index = model_dir / "model.safetensors.index.json"
     if index.is_file():
         try:
@@ -57,6 +66,11 @@ def safetensors_files(model_dir: Path) -> list[Path]:
         other = [p.name for p in model_dir.glob("*.bin")] + [p.name for p in model_dir.glob("*.pt")]
         hint = f" (found {other}; only safetensors is supported)" if other else ""
         raise ModelLoadError(f"{model_dir}: no *.safetensors weight files{hint}")
+    if len(files) > 1:
+        raise ModelLoadError(
+            f"{model_dir}: several weight files ({', '.join(f.name for f in files[:5])}) and"
+            " no model.safetensors.index.json saying they are one checkpoint; name the"
+            " checkpoint model.safetensors or give its index")
     return files
 
 
@@ -67,7 +81,11 @@ def read_weights(files: list[Path], wanted=lambda name: True) -> dict[str, torch
             with safe_open(str(f), framework="pt") as fh:
                 for name in fh.keys():  # noqa: SIM118 - safe_open has no __iter__
                     if wanted(name):
+                        if name in out:
+                            raise ModelLoadError(f"tensor {name} is in more than one file")
                         out[name] = fh.get_tensor(name)
+        except ModelLoadError as e:
+            raise ModelLoadError(f"{f}: {e}") from None
         except Exception as e:  # safetensors raises its own error types
             raise ModelLoadError(f"{f}: cannot read safetensors file ({e})") from None
     return out
@@ -77,15 +95,14 @@ def map_hf_weights(hf: dict[str, torch.Tensor], cfg: ArchConfig) -> dict[str, to
     """Rename HF tensors to this model's names and fuse QKV and gate/up projections."""
     out: dict[str, torch.Tensor] = {}
     parts: dict[str, list[torch.Tensor | None]] = {}
+    if cfg.tie_word_embeddings:
+        hf = _tie(hf)
     for name, t in hf.items():
         if name.endswith("rotary_emb.inv_freq"):
             continue
         m = _LAYER.match(name)
         if m is None:
-            key = name.removeprefix("model.")
-            if key == "lm_head.weight" and cfg.tie_word_embeddings:
-                continue
-            out[key] = t
+            out[name.removeprefix("model.")] = t
             continue
         layer, rest = m.groups()
         module, _, kind = rest.rpartition(".")
@@ -104,6 +121,24 @@ def map_hf_weights(hf: dict[str, torch.Tensor], cfg: ArchConfig) -> dict[str, to
     return out
 
 
+def _tie(hf: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """A tied checkpoint's one matrix as the embedding: the file may hold it under either
+    name (transformers loads both); an LM head that differs from the embedding is not used,
+    as in vLLM (transformers would untie the two), and is reported."""
+    hf = dict(hf)
+    head = hf.pop("lm_head.weight", None)
+    embed = hf.get("model.embed_tokens.weight")
+    if head is None:
+        return hf
+    if embed is None:
+        hf["model.embed_tokens.weight"] = head
+    elif head.shape != embed.shape or not torch.equal(head, embed):
+        log.warning("config.json ties the LM head to the embedding, but the checkpoint's"
+                    " lm_head.weight differs from model.embed_tokens.weight: the embedding"
+                    " is used for both (set tie_word_embeddings false to use the head)")
+    return hf
+
+
 def wanted_for(cfg: ArchConfig, shard: Shard):
     """Which HF tensors a shard needs (its layers; embedding, norm and LM head by stage)."""
     span = shard.layers(cfg.num_layers)
@@ -114,7 +149,9 @@ def wanted_for(cfg: ArchConfig, shard: Shard):
             return int(m.group(1)) in span
         if name.startswith("model.embed_tokens."):
             return shard.first or (shard.last and cfg.tie_word_embeddings)
-        if name.startswith(("model.norm.", "lm_head.")):
+        if name.startswith("lm_head."):  # (tied, it may be the only copy of the embedding)
+            return shard.last or (shard.first and cfg.tie_word_embeddings)
+        if name.startswith("model.norm."):
             return shard.last
         return True
 

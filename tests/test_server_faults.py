@@ -261,3 +261,77 @@ def test_stop_process_terminates_then_kills() -> None:
     assert stop_process(deaf, 0.5) is None and deaf.returncode == -signal.SIGKILL
     assert stop_process(deaf) == -signal.SIGKILL  # already ended: just its code
     deaf.stdout.close()
+
+
+class SilentCore:
+    """An engine-core client whose core reads nothing and says nothing until told to."""
+
+    dead = None
+
+    def __init__(self, config, on_outputs, on_dead, telemetry_file=None) -> None:
+        self.on_outputs, self.sent = on_outputs, []
+
+    def add(self, msg) -> None:
+        self.sent.append(msg)
+
+    def abort(self, ids, reason: str = "abort") -> None:
+        pass
+
+    def declare_dead(self, message: str) -> None:
+        self.dead = message
+
+    def wait_ready(self, timeout: float):
+        return None
+
+
+def silent_engine(monkeypatch, watchdog: float = 60.0):
+    from fluidserve.config import EngineConfig
+    from fluidserve.serve import async_engine
+    from fluidserve.serve.metrics import ServerMetrics
+
+    monkeypatch.setattr(async_engine, "EngineCoreClient", SilentCore)
+    engine = async_engine.AsyncEngine(EngineConfig.create(), None, ServerMetrics(),
+                                      watchdog_timeout=watchdog)
+    engine.start()
+    return engine
+
+
+def test_requests_sent_during_a_reported_iteration_still_count_as_waiting(monkeypatch):
+    from fluidserve.engine.messages import EngineCoreOutputs, SchedulerStats
+    from fluidserve.sampling_params import SamplingParams
+
+    engine = silent_engine(monkeypatch)
+
+    async def main() -> None:
+        for i in range(5):
+            engine.add(f"r{i}", [1, 2, 3], SamplingParams(max_tokens=4))
+        assert engine.num_waiting == 5
+        # The core reports on an iteration it started before it read any of them: none
+        # waiting, as far as it knew; all five still are.
+        engine._on_outputs(EngineCoreOutputs([], stats=SchedulerStats(0, 0, 0.0, 0, 0),
+                                             adds_seen=0))
+        assert engine.num_waiting == 5
+        engine._on_outputs(EngineCoreOutputs([], stats=SchedulerStats(0, 3, 0.0, 0, 3),
+                                             adds_seen=5))  # it read them; 2 run already
+        assert engine.num_waiting == 3
+
+    asyncio.run(main())
+    engine._stopping.set()
+
+
+def test_the_watchdog_fires_on_a_wedged_core_whose_clients_give_up_first(monkeypatch):
+    from fluidserve.sampling_params import SamplingParams
+
+    engine = silent_engine(monkeypatch, watchdog=0.4)
+
+    async def main() -> None:
+        for i in range(12):  # each client leaves after 0.1 s, before the watchdog's 0.4 s
+            engine.add(f"r{i}", [1, 2, 3], SamplingParams(max_tokens=4))
+            await asyncio.sleep(0.1)
+            engine.abort(f"r{i}")
+            if engine.client.dead:
+                return
+
+    asyncio.run(main())
+    assert engine.client.dead and "no progress" in engine.client.dead
+    engine._stopping.set()

@@ -76,6 +76,7 @@ class ControlPlane:
         self._prompt: dict[str, tuple[int, int]] = {}  # request id -> (prefill, tokens) queued
         self._outstanding = [0] * len(roles)  # prompt tokens queued per prefill instance
         self._stats: dict[int, SchedulerStats] = {}
+        self._adds_seen: dict[int, int] = {}  # AddRequests each instance has read
         self._loads: dict[int, DecodeLoad] = {}
         self._undispatched: dict[int, int] = {}  # prefill instance -> requests it holds back
         self._blocks: list[int] = []  # KV blocks per instance
@@ -147,6 +148,8 @@ class ControlPlane:
             for rid in msg.rejected:
                 self._prompt_done(rid)
                 self._forget(rid)
+            self._adds_seen[i] = msg.adds_seen
+            msg.adds_seen = sum(self._adds_seen.values())
             if msg.stats is not None:
                 self._stats[i] = msg.stats
                 msg.stats = self._total_stats()

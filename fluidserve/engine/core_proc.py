@@ -181,6 +181,7 @@ def _busy_loop(core, inbox: Connection, outbox: Connection, role=None) -> None:
     its control-plane events to the outputs."""
     from fluidserve.core.scheduler import RequestRejected
 
+    adds_seen = acked = 0  # AddRequests read; of which the front end has been told
     while True:
         pending: list[RequestDelta] = []
         rejected: dict[str, str] = {}
@@ -189,6 +190,7 @@ def _busy_loop(core, inbox: Connection, outbox: Connection, role=None) -> None:
         while inbox.poll(timeout):
             msg = inbox.recv()
             timeout = 0.0
+            adds_seen += isinstance(msg, AddRequest)
             core.trip("command")
             if role is not None and role.handle(msg):
                 continue
@@ -219,10 +221,15 @@ def _busy_loop(core, inbox: Connection, outbox: Connection, role=None) -> None:
         out = core.step(PIPELINE_POLL_S) if busy else core.make_outputs([])
         out.outputs = pending + out.outputs
         out.rejected = rejected
+        out.adds_seen = adds_seen
         news = role is not None and role.annotate(out)
-        if out.outputs or rejected or out.iteration_tokens or out.finished or news:
+        # Requests read and nothing else to say: still a message, the front end's sign that
+        # this core is alive and has them (its watchdog counts from there).
+        if out.outputs or rejected or out.iteration_tokens or out.finished or news \
+                or adds_seen != acked:
             core.trip("send")
             outbox.send(out)
+            acked = adds_seen
 
 
 def _has_work(core, role) -> bool:

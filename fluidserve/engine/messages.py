@@ -111,6 +111,9 @@ class EngineCoreOutputs:
     # decode instance, its load for the cluster monitor.
     events: list = field(default_factory=list)
     load: object = None
+    # AddRequests the core (all instances, when disaggregated) had read when it made this
+    # message: the front end counts those it sent since as waiting beside ``stats``.
+    adds_seen: int = 0
 
 
 @dataclass(frozen=True, slots=True)

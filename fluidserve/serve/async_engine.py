@@ -77,7 +77,9 @@ class AsyncEngine:
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue, bool]] = {}
         self._lock = threading.Lock()  # streams and output states: event loop vs reader thread
         self._waiting_reported = 0
-        self._added_since_stats = 0
+        self._adds_sent = 0  # AddRequests sent to the core
+        self._adds_reported = 0  # of which the core had read as many when it last reported
+        self._adds_acked = 0  # of which the core has said it read as many (any message)
         self._faults: dict[str, int] = {}
         self.watchdog_timeout = watchdog_timeout
         self.request_log = RequestLog(request_log) if request_log else None
@@ -133,8 +135,10 @@ class AsyncEngine:
 
     @property
     def num_waiting(self) -> int:
-        """Requests accepted but not yet running, as of the core's last report."""
-        return self._waiting_reported + self._added_since_stats
+        """Requests accepted but not yet running: as of the core's last report, and those sent
+        since it read its inbox for that report (not since the report arrived: requests added
+        during the iteration it reported on are in neither)."""
+        return self._waiting_reported + self._adds_sent - self._adds_reported
 
     def inject_fault(self, point: str, times: int = 1) -> None:
         """Testing: see ``messages.InjectFault`` (front-end points are handled here)."""
@@ -154,12 +158,15 @@ class AsyncEngine:
         with self._lock:
             if self.dead is not None:
                 raise RuntimeError(self.dead)
-            if not self._streams:  # the watchdog measures progress from here
+            # An idle core that has read every request sent: the watchdog measures progress
+            # from here. (Not when it has not: requests whose clients gave up before a wedged
+            # core read them would otherwise restart the clock for ever.)
+            if not self._streams and self._adds_acked == self._adds_sent:
                 self._last_progress = time.monotonic()
             texts = params.logprobs is not None and self.tokenizer is not None
             self._streams[request_id] = (asyncio.get_running_loop(), queue, texts)
             self._outputs.add(request_id, params, prompt_ids)
-            self._added_since_stats += 1
+            self._adds_sent += 1
         if self.request_log is not None:
             self.request_log.add(request_id, prompt_ids, params.max_tokens)
         self.client.add(AddRequest(request_id, prompt_ids, params, self.eos_token_id))
@@ -193,9 +200,10 @@ class AsyncEngine:
                 log.exception("writing the request log failed")
         ready, stopped, failed = [], [], []
         with self._lock:
+            self._adds_acked = msg.adds_seen
             if msg.stats is not None:
                 self._waiting_reported = msg.stats.num_waiting
-                self._added_since_stats = 0
+                self._adds_reported = msg.adds_seen
             deltas = msg.outputs + [RequestDelta(rid, [], "error", why)
                                     for rid, why in msg.rejected.items()]
             for delta in deltas:

@@ -131,6 +131,23 @@ def test_logprobs(client):
     assert len(c.choices[0].logprobs.content[0].top_logprobs) == 3
 
 
+def test_streamed_text_offsets_are_the_full_responses_even_while_text_is_held(srv):
+    # A stop string that might still complete holds text back; the offsets go by the tokens.
+    body = {"prompt": PROMPT, "max_tokens": 8, "temperature": 0, "ignore_eos": True,
+            "logprobs": 1, "stop": ["NEVER MATCHES"]}
+    whole = httpx.post(srv.url + "/v1/completions", json=body, timeout=60).json()
+    lp = whole["choices"][0]["logprobs"]
+    assert lp["text_offset"] == [sum(map(len, lp["tokens"][:i])) for i in range(8)]
+    streamed = []
+    with httpx.stream("POST", srv.url + "/v1/completions", json=body | {"stream": True},
+                      timeout=60) as r:
+        for line in r.iter_lines():
+            if line.startswith("data: {"):
+                chunk = json.loads(line[6:])["choices"][0]
+                streamed += (chunk["logprobs"] or {}).get("text_offset", [])
+    assert streamed == lp["text_offset"]
+
+
 def test_greedy_over_http_equals_offline_generate(srv, tiny_model_dir):
     llm = LLM(model=str(tiny_model_dir), max_model_len=512)
     prompts = [PROMPT, "Why is the sky blue?", "A"]

@@ -28,6 +28,11 @@ class Context:
     finish_reason: str | None = None
     logprobs: list = field(default_factory=list)  # (token id, logprob, [(id, lp)...])
     _new_logprobs: list = field(default_factory=list)
+    # text_offset of the first new entry: the earlier entries' token texts, as the full
+    # response counts them (not the text streamed so far, which lags while a possible stop
+    # string holds it back)
+    _offset: int = 0
+    _chars: int = 0
     scheduling_delay: float | None = None
 
     def add(self, out: RequestOutput) -> None:
@@ -37,6 +42,8 @@ class Context:
             (t, lp, top) for t, (lp, top) in zip(out.new_token_ids, out.new_logprobs, strict=False)
         ]
         self.logprobs += self._new_logprobs
+        self._offset = self._chars
+        self._chars += sum(len(self.token_text(t)) for t, _, _ in self._new_logprobs)
         if out.finished:
             self.finish_reason = out.finish_reason
             self.scheduling_delay = out.scheduling_delay
@@ -101,7 +108,7 @@ def stream_chunk(ctx: Context, out: RequestOutput) -> dict:
     if ctx.chat:
         delta = {"content": out.new_text} if out.new_text else {}
         return chat_chunk(ctx, delta, reason, _chat_logprobs(ctx, ctx._new_logprobs))
-    lp = _completion_logprobs(ctx, ctx._new_logprobs, len(ctx.text) - len(out.new_text))
+    lp = _completion_logprobs(ctx, ctx._new_logprobs, ctx._offset)
     choice = {"index": 0, "text": out.new_text, "logprobs": lp, "finish_reason": reason}
     return _envelope(ctx, "text_completion", [choice], None)
 

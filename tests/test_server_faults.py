@@ -283,6 +283,9 @@ class SilentCore:
     def wait_ready(self, timeout: float):
         return None
 
+    def shutdown(self, timeout: float) -> int:
+        return 0
+
 
 def silent_engine(monkeypatch, watchdog: float = 60.0):
     from fluidserve.config import EngineConfig
@@ -335,3 +338,68 @@ def test_the_watchdog_fires_on_a_wedged_core_whose_clients_give_up_first(monkeyp
     asyncio.run(main())
     assert engine.client.dead and "no progress" in engine.client.dead
     engine._stopping.set()
+
+
+def test_stopping_ends_every_stream_the_cores_last_message_left_open(monkeypatch):
+    from fluidserve.sampling_params import SamplingParams
+
+    engine = silent_engine(monkeypatch)
+
+    async def main() -> list:
+        handle = engine.add("r", [1, 2, 3], SamplingParams(max_tokens=4))
+        engine.stop()
+
+        async def read() -> list:
+            return [out async for out in handle]
+        return await asyncio.wait_for(read(), 10)  # (it waited for ever)
+
+    outs = asyncio.run(main())
+    assert [(o.finish_reason, o.error, o.unavailable) for o in outs] == [
+        ("error", "the server is shutting down", True)]
+    assert engine.num_unfinished == 0
+
+
+def test_a_shutdown_keeps_what_the_same_pass_had_gathered():
+    """Rejections and failures read just before the Shutdown reach the front end with its
+    last message (a stream whose request was refused there waited for ever)."""
+    import multiprocessing as mp
+
+    from fluidserve.core.scheduler import RequestRejected
+    from fluidserve.engine.core_proc import _busy_loop
+    from fluidserve.engine.messages import (
+        AddRequest,
+        EngineCoreOutputs,
+        FailAll,
+        RequestDelta,
+        Shutdown,
+    )
+    from fluidserve.sampling_params import SamplingParams
+
+    class Core:  # refuses every request; a drain fails the one it holds
+        faults: dict = {}
+        in_flight: list = []
+
+        def trip(self, point: str) -> None:
+            pass
+
+        def has_unfinished(self) -> bool:
+            return False
+
+        def add(self, msg) -> None:
+            raise RequestRejected("too long")
+
+        def fail_all(self, message: str) -> list:
+            return [RequestDelta("held", [], "error", message)] if "drain" in message else []
+
+        def make_outputs(self, deltas: list) -> EngineCoreOutputs:
+            return EngineCoreOutputs(deltas)
+
+    inbox, to_core = mp.Pipe(duplex=False)
+    from_core, outbox = mp.Pipe(duplex=False)
+    for msg in (AddRequest("bad", [1], SamplingParams()), FailAll("drain timeout"), Shutdown()):
+        to_core.send(msg)
+    _busy_loop(Core(), inbox, outbox)
+    last = from_core.recv()
+    assert not from_core.poll(0.1)
+    assert last.rejected == {"bad": "too long"} and last.adds_seen == 1
+    assert [(d.request_id, d.finish_reason) for d in last.outputs] == [("held", "error")]

@@ -203,8 +203,10 @@ def _busy_loop(core, inbox: Connection, outbox: Connection, role=None) -> None:
                 core.abort(msg)
             elif isinstance(msg, FailAll):
                 pending += core.fail_all(msg.message)
-            elif isinstance(msg, Shutdown):
-                outbox.send(core.make_outputs(core.fail_all("the server is shutting down")))
+            elif isinstance(msg, Shutdown):  # with what this pass had gathered already
+                out = core.make_outputs(pending + core.fail_all("the server is shutting down"))
+                out.rejected, out.adds_seen = rejected, adds_seen
+                outbox.send(out)
                 return
             elif isinstance(msg, ForceEos):
                 core.force_eos_at = msg.at

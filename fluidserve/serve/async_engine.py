@@ -120,6 +120,12 @@ class AsyncEngine:
     def stop(self, timeout: float = 10.0) -> int | None:
         self._stopping.set()
         code = self.client.shutdown(timeout)
+        with self._lock:  # whatever the core's last message did not end ends here
+            left = [(loop, q, _error_output(rid, "the server is shutting down",
+                                            unavailable=True), None)
+                    for rid, (loop, q, _) in self._streams.items()]
+            self._streams.clear()
+        self._deliver(left)
         if self.request_log is not None:
             self.request_log.close()
         return code

@@ -116,6 +116,7 @@ def rank_main(rank: int, parallel: ParallelConfig, spec: WorkerSpec, init_method
     loopback_collectives()
     logging.basicConfig(level=logging.INFO,
                         format=f"%(asctime)s %(levelname)s %(name)s[rank {rank}]: %(message)s")
+
     def reply(msg) -> None:
         try:
             outbox.send(msg)

@@ -142,6 +142,34 @@ def test_unsupported_rope_type(model_copy):
         load_model(model_copy)
 
 
+@pytest.mark.parametrize("arch, changes, window, positions, biases", [
+    # Mistral: a window of 4096 unless set (null: none), 131072 positions by default.
+    ("MistralForCausalLM", {}, 4096, 131072, (False, False, False)),
+    ("MistralForCausalLM", {"sliding_window": None}, None, 131072, (False, False, False)),
+    # Keys the class does not read change nothing: no window for Llama, no optional biases
+    # for Mistral or Qwen2.
+    ("LlamaForCausalLM", {"sliding_window": 4096}, None, 2048, (False, False, False)),
+    ("MistralForCausalLM", {"attention_bias": True, "mlp_bias": True}, 4096, 131072,
+     (False, False, False)),
+    ("LlamaForCausalLM", {"attention_bias": True, "mlp_bias": True}, None, 2048,
+     (True, True, True)),
+    # Qwen2: q/k/v biases always; its window only on layers from max_window_layers on.
+    ("Qwen2ForCausalLM", {"use_sliding_window": True, "sliding_window": 64}, None, 32768,
+     (True, False, False)),
+    ("Qwen2ForCausalLM", {"use_sliding_window": True, "sliding_window": 64,
+                          "max_window_layers": 1}, 64, 32768, (True, False, False)),
+])
+def test_config_fields_are_read_as_the_architectures_class_reads_them(arch, changes, window,
+                                                                        positions, biases):
+    from fluidserve.model.arch import parse_arch
+
+    cfg = parse_arch({"architectures": [arch], "vocab_size": 10, "hidden_size": 8,
+                      "intermediate_size": 16, "num_hidden_layers": 2,
+                      "num_attention_heads": 2} | changes)
+    assert cfg.sliding_window == window and cfg.max_position_embeddings == positions
+    assert (cfg.qkv_bias, cfg.o_bias, cfg.mlp_bias) == biases
+
+
 @pytest.mark.parametrize("changes, why", [
     ({"rope_scaling": {"rope_type": "llama3", "factor": 8.0}},
      "'llama3' needs original_max_position_embeddings"),

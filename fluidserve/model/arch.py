@@ -9,6 +9,9 @@ from pathlib import Path
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
 MODEL_TYPES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
                "qwen2": "Qwen2ForCausalLM"}  # for a config.json naming no architectures
+# max_position_embeddings where config.json leaves it out (transformers' defaults)
+DEFAULT_POSITIONS = {"LlamaForCausalLM": 2048, "MistralForCausalLM": 131072,
+                     "Qwen2ForCausalLM": 32768}
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 ROPE_FIELDS = {"default": (), "linear": ("factor",),  # what each rope type cannot do without
                "llama3": ("factor", "original_max_position_embeddings")}
@@ -144,26 +147,33 @@ def parse_arch(cfg: dict, where: str = "config.json") -> ArchConfig:
     except (TypeError, ValueError):
         raise ModelLoadError(f"{where}: eos_token_id {cfg.get('eos_token_id')!r} is not a"
                              f" token id or a list of them") from None
-    is_qwen = arch == "Qwen2ForCausalLM"
-    window = cfg.get("sliding_window")
-    if is_qwen and not cfg.get("use_sliding_window", False):
-        window = None
+    # What transformers' class of each architecture reads, with its defaults: Llama has no
+    # window and the only optional biases; Mistral's window is 4096 unless set (null: none);
+    # Qwen2's applies to the layers from max_window_layers on, and has fixed biases.
+    is_qwen, is_llama = arch == "Qwen2ForCausalLM", arch == "LlamaForCausalLM"
+    layers = int(need("num_hidden_layers"))
+    window = None if is_llama else cfg.get("sliding_window", 4096 if not is_qwen else None)
+    if is_qwen and (not cfg.get("use_sliding_window", False)
+                    or cfg.get("max_window_layers", 28) >= layers):
+        window = None  # (some layers windowed: the context is capped at the window, below)
+    attention_bias = is_llama and bool(cfg.get("attention_bias", False))
     out = ArchConfig(
         architecture=arch,
         vocab_size=int(need("vocab_size")),
         hidden_size=hidden,
         intermediate_size=int(need("intermediate_size")),
-        num_layers=int(need("num_hidden_layers")),
+        num_layers=layers,
         num_heads=heads,
         num_kv_heads=int(cfg.get("num_key_value_heads") or heads),
         head_dim=int(cfg.get("head_dim") or hidden // heads),
         rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
         rope_theta=theta,
-        max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
+        max_position_embeddings=int(cfg.get("max_position_embeddings",
+                                            DEFAULT_POSITIONS[arch])),
         tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-        qkv_bias=is_qwen or bool(cfg.get("attention_bias", False)),
-        o_bias=(not is_qwen) and bool(cfg.get("attention_bias", False)),
-        mlp_bias=bool(cfg.get("mlp_bias", False)),
+        qkv_bias=is_qwen or attention_bias,
+        o_bias=attention_bias,
+        mlp_bias=is_llama and bool(cfg.get("mlp_bias", False)),
         rope_scaling=rope,
         bos_token_id=cfg.get("bos_token_id"),
         eos_token_ids=eos_ids,

@@ -67,6 +67,18 @@ def test_a_tied_checkpoint_may_hold_its_matrix_under_either_name(model_copy, cap
     assert all(torch.equal(t, ref.state_dict()[k]) for k, t in m.state_dict().items())
 
 
+def test_a_missing_projection_is_named_with_its_checkpoint(model_copy):
+    from safetensors.torch import load_file, save_file
+
+    weights = load_file(model_copy / "model.safetensors")
+    del weights["model.layers.1.self_attn.k_proj.weight"]
+    save_file(weights, str(model_copy / "model.safetensors"))
+    with pytest.raises(ModelLoadError, match=rf"{model_copy}: incomplete fused weight"
+                                             r" layers\.1\.self_attn\.qkv_proj\.weight: the"
+                                             r" checkpoint has no \['k_proj'\]"):
+        load_model(model_copy)
+
+
 def test_a_config_without_architectures_goes_by_model_type(model_copy):
     cfg = json.loads((model_copy / "config.json").read_text())
     del cfg["architectures"]

@@ -28,6 +28,8 @@ def resolve_dtype(requested: str, arch, device: str = "cpu") -> str:
     if name not in DTYPES:
         name = "float32"
     if name == "float16" and device.startswith("cpu"):
+        log.info("the float16 checkpoint runs in bfloat16 on the CPU (--dtype float16 keeps"
+                 " it, slower)")
         name = "bfloat16"
     return name
 
@@ -116,7 +118,10 @@ def map_hf_weights(hf: dict[str, torch.Tensor], cfg: ArchConfig) -> dict[str, to
         present = [t for t in ts if t is not None]
         expected = 3 if "qkv" in key else 2
         if len(present) != expected:
-            raise ModelLoadError(f"incomplete fused weight {key}: {len(present)}/{expected} parts")
+            names = ("q_proj", "k_proj", "v_proj") if "qkv" in key else ("gate_proj", "up_proj")
+            lost = [n for n, t in zip(names, ts, strict=False) if t is None]
+            raise ModelLoadError(f"incomplete fused weight {key}: the checkpoint has no {lost}"
+                                 " for it")
         out[key] = torch.cat(present, dim=0)
     return out
 
@@ -205,7 +210,10 @@ def load_model(
     except ValueError as e:
         raise ModelLoadError(f"{model_dir}: {e}") from None
     hf = read_weights(safetensors_files(model_dir), wanted_for(cfg, shard))
-    weights = shard_weights(map_hf_weights(hf, cfg), cfg, shard)
+    try:
+        weights = shard_weights(map_hf_weights(hf, cfg), cfg, shard)
+    except ModelLoadError as e:
+        raise ModelLoadError(f"{model_dir}: {e}") from None
     with torch.device("meta"):
         expected = dict(LlamaForCausalLM(cfg, 1, shard, tp).state_dict())
     if cfg.tie_word_embeddings and shard.first:

@@ -55,7 +55,9 @@ def build_app(engine: AsyncEngine, config: ServerConfig, model_name: str) -> Fas
         state.closed = True
         if engine.num_unfinished:  # a stop without a drain: their clients get an error
             engine.fail_all("the server is shutting down")
-        engine.stop()
+        # The core reads its Shutdown between iterations: wait as long as one may take (the
+        # watchdog's bound), or a healthy core is killed mid-step and the exit reads as a crash.
+        engine.stop(max(10.0, engine.watchdog_timeout))
         prompts.close()
 
     app = FastAPI(title="fluidserve", version="0.1.0", lifespan=lifespan)

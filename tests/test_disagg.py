@@ -345,6 +345,19 @@ def test_a_dying_instance_neither_blocks_later_flips_nor_takes_a_roles_last_one(
     assert [x.accepting for x in cp.instances[0].sent[-1].loads] == [True]
 
 
+def test_what_the_control_plane_says_itself_carries_the_requests_instances_have_read():
+    # The front end's watchdog and waiting count go by it: a failure made here with a count
+    # of 0 would read as the instances having lost every request sent.
+    from fluidserve.engine.messages import EngineCoreOutputs
+
+    cp, outputs = control_plane("prefill", "decode", "decode", flip=False)
+    cp._on_instance_outputs(0, EngineCoreOutputs([], adds_seen=3))
+    assert outputs[-1].adds_seen == 3
+    cp._where["r"] = {0, 2}
+    cp._on_instance_dead(2, "killed")
+    assert outputs[-1].outputs[0].request_id == "r" and outputs[-1].adds_seen == 3
+
+
 # ---------------------------------------------------------------- the cluster, real model
 PROMPTS = [
     "The river rose slowly in the spring, and the people of the valley moved their goats.",

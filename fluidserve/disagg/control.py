@@ -76,7 +76,9 @@ class ControlPlane:
         self._prompt: dict[str, tuple[int, int]] = {}  # request id -> (prefill, tokens) queued
         self._outstanding = [0] * len(roles)  # prompt tokens queued per prefill instance
         self._stats: dict[int, SchedulerStats] = {}
-        self._adds_seen: dict[int, int] = {}  # AddRequests each instance has read
+        # AddRequests each instance has read (-1: those answered here, no instance alive):
+        # every message to the front end carries their sum (``EngineCoreOutputs.adds_seen``)
+        self._adds_seen: dict[int, int] = {}
         self._loads: dict[int, DecodeLoad] = {}
         self._undispatched: dict[int, int] = {}  # prefill instance -> requests it holds back
         self._blocks: list[int] = []  # KV blocks per instance
@@ -104,10 +106,11 @@ class ControlPlane:
         with self._lock:
             live = [i for i in self._alive if self.roles[i] == "prefill"
                     and i not in self._draining]
-            if not live:  # the last one died a moment ago
+            if not live:  # the last one died a moment ago: answered here, as if read
+                self._adds_seen[-1] = self._adds_seen.get(-1, 0) + 1
                 self.on_outputs(EngineCoreOutputs([RequestDelta(
                     msg.request_id, [], "error", "no prefill instance is alive",
-                    unavailable=True)]))
+                    unavailable=True)], adds_seen=sum(self._adds_seen.values())))
                 return
             target = min(live, key=lambda i: (self._outstanding[i], i))
             n = len(msg.prompt_token_ids)
@@ -207,7 +210,8 @@ class ControlPlane:
                 self.instances[j].abort([rid])
         self._prompt_done(rid)
         self.on_outputs(EngineCoreOutputs([RequestDelta(rid, [], "error", message,
-                                                        unavailable=unavailable)]))
+                                                        unavailable=unavailable)],
+                                          adds_seen=sum(self._adds_seen.values())))
 
     def _total_stats(self) -> SchedulerStats:
         s = list(self._stats.values())

@@ -110,7 +110,7 @@ class ControlPlane:
                 self._adds_seen[-1] = self._adds_seen.get(-1, 0) + 1
                 self.on_outputs(EngineCoreOutputs([RequestDelta(
                     msg.request_id, [], "error", "no prefill instance is alive",
-                    unavailable=True)], adds_seen=sum(self._adds_seen.values())))
+                    unavailable=True)], adds_seen=self._read_count()))
                 return
             target = min(live, key=lambda i: (self._outstanding[i], i))
             n = len(msg.prompt_token_ids)
@@ -152,7 +152,7 @@ class ControlPlane:
                 self._prompt_done(rid)
                 self._forget(rid)
             self._adds_seen[i] = msg.adds_seen
-            msg.adds_seen = sum(self._adds_seen.values())
+            msg.adds_seen = self._read_count()
             if msg.stats is not None:
                 self._stats[i] = msg.stats
                 msg.stats = self._total_stats()
@@ -204,6 +204,10 @@ class ControlPlane:
         self._decoder.pop(rid, None)
         return self._where.pop(rid, set())
 
+    def _read_count(self) -> int:
+        """AddRequests read by the instances, or answered here."""
+        return sum(self._adds_seen.values())
+
     def _fail_request(self, rid: str, message: str, unavailable: bool = False) -> None:
         for j in self._forget(rid):
             if j in self._alive:
@@ -211,7 +215,7 @@ class ControlPlane:
         self._prompt_done(rid)
         self.on_outputs(EngineCoreOutputs([RequestDelta(rid, [], "error", message,
                                                         unavailable=unavailable)],
-                                          adds_seen=sum(self._adds_seen.values())))
+                                          adds_seen=self._read_count()))
 
     def _total_stats(self) -> SchedulerStats:
         s = list(self._stats.values())

@@ -120,12 +120,8 @@ class AsyncEngine:
     def stop(self, timeout: float = 10.0) -> int | None:
         self._stopping.set()
         code = self.client.shutdown(timeout)
-        with self._lock:  # whatever the core's last message did not end ends here
-            left = [(loop, q, _error_output(rid, "the server is shutting down",
-                                            unavailable=True), None)
-                    for rid, (loop, q, _) in self._streams.items()]
-            self._streams.clear()
-        self._deliver(left)
+        # Whatever the core's last message did not end ends here.
+        self._deliver(self._end_streams("the server is shutting down"))
         if self.request_log is not None:
             self.request_log.close()
         return code
@@ -187,14 +183,19 @@ class AsyncEngine:
 
     def fail_all(self, message: str) -> None:
         """End every unfinished request with this error now, whatever state the core is in."""
+        ready = self._end_streams(message)
+        self.client.fail_all(message)  # the core frees what they held
+        self._deliver(ready)
+
+    def _end_streams(self, message: str) -> list:
+        """Forget every open stream; the error output each is to get (``_deliver``)."""
         with self._lock:
             ready = [(loop, q, _error_output(rid, message, unavailable=True), None)
                      for rid, (loop, q, _) in self._streams.items()]
             for rid in self._streams:
                 self._outputs.forget(rid)
             self._streams.clear()
-        self.client.fail_all(message)  # the core frees what they held
-        self._deliver(ready)
+        return ready
 
     # ------------------------------------------------------------------ reader thread
     def _on_outputs(self, msg: EngineCoreOutputs) -> None:

@@ -16,7 +16,7 @@ import asyncio
 import heapq
 import json
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import httpx
 
@@ -88,26 +88,31 @@ class Client:
 
     async def _send(self, http: httpx.AsyncClient, rec: RequestRecord, prompt, start: float):
         rec.sent = time.perf_counter() - start
+        t0, seen = time.perf_counter(), _Arrivals()
         try:
             async with asyncio.timeout(self.cfg.timeout):
-                await self._stream(http, rec, prompt, time.perf_counter())
+                await self._stream(http, rec, prompt, seen)
         except TimeoutError:
-            rec.error = (f"timed out after {self.cfg.timeout:g} s (--timeout) with"
-                         f" {len(rec.gaps)} tokens")
+            rec.error = f"timed out after {self.cfg.timeout:g} s (--timeout)"
         except Exception as e:  # anything a server sends ends this request, not the run
             rec.error = f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
+        # What arrived, however the stream ended (a cut one's gaps count in TBT).
+        rec.gaps = arrival_gaps(seen.chunks, t0, seen.final)
+        rec.num_output_tokens = len(rec.gaps)
+        if rec.error is not None and rec.error.startswith("timed out"):
+            rec.error += f" with {len(rec.gaps)} tokens"
         if rec.error is None and rec.num_output_tokens == 0:
             rec.error = "the stream ended without any token"
 
-    async def _stream(self, http, rec: RequestRecord, prompt, t0: float) -> None:
+    async def _stream(self, http, rec: RequestRecord, prompt, seen: _Arrivals) -> None:
         async with http.stream("POST", self.cfg.endpoint, json=self.body(prompt, rec.output_len)
                                ) as r:
             if r.status_code != 200:
                 body = (await r.aread()).decode(errors="replace")
                 rec.error = f"HTTP {r.status_code}: {_error_message(body)}"
                 return
-            chunks: list[tuple[float, int]] = []  # (arrival, tokens counted in it)
-            last, counted, final, done, reason = t0, 0, None, False, None
+            chunks = seen.chunks
+            counted, done, reason = 0, False, None
             async for line in r.aiter_lines():
                 if not line.startswith("data:"):
                     continue
@@ -129,23 +134,19 @@ class Client:
                 if isinstance(metrics, dict) and metrics.get("scheduling_delay") is not None:
                     rec.scheduling_delay = metrics["scheduling_delay"]
                 if not obj.get("choices"):
-                    final = usage.get("completion_tokens", final)
-                    if final and not chunks:  # every token came in this one chunk
+                    seen.final = usage.get("completion_tokens", seen.final)
+                    if seen.final and not chunks:  # every token came in this one chunk
                         chunks.append((now, 0))
                     continue
                 reason = obj["choices"][0].get("finish_reason") or reason
                 k = max(self._tokens_in(obj, usage, counted), 0)
                 chunks.append((now, k))
-                if k:  # as they come, for a stream cut short by the timeout
-                    rec.gaps += [now - last] + [0.0] * (k - 1)
-                    counted, last = counted + k, now
+                counted += k
             if not done:
-                n = final if final is not None else counted
+                n = seen.final if seen.final is not None else counted
                 rec.error = f"the stream ended before its [DONE] after {n} tokens"
             elif reason in ("abort", "error"):
                 rec.error = f"the server ended the stream with finish_reason {reason!r}"
-            rec.gaps = arrival_gaps(chunks, t0, final)
-            rec.num_output_tokens = len(rec.gaps)
 
     def _tokens_in(self, obj: dict, usage: dict, counted: int) -> int:
         if usage.get("completion_tokens") is not None:
@@ -165,6 +166,14 @@ class Client:
         if self.tokenizer is None:
             return 1
         return max(1, len(self.tokenizer.encode(text, add_special_tokens=False)))
+
+
+@dataclass
+class _Arrivals:
+    """What a stream brought, kept through a timeout that cuts it."""
+
+    chunks: list[tuple[float, int]] = field(default_factory=list)  # (arrival, tokens in it)
+    final: int | None = None  # the server's own count (final usage), if it sent one
 
 
 def arrival_gaps(chunks: list[tuple[float, int]], t0: float, final: int | None

@@ -150,15 +150,16 @@ class SchedulerConfig:
         " long prompt under sjf waits for its own window at most (0: one window; it may wait"
         " for as long as shorter prompts keep arriving). Disaggregated prefill instances use"
         " --prefill-sched-batch instead.")
-    async_scheduling: bool = knob(
-        False, "Schedule and launch the next iteration while the last one still runs: a"
+    async_scheduling: bool | None = knob(
+        None, "Schedule and launch the next iteration while the last one still runs: a"
         " request's next decode reads the token in flight on the device, so the host's work"
         " between iterations (applying tokens, streaming, scheduling, building inputs)"
         " overlaps the device's instead of leaving it idle. A token sampled after its request"
         " stopped (EOS, a stop token or string) is computed and dropped. For CUDA: on the CPU"
         " a batch runs when it is launched, so nothing overlaps and each token reaches its"
         " stream one iteration later. One model process only (no --tensor/"
-        "--pipeline-parallel-size > 1, no --disaggregate).")
+        "--pipeline-parallel-size > 1, no --disaggregate). Default: on with --device cuda"
+        " in one model process, off elsewhere (as vLLM).")
 
     def __post_init__(self) -> None:
         if self.policy not in SCHEDULERS + SLO_SCHEDULERS:
@@ -366,6 +367,13 @@ class EngineConfig:
                     f" --decode-admission under a fixed --token-budget, their waiting"
                     f" requests in --queue-policy order): {', '.join(moot)}"
                     f" would be ignored")
+
+    def uses_async_scheduling(self) -> bool:
+        """``--async-scheduling`` as given, else on for one model process on CUDA."""
+        if self.scheduler.async_scheduling is not None:
+            return self.scheduler.async_scheduling
+        return (self.model.device.startswith("cuda") and self.parallel.world_size == 1
+                and not self.disagg.disaggregate)
 
     def knobs(self) -> dict:
         """The flat knob names and values (the inverse of ``create``)."""

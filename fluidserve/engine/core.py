@@ -138,12 +138,13 @@ class EngineCore:
         # Batches in flight at once: the pipeline's stages; with asynchronous scheduling at
         # least two, the next one launched while the host applies the last one's tokens.
         self.depth = executor.depth
-        if sc.async_scheduling:
-            if not getattr(executor, "resolves_placeholders", False):
+        if config.uses_async_scheduling():
+            if getattr(executor, "resolves_placeholders", False):
+                self.scheduler.async_scheduling = True
+                self.depth = max(self.depth, 2)
+            elif sc.async_scheduling:  # asked for (by default it stays off here)
                 raise ConfigError("--async-scheduling needs the single-process model executor"
                                   f" (not {type(executor).__name__})")
-            self.scheduler.async_scheduling = True
-            self.depth = max(self.depth, 2)
         # Batches submitted and not yet applied: (plan, future of its RunnerOutput, start).
         self.in_flight: deque[tuple[SchedulerOutput, Future, float]] = deque()
         self._changed = True  # requests added, ended or advanced since the last empty plan

@@ -181,6 +181,6 @@ def build_model_executor(config: EngineConfig):
         cuda_graph_max_batch=cuda_graph_batch(config),
         max_num_seqs=config.scheduler.max_num_seqs,
         watermark=c.watermark,
-        async_scheduling=config.scheduler.async_scheduling,
+        async_scheduling=config.uses_async_scheduling(),
     )
     return executor, model_dir

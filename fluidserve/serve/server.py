@@ -206,7 +206,7 @@ def run_server(engine_config: EngineConfig, config: ServerConfig) -> int:
     info = engine.info
     log.info(
         "model %s ready in %.1fs (engine core: %.1fs): %d KV blocks of %d tokens%s,"
-        " max_model_len %d, scheduler %s (token budget %s)",
+        " max_model_len %d, scheduler %s (token budget %s)%s",
         name,
         time.perf_counter() - t0,
         info.load_seconds,
@@ -216,6 +216,7 @@ def run_server(engine_config: EngineConfig, config: ServerConfig) -> int:
         info.max_model_len,
         engine_config.scheduler.policy,
         engine_config.scheduler.token_budget,
+        ", asynchronous scheduling" if engine_config.uses_async_scheduling() else "",
     )
     uv = uvicorn.Config(
         app,

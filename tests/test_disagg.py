@@ -308,6 +308,37 @@ def test_a_hand_off_to_a_decode_instance_that_died_is_dispatched_again():
     assert isinstance(cp.instances[1].sent[-1], Migrate) and cp._where["r"] == {0, 1}
 
 
+def test_prompts_are_routed_by_the_tokens_each_prefill_instance_has_left():
+    """As in the simulated cluster: a half-prefilled long prompt counts what is left of it, as
+    its instance reports; a prompt routed there and not yet read counts whole until it is."""
+    from fluidserve.disagg.messages import PrefillLoad
+    from fluidserve.engine.messages import AddRequest, EngineCoreOutputs
+
+    cp, _ = control_plane("prefill", "prefill", "decode", flip=False)
+
+    def add(rid: str, n: int) -> int:
+        cp.add(AddRequest(rid, [1] * n, SamplingParams(max_tokens=4)))
+        return next(i for i, x in enumerate(cp.instances) if rid in
+                    [m.request_id for m in x.sent if isinstance(m, AddRequest)])
+
+    def report(i: int, queued: int, read: int) -> None:
+        cp._on_instance_outputs(i, EngineCoreOutputs([], adds_seen=read,
+                                                     load=PrefillLoad(0, queued)))
+
+    assert add("long", 1000) == 0 and add("mid", 500) == 1
+    assert cp._outstanding(0) == 1000  # not read yet: counted whole
+    report(0, 200, read=1)  # 800 of its 1000 tokens computed
+    assert add("next", 50) == 0  # 200 left there against 500 at the other
+    assert cp._outstanding(0) == 250
+    report(0, 150, read=1)  # "next" still unread: it counts whole beside the report
+    assert cp._outstanding(0) == 200
+    report(0, 200, read=2)
+    assert cp._outstanding(0) == 200 and cp._outstanding(1) == 500
+    report(0, 0, read=2)
+    report(1, 0, read=1)
+    assert cp._outstanding(0) == cp._outstanding(1) == 0
+
+
 def test_a_load_reported_before_a_flip_does_not_outlive_it():
     from fluidserve.disagg.messages import DecodeLoads
     from fluidserve.engine.messages import EngineCoreOutputs

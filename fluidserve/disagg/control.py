@@ -4,7 +4,9 @@ It sits in the HTTP front end, beside one engine core per instance (``instances`
 that takes ``add``, ``send`` and ``abort``; ``fluidserve.disagg.client`` starts them as
 processes), and sees each instance's outputs and its death:
 
-- a new request goes to the prefill instance with the fewest prompt tokens outstanding;
+- a new request goes to the prefill instance with the fewest prompt tokens still to compute
+  (as it last reported them, plus the prompts routed there that it has not read yet: the
+  measure the simulated cluster routes by);
 - the control-plane events among an instance's outputs are relayed
   (``fluidserve.disagg.messages``: hand-off, prefill done, ready to receive, received); a
   hand-off to a decode instance that died or flipped after the dispatcher's last view goes
@@ -27,6 +29,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import threading
+from collections import deque
 from collections.abc import Callable
 
 from fluidserve.config import EngineConfig
@@ -73,8 +76,9 @@ class ControlPlane:
         self._decoder: dict[str, int] = {}  # early hand-off -> its decode instance, until the
         # end of its prefill is relayed
         self.early_handoffs = 0  # requests handed off before their prefill ended
-        self._prompt: dict[str, tuple[int, int]] = {}  # request id -> (prefill, tokens) queued
-        self._outstanding = [0] * len(roles)  # prompt tokens queued per prefill instance
+        self._queued = [0] * len(roles)  # prompt tokens to compute, as each last reported
+        self._unread: list[deque[int]] = [deque() for _ in roles]  # the prompt tokens of the
+        # requests routed to each instance that it had not read at its last report
         self._stats: dict[int, SchedulerStats] = {}
         # AddRequests each instance has read (-1: those answered here, no instance alive):
         # every message to the front end carries their sum (``EngineCoreOutputs.adds_seen``)
@@ -112,11 +116,9 @@ class ControlPlane:
                     msg.request_id, [], "error", "no prefill instance is alive",
                     unavailable=True)], adds_seen=self._read_count()))
                 return
-            target = min(live, key=lambda i: (self._outstanding[i], i))
-            n = len(msg.prompt_token_ids)
-            self._outstanding[target] += n
+            target = min(live, key=lambda i: (self._outstanding(i), i))
+            self._unread[target].append(len(msg.prompt_token_ids))
             self.routed[target] += 1
-            self._prompt[msg.request_id] = (target, n)
             self._where[msg.request_id] = {target}
         self.instances[target].add(msg)
 
@@ -126,14 +128,12 @@ class ControlPlane:
             for rid in request_ids:
                 for i in self._forget(rid):
                     by_instance.setdefault(i, []).append(rid)
-                self._prompt_done(rid)
         for i, ids in by_instance.items():
             self.instances[i].abort(ids, reason)
     # ------------------------------------------------------------------ instance outputs
-    def _prompt_done(self, rid: str) -> None:
-        queued = self._prompt.pop(rid, None)
-        if queued is not None:
-            self._outstanding[queued[0]] -= queued[1]
+    def _outstanding(self, i: int) -> int:
+        """Prompt tokens prefill instance ``i`` has still to compute."""
+        return self._queued[i] + sum(self._unread[i])
 
     def _on_instance_outputs(self, i: int, msg: EngineCoreOutputs) -> None:
         with self._lock:
@@ -142,14 +142,11 @@ class ControlPlane:
             drop: dict[int, list[str]] = {}
             for d in msg.outputs:
                 rid = d.request_id
-                if self.roles[i] == "prefill":
-                    self._prompt_done(rid)
                 if d.finished:  # ended here: drop it wherever else it is held
                     for j in self._forget(rid):
                         if j != i:
                             drop.setdefault(j, []).append(rid)
             for rid in msg.rejected:
-                self._prompt_done(rid)
                 self._forget(rid)
             self._adds_seen[i] = msg.adds_seen
             msg.adds_seen = self._read_count()
@@ -160,6 +157,12 @@ class ControlPlane:
             # kept, it would list a prefill instance as an idle decode one for good.
             if isinstance(msg.load, PrefillLoad) and self.roles[i] == "prefill":
                 self._undispatched[i] = msg.load.undispatched
+                # What it has still to compute of the requests it has read; those it has
+                # not read yet count here until it has.
+                self._queued[i] = msg.load.queued_tokens
+                unread = self._unread[i]
+                while len(unread) > self.routed[i] - self._adds_seen[i]:
+                    unread.popleft()
             elif isinstance(msg.load, DecodeLoad) and self.roles[i] == "decode":
                 self._loads[i] = msg.load
             # Every message, for its statistics too (freed blocks are news); the tokens go
@@ -212,7 +215,6 @@ class ControlPlane:
         for j in self._forget(rid):
             if j in self._alive:
                 self.instances[j].abort([rid])
-        self._prompt_done(rid)
         self.on_outputs(EngineCoreOutputs([RequestDelta(rid, [], "error", message,
                                                         unavailable=unavailable)],
                                           adds_seen=self._read_count()))
@@ -279,7 +281,7 @@ class ControlPlane:
                                 if self.roles[i] == role and i not in self._draining]
                          for role in ("prefill", "decode")}
             prefill = [i for i, _ in accepting["prefill"]]
-            backlog = sum(self._outstanding[i] for i in prefill) / max(len(prefill), 1)
+            backlog = sum(self._outstanding(i) for i in prefill) / max(len(prefill), 1)
             decode_short = any(self._undispatched.get(i, 0) for i in self._alive) or any(
                 self._loads[i].waiting for i, _ in accepting["decode"] if i in self._loads)
             victim = self._flip_policy.decide(now, backlog / d.prefill_chunk_size,
@@ -303,7 +305,7 @@ class ControlPlane:
         self.instances[i].send(SetRole(to))
         self.roles[i] = to
         self._draining.discard(i)
-        self._outstanding[i] = 0
+        self._queued[i] = 0
         self._undispatched.pop(i, None)
         if to == "decode":
             self._loads[i] = DecodeLoad(i, self._blocks[i], 0, 0)

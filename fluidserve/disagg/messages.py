@@ -124,9 +124,11 @@ class ReadyToReceive:
 
 @dataclass(frozen=True, slots=True)
 class PrefillLoad:
-    """A prefill instance's report: prefilled requests waiting for a decode instance."""
+    """A prefill instance's report: prefilled requests waiting for a decode instance, and the
+    prompt tokens it has still to compute (what requests are routed by)."""
 
     undispatched: int
+    queued_tokens: int = 0
 
 
 @dataclass(frozen=True, slots=True)

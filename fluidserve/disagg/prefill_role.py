@@ -176,7 +176,7 @@ class PrefillRole(Role):
             self.undispatched[req.request_id] = predicted
 
     def load(self) -> PrefillLoad:
-        return PrefillLoad(len(self.undispatched))
+        return PrefillLoad(len(self.undispatched), self.core.scheduler.queued_prefill_tokens)
 
     def _dispatch(self, req, predicted: int) -> bool:
         dst = pick_decode(self.dispatcher, self.core.block_manager, req, predicted,

@@ -226,6 +226,37 @@ def test_a_stop_drops_the_placeholders_after_it():
     assert bm.num_free_blocks == 16
 
 
+def test_a_newer_request_in_flight_is_preempted_for_an_older_decode():
+    """The oldest decode needs a block and every newer request is in flight: the newest is
+    preempted at once, as in the synchronous engine (it used to wait, keeping its blocks, while
+    the newer ones decoded on: 16 iterations here), and the token it samples in flight is
+    dropped; recomputed, it ends with the tokens it would have had."""
+    bm = BlockManager(6, 16)
+    s = make_scheduler("sarathi", SchedulerLimits(128, 8, 4096), bm)
+    s.async_scheduling = True
+    params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+    a, b, c = (Request(rid, [5] * n, params, 0.0) for rid, n in (("a", 32), ("b", 17),
+                                                                 ("c", 17)))
+    for r in (a, b, c):
+        s.add_request(r)
+    in_flight, t = s.schedule(0.0), 0.0  # all three prompts (6 blocks: the cache is full)
+    while not c.num_preemptions:  # "a" decodes next and needs a 7th block
+        nxt = s.schedule(t, frozenset(x.request_id for x in in_flight.chunks))
+        assert "a" in {x.request_id for x in nxt.chunks}, "the oldest decode waited"
+        t += 1.0
+        s.update(in_flight, RunnerOutput({x.request_id: 7 for x in in_flight.chunks}, 0.0), t)
+        in_flight = nxt
+    assert PLACEHOLDER not in c.output_token_ids and c.num_computed_tokens == 0
+    assert c.output_token_ids == [] and c.status.name == "WAITING"  # its first, in flight
+    while s.has_unfinished():
+        nxt = s.schedule(t, frozenset(x.request_id for x in in_flight.chunks))
+        t += 1.0
+        s.update(in_flight, RunnerOutput({x.request_id: 7 for x in in_flight.chunks}, 0.0), t)
+        in_flight = nxt
+    assert all(r.output_token_ids == [7] * 40 for r in (a, b, c))
+    assert bm.num_free_blocks == 6
+
+
 def test_async_scheduling_needs_one_model_process():
     with pytest.raises(ConfigError, match="one process"):
         EngineConfig.create(async_scheduling=True, pipeline_parallel_size=2)

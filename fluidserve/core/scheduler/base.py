@@ -116,9 +116,7 @@ class Scheduler(ABC):
     def finish(self, req: Request, status: RequestStatus, now: float | None = None) -> None:
         if req.status.finished:
             return
-        out = req.output_token_ids
-        while out and out[-1] == PLACEHOLDER:  # sampled in flight after it stopped: dropped
-            out.pop()
+        _drop_in_flight(req)  # sampled in flight after it stopped
         self.waiting.remove(req.request_id)
         if req in self.running:
             self.running.remove(req)
@@ -157,7 +155,8 @@ class Scheduler(ABC):
         """Build the next batch. ``busy``: requests in micro-batches still in the pipeline."""
         self._preempted: list[str] = []
         self._short = False  # a request went without the blocks it needs, none preempted
-        self._busy = busy
+        # Asynchronous scheduling may preempt a request in flight (``_reserve``).
+        self._busy = frozenset() if self.async_scheduling else busy
         batch = self._build(now)
         self.iteration += 1
         table = self.bm.table
@@ -249,10 +248,13 @@ class Scheduler(ABC):
         down to ``req`` itself: when ``req`` is the latest of them, it is preempted and False
         is returned. A request never evicts one admitted before it, or two requests that do
         not fit together could evict each other's recompute forever. While requests are in
-        flight (``busy``), ``req`` is not preempted but waits, keeping its blocks: it may
-        only lack blocks that in-flight requests hold, and evicting itself each time could
-        let two requests take turns throwing their progress away forever. Requests in flight
-        are never victims (with asynchronous scheduling ``req`` may be one of them).
+        a pipeline's stages (``busy``), they are never victims, and ``req`` is not preempted
+        but waits, keeping its blocks: it may only lack blocks that those requests hold, and
+        evicting itself each time could let two requests take turns throwing their progress
+        away forever. With asynchronous scheduling a request in flight may be preempted (or
+        every older decode would wait until all newer ones had run out of blocks too): the
+        batch in flight writes its blocks before any later batch can reuse them (batches run
+        in order), and the token it samples there is dropped.
         """
         total = req.num_computed_tokens + n
         while not self.bm.allocate(req.request_id, total):
@@ -277,6 +279,7 @@ class Scheduler(ABC):
     def _preempt(self, req: Request) -> None:
         self.running.remove(req)
         self.bm.free(req.request_id)
+        _drop_in_flight(req)  # (``update`` skips it: it is no longer running)
         req.num_computed_tokens = 0
         req.status = RequestStatus.WAITING
         req.num_preemptions += 1
@@ -286,7 +289,7 @@ class Scheduler(ABC):
 
     def _new_batch(self, budget: float) -> Batch:
         # Requests in flight may join the next batch only with asynchronous scheduling.
-        return Batch(budget, frozenset() if self.async_scheduling else self._busy)
+        return Batch(budget, self._busy)
 
     def _schedule_decodes(self, batch: Batch) -> None:
         # The hot loop of every iteration (and of the simulator): kept free of extra calls.
@@ -328,3 +331,11 @@ class Scheduler(ABC):
             n = self._chunk_size(req, batch.left, chunked, batch)
             if n == 0 or not self._admit(req, n, batch, now):
                 return
+
+
+def _drop_in_flight(req: Request) -> None:
+    """Forget the tokens ``req`` samples in the batch in flight (their places are held by
+    ``PLACEHOLDER``s): it stopped, or was preempted and will sample them again."""
+    out = req.output_token_ids
+    while out and out[-1] == PLACEHOLDER:
+        out.pop()

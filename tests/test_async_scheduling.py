@@ -100,7 +100,7 @@ def test_a_prompt_chunked_over_batches_in_flight_continues_at_once(tiny_model_di
 
 
 def test_preemption_under_tiny_kv_cache_loses_nothing(tiny_model_dir, reference):
-    llm = async_llm(tiny_model_dir, token_budget=32, block_size=8, num_kv_blocks=14)
+    llm = async_llm(tiny_model_dir, token_budget=32, block_size=8, num_kv_blocks=10)
     outs = llm.generate(PROMPTS, GREEDY)
     assert llm.engine.scheduler.num_preemptions > 0
     assert [o.token_ids for o in outs] == reference

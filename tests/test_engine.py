@@ -52,8 +52,8 @@ def test_greedy_independent_of_batch_mix(tiny_model_dir, reference):
 
 
 def test_preemption_under_tiny_kv_cache_loses_nothing(tiny_model_dir, reference):
-    # 14 blocks of 8 tokens: far less than the 5 requests need together.
-    llm = LLM(model=str(tiny_model_dir), token_budget=32, block_size=8, num_kv_blocks=14)
+    # 10 blocks of 8 tokens: far less than the 5 requests need together.
+    llm = LLM(model=str(tiny_model_dir), token_budget=32, block_size=8, num_kv_blocks=10)
     outs = llm.generate(PROMPTS, [greedy(i) for i in range(len(PROMPTS))])
     assert llm.engine.scheduler.num_preemptions > 0
     assert [o.token_ids for o in outs] == reference

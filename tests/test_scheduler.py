@@ -311,11 +311,12 @@ def test_preempted_request_recomputes_prompt_and_outputs():
 
 
 def test_a_later_request_never_preempts_an_earlier_one():
-    # Prefill-first with chunks: b's prefill outgrows the cache while a waits to decode.
-    # Evicting a (admitted first) let a's recompute evict b in turn, forever.
+    # Prefill-first with chunks: b's prefill fills the cache while a waits to decode, and its
+    # own decode outgrows it. Evicting a (admitted first) let a's recompute evict b in turn,
+    # forever.
     s = make("chunked_only", budget=1, blocks=16, block_size=1)
     s.add_request(req("a", 4, max_tokens=2))
-    s.add_request(req("b", 13, max_tokens=2))
+    s.add_request(req("b", 12, max_tokens=2))
     plans = run(s, max_iters=500)
     assert {rid for p in plans for rid in p.preempted} == {"b"}
 

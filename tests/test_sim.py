@@ -86,6 +86,9 @@ def run_engine(eng, work: list[WorkloadRequest]) -> dict:
     return reqs
 
 
+TIGHT_KV_BLOCKS = 20  # of 8 tokens: 14 prompts of ~60 tokens and their outputs preempt
+
+
 def engine_under_load(model_dir, scheduler, cost, wrapper, rate, seed):
     """The real model under a tight KV cache (preemption), its requests ended by the model's
     EOS at varied lengths, iteration times from ``cost``; returns what the tests compare."""
@@ -98,7 +101,7 @@ def engine_under_load(model_dir, scheduler, cost, wrapper, rate, seed):
     eos_at = {str(w.index): {int(rng.integers(0, w.output_len + 4))} for w in work}
     cfg = EngineConfig.create(scheduler=scheduler, token_budget=32, block_size=8,
                               max_num_seqs=6, watermark=0.0)
-    model = ModelExecutor(model_dir, block_size=8, num_blocks=24)
+    model = ModelExecutor(model_dir, block_size=8, num_blocks=TIGHT_KV_BLOCKS)
     real = wrapper(model, cost)
     eng = LLMEngine(cfg, executor=real, tokenizer=Tokenizer(model_dir), clock=VirtualClock())
     real.clock = eng.clock
@@ -122,7 +125,7 @@ def test_simulated_batches_equal_real_engine_batches(tiny_model_dir, scheduler, 
     assert eng.scheduler.num_preemptions > 0
     # The simulator knows no model: it is given the lengths the model produced.
     sim_work = [dataclasses.replace(w, output_len=n) for w, n in zip(work, lengths, strict=True)]
-    fake = Recording(CostModelExecutor(cost, 24, 8, model.max_model_len), cost)
+    fake = Recording(CostModelExecutor(cost, TIGHT_KV_BLOCKS, 8, model.max_model_len), cost)
     res = simulate(sim_work, cfg, fake)
     assert fake.batches == real.batches and len(real.batches) > 30
     assert res.preemptions == eng.scheduler.num_preemptions
@@ -174,7 +177,8 @@ def test_simulated_pipeline_batches_equal_real_engine_batches(tiny_model_dir, sc
     lengths = [len(reqs[w.index].output_token_ids) for w in work]
     assert eng.scheduler.num_preemptions > 0
     sim_work = [dataclasses.replace(w, output_len=n) for w, n in zip(work, lengths, strict=True)]
-    fake = PipelinedRecording(CostModelExecutor(cost, 24, 8, model.max_model_len), cost)
+    fake = PipelinedRecording(CostModelExecutor(cost, TIGHT_KV_BLOCKS, 8, model.max_model_len),
+                              cost)
     res = simulate(sim_work, cfg, fake)
     assert fake.batches == real.batches and len(real.batches) > 30
     assert res.num_iterations == len(fake.batches)  # batches run, not scheduling passes

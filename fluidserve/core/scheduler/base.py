@@ -227,10 +227,16 @@ class Scheduler(ABC):
         return n
 
     def _admit(self, req: Request, n: int, batch: Batch, now: float) -> bool:
-        """Move the head of the waiting queue to running with a first chunk of ``n`` tokens."""
+        """Move the head of the waiting queue to running with a first chunk of ``n`` tokens.
+
+        Only if its whole prompt fits in the free blocks (as Sarathi-Serve's and vLLM's block
+        managers admit), though its blocks are taken chunk by chunk: a prompt admitted on its
+        first chunk alone would, where running decodes hold the memory, preempt itself once
+        the blocks ran out and be admitted again at once, recomputing its chunks for as long
+        as those decodes ran."""
         if len(self.running) >= self.limits.max_num_seqs:
             return False
-        if not self.bm.can_allocate(req.request_id, req.num_computed_tokens + n, admit=True):
+        if not self.bm.can_allocate(req.request_id, req.num_tokens, admit=True):
             return False
         self.bm.allocate(req.request_id, req.num_computed_tokens + n)
         self.waiting.remove(req.request_id)

@@ -17,13 +17,21 @@ import pytest
 from torch.utils.cpp_extension import include_paths
 
 import fluidserve.kernels as kernels
-from fluidserve.kernels import build_error, cflags, cpu_ops
+from fluidserve.kernels import build_error, cflags, cpu_ops, cxx_standard
 
 
 def test_kernels_build_wherever_a_compiler_is_present():
     if os.environ.get("FLUIDSERVE_NO_KERNELS") or not shutil.which(os.environ.get("CXX", "c++")):
         pytest.skip("no compiler, or kernels disabled on purpose")
     assert cpu_ops() is not None, build_error()
+
+
+def test_the_build_takes_torchs_own_language_standard():
+    """torch's cpp_extension adds the ``-std`` its headers and library were built for; one of
+    ours after it overrode that: C++20 against a C++17 torch (2.11) built a module whose failed
+    checks crashed the process instead of raising."""
+    assert not any(f.startswith("-std=") for f in cflags())
+    assert cxx_standard() in ("-std=c++17", "-std=c++20")
 
 
 def test_every_instruction_set_branch_of_the_source_compiles():
@@ -42,7 +50,8 @@ def test_every_instruction_set_branch_of_the_source_compiles():
     main = Path(kernels.__file__).parent / "csrc" / "cpu_kernels.cpp"
     incs = [f"-I{p}" for p in (*include_paths(), sysconfig.get_paths()["include"])]
     procs = {march: subprocess.Popen(
-        [cxx, *[f for f in cflags(march) if f != "-O3"], "-O0", "-fsyntax-only", *incs,
+        [cxx, *[f for f in cflags(march) if f != "-O3"], cxx_standard(), "-O0",
+         "-fsyntax-only", *incs,
          "-DTORCH_EXTENSION_NAME=syntax_check", str(main)],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         for march in marches}

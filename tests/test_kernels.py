@@ -325,6 +325,8 @@ def test_tile_linear_rejects_what_it_cannot_multiply():
         ops.tile_linear(torch.randn(65, 64).bfloat16(), tiles, 64, None)
     with pytest.raises(RuntimeError, match="does not match"):
         ops.tile_linear(torch.randn(4, 96).bfloat16(), tiles, 64, None)
+    with pytest.raises(RuntimeError, match="does not match"):  # a spare pair of tiles
+        ops.tile_linear(torch.randn(4, 64).bfloat16(), tiles, 32, None)
     with pytest.raises(RuntimeError, match="bf16"):
         ops.tile_linear(torch.randn(4, 64), tiles, 64, None)
 
@@ -405,3 +407,6 @@ def test_panel_linear_rounds_the_float32_product_and_is_the_same_for_every_batch
         kernels.tile_linear(torch.randn(4, k + 1).bfloat16(), panels, n, None)
     with pytest.raises(RuntimeError, match="bf16"):
         kernels.tile_linear(x.float(), panels, n, None)
+    if n > 64:  # whole panels past ``n``: the kernel ran them, writing past the output's rows
+        with pytest.raises(RuntimeError, match="does not match"):
+            kernels.tile_linear(x[:2], panels, n - 64, None)

@@ -25,12 +25,24 @@ from types import ModuleType
 log = logging.getLogger(__name__)
 
 _MAIN = "cpu_kernels.cpp"  # the one translation unit; it includes the headers beside it
-_CFLAGS = ("-O3", "-fopenmp", "-fno-math-errno", "-std=c++20")
+# No -std: torch's cpp_extension names the standard its own headers and library were built
+# for (C++17 up to torch 2.12, C++20 from 2.13); forcing C++20 on an older torch built a module
+# whose failed TORCH_CHECKs with numbers in their messages crashed the process.
+_CFLAGS = ("-O3", "-fopenmp", "-fno-math-errno")
 
 
 def cflags(march: str = "native") -> list[str]:
-    """The compiler flags of a build for ``-march=MARCH``."""
+    """The compiler flags of a build for ``-march=MARCH`` (beside torch's own)."""
     return [*_CFLAGS, f"-march={march}"]
+
+
+def cxx_standard() -> str:
+    """The ``-std`` that torch's cpp_extension adds for this torch (for a compiler run
+    outside it, such as a syntax check)."""
+    import torch
+
+    major, minor = (int(x) for x in torch.__version__.split(".")[:2])
+    return "-std=c++20" if (major, minor) >= (2, 13) else "-std=c++17"
 
 _lock = threading.Lock()
 _cache: dict[str, ModuleType | None] = {}

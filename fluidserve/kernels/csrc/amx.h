@@ -436,7 +436,7 @@ bool tile_linear_supported() { return amx_permitted(); }
 const char* kTileKind = "amx";
 
 bool tile_packed_matches(const at::Tensor& packed, int64_t K, int64_t N) {
-  return packed.dim() == 5 && packed.size(1) * 32 == K && packed.size(0) * 32 >= N;
+  return packed.dim() == 5 && packed.size(1) * 32 == K && packed.size(0) == (N + 31) / 32;
 }
 
 }  // namespace

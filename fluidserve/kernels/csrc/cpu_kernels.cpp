@@ -241,6 +241,9 @@ void silu_and_mul(at::Tensor out, const at::Tensor& x) {
 // y = x W^T (+ b) on a weight packed by ``tile_pack``, for at most ``tile_max_rows()`` rows.
 at::Tensor tile_linear(const at::Tensor& x, const at::Tensor& packed, int64_t N,
                        const std::optional<at::Tensor>& bias) {
+  // (On AMX this also asks the kernel for the tiles: without that, their first use is SIGILL.)
+  TORCH_CHECK(tile_linear_supported(),
+              "tile_linear: no tile kernel on this CPU (tile_kind() is empty)");
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.scalar_type() == at::kBFloat16,
               "tile_linear: a contiguous [M, K] bf16 input expected");
   TORCH_CHECK(x.size(0) <= kTileMaxRows, "tile_linear: at most ", kTileMaxRows, " rows");

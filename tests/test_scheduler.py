@@ -192,6 +192,17 @@ def test_tile_rounding_only_rounds_budget_limited_chunks():
     assert s2.schedule(0.0).composition() == (("a", 13),)  # the final chunk is whole
 
 
+def test_a_prefill_progresses_when_decodes_leave_less_than_a_tile():
+    """With the tile as large as the budget (allowed), one running decode left budget - 1,
+    which rounded down to nothing: no prompt ran until every decode had ended."""
+    s = make("sarathi", budget=64, tile=64)
+    s.add_request(req("long_decode", 4, max_tokens=200))
+    first = s.schedule(0.0)
+    s.update(first, RunnerOutput({"long_decode": 7}, 1.0), 1.0)
+    s.add_request(req("new", 100))
+    assert s.schedule(1.0).composition() == (("long_decode", 1), ("new", 63))
+
+
 def test_vllm_iterations_are_prefill_only_or_decode_only_and_stall_decodes():
     s = make("vllm", budget=64)
     s.add_request(req("a", 10, max_tokens=20))

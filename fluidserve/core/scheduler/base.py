@@ -210,7 +210,8 @@ class Scheduler(ABC):
 
     # ------------------------------------------------------------------ helpers for policies
     def _chunk_size(self, req: Request, left: float, chunked: bool, batch: Batch) -> int:
-        """Tokens to grant a prefill: min(remaining, budget left), never negative.
+        """Tokens to grant a prefill: min(remaining, budget left), never negative; a chunk
+        the budget cuts is rounded down to whole tiles where at least one is left.
 
         Unchunked policies grant the whole remainder or nothing, except that the first
         prefill of an iteration is always granted whole so an over-long prompt cannot starve.
@@ -222,8 +223,8 @@ class Scheduler(ABC):
             return 0
         n = int(min(remaining, max(left, 0)))
         tile = self.limits.tile_size
-        if n < remaining and tile > 1:
-            n -= n % tile
+        if n < remaining and n >= tile > 1:  # (less than a tile left: all of it, or a prompt
+            n -= n % tile  # would wait for as long as decodes leave less than a tile)
         return n
 
     def _admit(self, req: Request, n: int, batch: Batch, now: float) -> bool:

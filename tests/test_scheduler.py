@@ -541,15 +541,26 @@ def test_queue_policies(policy, first):
     assert s.schedule(0.0).chunks[0].request_id == first
 
 
+def test_a_request_that_fits_exactly_is_admitted_and_runs_in_its_blocks():
+    """4 + 5 tokens in two blocks of 4: the 9th, sampled last, is never fed back."""
+    s = make("sarathi", budget=64, blocks=2, block_size=4)
+    a = req("a", 4, max_tokens=5)
+    s.add_request(a)
+    run(s)
+    assert a.output_token_ids == [7] * 5 and a.finish_reason == "length"
+    assert s.bm.num_free_blocks == 2
+
+
 def test_admission_error_says_why_a_request_can_never_run():
     from fluidserve.core.admission import admission_error
 
     assert admission_error(0, 4, 64, 2, 10) == "the prompt is empty"
     assert admission_error(60, 5, 64, 2, 40) == (
         "prompt (60 tokens) + max_tokens (5) = 65 exceeds the context window of 64 tokens")
-    assert admission_error(5, 2, 64, 2, 3) == (
-        "request needs 4 KV blocks for 7 tokens but the cache has 3 admissible blocks")
-    assert admission_error(5, 2, 64, 2, 4) is None
+    assert admission_error(5, 2, 64, 2, 2) == (
+        "request needs 3 KV blocks for 6 tokens (its prompt and all but its last output"
+        " token) but the cache has 2 admissible blocks")
+    assert admission_error(5, 2, 64, 2, 3) is None  # the 7th token's KV is never computed
     assert admission_error(60, 4, 64, 2, 32) is None
 
 

@@ -35,8 +35,10 @@ def admission_error(num_prompt_tokens: int, max_tokens: int, max_model_len: int,
     if total > max_model_len:
         return (f"prompt ({num_prompt_tokens} tokens) + max_tokens ({max_tokens}) = {total}"
                 f" exceeds the context window of {max_model_len} tokens")
-    need = -(-total // block_size)
+    stored = total - 1  # the last output token is sampled, never fed back: no KV
+    need = -(-stored // block_size)
     if need > num_admissible_blocks:
-        return (f"request needs {need} KV blocks for {total} tokens but the cache has"
-                f" {num_admissible_blocks} admissible blocks")
+        return (f"request needs {need} KV blocks for {stored} tokens (its prompt and all but"
+                f" its last output token) but the cache has {num_admissible_blocks} admissible"
+                " blocks")
     return None

@@ -1,0 +1,45 @@
+"""What every config module shares: the policy names, the error type, ``knob``."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import field
+
+# Policies that run with a fixed token budget (sarathi_slack needs --token-budget auto).
+SCHEDULERS = (
+    "sarathi",
+    "vllm",
+    "orca",
+    "faster_transformer",
+    "decode_maximal",
+    "hybrid_only",
+    "chunked_only",
+)
+SLO_SCHEDULERS = ("sarathi_slack",)  # need --token-budget auto --tbt-slo
+DTYPES = ("float32", "bfloat16", "float16")
+
+
+class ConfigError(ValueError):
+    """A configuration value is invalid; the message names the knob and the reason."""
+
+
+def is_config_error(e: BaseException) -> bool:
+    """Whether ``e`` says what is wrong with the user's input (a knob, the model directory,
+    a value the model's shape rules out): told as one line, not a traceback."""
+    from fluidserve.model.arch import ModelLoadError
+
+    return isinstance(e, (ConfigError, ModelLoadError)) or type(e) is ValueError
+
+
+def knob(default, help: str, **kw):  # noqa: A002 - "help" mirrors argparse
+    return field(default=default, metadata={"help": help, **kw})
+
+
+def check_device(device: str) -> None:
+    if not re.fullmatch(r"cpu|cuda(:\d+)?", device):
+        raise ConfigError(f"device must be cpu, cuda or cuda:N, got {device!r}")
+
+
+def require_positive(name: str, value: int) -> None:
+    if value < 1:
+        raise ConfigError(f"{name} must be >= 1, got {value}")

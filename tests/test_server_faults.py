@@ -43,28 +43,36 @@ SMALL = {"num_kv_blocks": 1024}
 def fleet(tiny_model_dir, tmp_path_factory):
     """Every server this module needs, started at once (each test ends its own): one per
     fault, two for shutdown, and a `fluidserve serve` process."""
-    port = free_port()
-    log_path = tmp_path_factory.mktemp("cli") / "server.log"
-    log = open(log_path, "w")
-    cli = subprocess.Popen(
-        [sys.executable, "-m", "fluidserve.cli", "serve", "--port", str(port), "--model",
-         str(tiny_model_dir), "--num-threads", "1", "--watchdog-timeout", "2",
-         "--num-kv-blocks", "1024", "--token-budget", "auto", "--tbt-slo", "0.5"],
-        stdout=log, stderr=subprocess.STDOUT, env=os.environ | {"PYTHONUNBUFFERED": "1"})
+    logs, clis = [], {}
+    for name, flags in (("cli", ["--watchdog-timeout", "2", "--token-budget", "auto",
+                                 "--tbt-slo", "0.5"]),
+                        ("cli_int", [])):
+        port = free_port()
+        log_path = tmp_path_factory.mktemp(name) / "server.log"
+        logs.append(open(log_path, "w"))
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "fluidserve.cli", "serve", "--port", str(port), "--model",
+             str(tiny_model_dir), "--num-threads", "1", "--num-kv-blocks", "1024", *flags],
+            stdout=logs[-1], stderr=subprocess.STDOUT,
+            env=os.environ | {"PYTHONUNBUFFERED": "1"})
+        clis[name] = (proc, f"http://127.0.0.1:{port}", log_path)
     specs = {point: dict(engine_kw=SMALL, watchdog_timeout=1.0) for point in DEATHS}
     specs["drain"] = dict(engine_kw=SMALL | {"max_num_seqs": 1}, drain_timeout=60)
     specs["stop"] = dict(engine_kw=SMALL | {"max_model_len": 2048}, drain_timeout=60)
     try:
         servers = start_servers(tiny_model_dir, specs)
     except BaseException:
-        cli.kill()
+        for proc, _, _ in clis.values():
+            proc.kill()
         raise
-    yield servers | {"cli": (cli, f"http://127.0.0.1:{port}", log_path)}
+    yield servers | clis
     stop_servers(servers)
-    if cli.poll() is None:
-        cli.kill()
-        cli.wait(10)
-    log.close()
+    for proc, _, _ in clis.values():
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(10)
+    for log in logs:
+        log.close()
 
 
 @pytest.mark.parametrize("point", DEATHS)
@@ -195,6 +203,35 @@ def test_cli_serve_exits_nonzero_when_its_engine_core_wedges(fleet):
     finally:
         if Path(f"/proc/{core}").exists():
             os.kill(core, signal.SIGKILL)
+
+
+def test_ctrl_c_twice_fails_the_streams_and_exits(fleet):
+    """Two SIGINTs (Ctrl-C twice): the first drains, the second ends the streams with an error,
+    and the process exits 0 with its engine core stopped. (The second used to be uvicorn's
+    forced exit, which skipped the app's shutdown: the core was never stopped and the process
+    waited on it for ever, deaf to further signals.)"""
+    proc, url, log_path = fleet["cli_int"]
+    wait_healthy(url, proc=proc)
+    core = _core_pid(proc.pid)
+    with httpx.stream("POST", url + "/v1/completions", json=LONG | {"stream": True},
+                      timeout=30) as r:
+        lines = r.iter_lines()
+        first = next(x for x in lines if x.startswith("data: "))
+        proc.send_signal(signal.SIGINT)
+        time.sleep(0.3)
+        proc.send_signal(signal.SIGINT)
+        events = [first, *data_events(lines)]
+    assert "shutting down" in assert_failed_stream(events)
+    try:
+        assert proc.wait(30) == 0, log_path.read_text()[-2000:]
+    finally:
+        if Path(f"/proc/{core}").exists() and proc.poll() is None:
+            os.kill(core, signal.SIGKILL)
+    deadline = time.monotonic() + 10
+    while Path(f"/proc/{core}").exists() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not Path(f"/proc/{core}").exists(), "the engine core outlived the server"
+    assert "CancelledError" not in log_path.read_text()
 
 
 def _exit_at_once() -> None:

@@ -127,6 +127,10 @@ class AsyncEngine:
         return code
 
     @property
+    def stopped(self) -> bool:
+        return self._stopping.is_set()
+
+    @property
     def dead(self) -> str | None:
         return self.client.dead
 

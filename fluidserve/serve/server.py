@@ -136,8 +136,14 @@ class DrainingServer(uvicorn.Server):
         self.state = state
 
     def handle_exit(self, sig, frame) -> None:
-        if self.state.draining:  # a second signal: stop now
-            return super().handle_exit(sig, frame)
+        # Never uvicorn's own handler: a second SIGINT there is a forced exit, which skips
+        # the app's shutdown, so the engine core was never stopped and the process waited on
+        # it for ever. A later signal ends the drain; the shutdown fails what is unfinished.
+        if self.state.draining:
+            if self.should_exit:  # a third: stop waiting for connections too
+                self.force_exit = True
+            self.should_exit = True
+            return
         self.state.draining = True
         log.info(
             "signal %s: draining %d in-flight requests (up to %.0fs)",
@@ -145,15 +151,15 @@ class DrainingServer(uvicorn.Server):
             self.state.engine.num_unfinished,
             self.state.config.drain_timeout,
         )
-        threading.Thread(target=self._drain, args=(sig, frame), daemon=True).start()
+        threading.Thread(target=self._drain, daemon=True).start()
 
-    def _drain(self, sig, frame) -> None:
+    def _drain(self) -> None:
         st = self.state
         deadline = time.monotonic() + st.config.drain_timeout
         while (st.engine.num_unfinished or st.admitting) and time.monotonic() < deadline \
                 and not self.should_exit:
             time.sleep(0.05)
-        super().handle_exit(sig, frame)
+        self.should_exit = True
 
     async def shutdown(self, sockets=None) -> None:
         # Before uvicorn waits for open connections: end every unfinished request with an
@@ -226,14 +232,17 @@ def run_server(engine_config: EngineConfig, config: ServerConfig) -> int:
         access_log=config.log_requests,
         timeout_graceful_shutdown=int(config.drain_timeout) + 5,
     )
-    # uvicorn re-raises the signal it caught once it has shut down; after a drain that is
-    # a clean exit, so the re-raised signal must not kill the process.
+    # A signal after uvicorn's run (while the engine core stops) must not cut that short.
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: None)
     server = DrainingServer(uv, app.state.fluidserve)
     holder["server"] = server
     freeze_startup_heap()  # the front end's full collections, too, would pause every stream
-    server.run()
+    try:
+        server.run()
+    finally:
+        if not engine.stopped:  # a forced exit skips the app's shutdown, which stops it
+            engine.stop(5.0)
     if "failed" in holder:
         log.error("exiting: %s", holder["failed"])
         return 1

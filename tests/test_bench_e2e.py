@@ -79,13 +79,29 @@ def test_bench_profile_prefill_and_compare(srv, tmp_path, capsys):
 
 
 def test_bench_records_errors_instead_of_hiding_them(srv, tmp_path, capsys):
-    # Prompts longer than the server's 512-token window: every request gets a 400.
+    # A model the server does not serve: every request gets a 404, and the run fails.
+    assert main(["bench", "--base-url", srv.url, "--tokenizer", srv.tokenizer,
+                 "--model", "not-served", "--num-prompts", "3", "--input-len", "20",
+                 "--output-len", "5", "--no-plots", "--warmup-requests", "0",
+                 "--output-dir", str(tmp_path)]) == 1
+    summary = last_json(capsys)
+    assert summary["num_failed"] == 3 and "not-served" in next(iter(summary["errors"]))
+    # With warm-up requests (the default): one error line before the run.
+    assert main(["bench", "--base-url", srv.url, "--tokenizer", srv.tokenizer, "--model",
+                 "not-served", "--num-prompts", "3", "--no-plots",
+                 "--output-dir", str(tmp_path / "b")]) == 2
+    assert "warm-up requests" in capsys.readouterr().err and not (tmp_path / "b").exists()
+
+
+def test_bench_cuts_requests_to_the_servers_window(srv, tmp_path, capsys):
+    # Prompts longer than the server's 512-token window: cut (with a warning), not refused.
     assert main(["bench", "--base-url", srv.url, "--tokenizer", srv.tokenizer,
                  "--num-prompts", "3", "--input-len", "600",
                  "--output-len", "5", "--max-prompt-len", "600", "--no-plots",
                  "--warmup-requests", "0", "--output-dir", str(tmp_path)]) == 0
     summary = last_json(capsys)
-    assert summary["num_failed"] == 3 and "context window" in next(iter(summary["errors"]))
+    assert summary["num_completed"] == 3 and summary["requests_cut_to_window"] == 3
+    assert summary["server_max_model_len"] == 512
 
 
 def test_capacity_against_a_running_endpoint(srv, tmp_path, capsys):

@@ -347,7 +347,7 @@ def test_each_run_after_the_first_sends_other_text_of_the_same_lengths(monkeypat
     from fluidserve.bench import run as bench_run
     from fluidserve.config import BenchConfig
 
-    monkeypatch.setattr(bench_run, "server_model", lambda cfg: ("m", None))
+    monkeypatch.setattr(bench_run, "server_model", lambda cfg: ("m", None, None))
     bench = bench_run.Bench(BenchConfig(base_url="http://test", num_prompts=4, input_len=40,
                                         output_len=2, warmup_requests=0), quiet=True)
     seen: list[str] = []
@@ -365,6 +365,19 @@ def test_each_run_after_the_first_sends_other_text_of_the_same_lengths(monkeypat
     assert first == sorted(bench.prompts) and not set(first) & set(seen)
     count = bench.builder.count
     assert sorted(map(count, first)) == sorted(map(count, seen)) == [40] * 4
+
+
+def test_requests_are_cut_to_the_servers_window_output_first():
+    from fluidserve.bench.run import WINDOW_MARGIN, fit_window
+    from fluidserve.bench.workload import WorkloadRequest
+
+    room = 100 - WINDOW_MARGIN
+    work = [WorkloadRequest(0, 0.0, 20, 10), WorkloadRequest(1, 0.0, 50, 40),
+            WorkloadRequest(2, 0.0, 500, 40)]
+    cut, n = fit_window(work, 100)
+    assert [(w.prompt_len, w.output_len) for w in cut] == [(20, 10), (50, room - 50),
+                                                            (room - 1, 1)]
+    assert n == 2 and fit_window(work, None) == (work, 0)
 
 
 def test_the_timeout_bounds_the_whole_request():

@@ -63,8 +63,9 @@ def load_tokenizer(cfg: BenchConfig, server_root: str | None = None) -> tuple[ob
     return Tokenizer(default_model_dir()), f"{default_model_dir()} (embedded model{why})"
 
 
-def server_model(cfg: BenchConfig) -> tuple[str, str | None]:
-    """(the model name to send, the server's model directory if it reports one)."""
+def server_model(cfg: BenchConfig) -> tuple[str, str | None, int | None]:
+    """(the model name to send, the server's model directory and context window if it
+    reports them: vLLM and fluidserve list ``root`` and ``max_model_len``)."""
     headers = {"Authorization": f"Bearer {cfg.api_key}"} if cfg.api_key else {}
     try:
         r = httpx.get(cfg.base_url.rstrip("/") + "/v1/models", headers=headers, timeout=30)
@@ -76,10 +77,27 @@ def server_model(cfg: BenchConfig) -> tuple[str, str | None]:
     card = next((m for m in data if m.get("id") == cfg.model), None) if cfg.model else \
         (data[0] if data else None)
     if cfg.model:
-        return cfg.model, (card or {}).get("root")
+        return cfg.model, (card or {}).get("root"), (card or {}).get("max_model_len")
     if card is None:
         raise ValueError(f"{cfg.base_url} lists no models; pass --model")
-    return card["id"], card.get("root")
+    return card["id"], card.get("root"), card.get("max_model_len")
+
+
+WINDOW_MARGIN = 32  # tokens left free in the window: a chat template's, a prompt built long
+
+
+def fit_window(work: list[WorkloadRequest], window: int | None) -> tuple[list, int]:
+    """The requests with prompt + output cut to the server's context window (the output
+    first, down to one token, then the prompt), and how many were cut."""
+    if not window:
+        return work, 0
+    room, out, cut = max(window - WINDOW_MARGIN, 2), [], 0
+    for w in work:
+        prompt = min(w.prompt_len, room - 1)
+        output = min(w.output_len, room - prompt)
+        cut += (prompt, output) != (w.prompt_len, w.output_len)
+        out.append(dataclasses.replace(w, prompt_len=prompt, output_len=output))
+    return out, cut
 
 
 class Bench:
@@ -92,7 +110,7 @@ class Bench:
     def __init__(self, cfg: BenchConfig, tokenizer=None, quiet: bool = False) -> None:
         self.cfg = cfg
         self.quiet = quiet
-        self.model, root = server_model(cfg)
+        self.model, root, self.window = server_model(cfg)
         if tokenizer is None:
             tokenizer, self.tokenizer_source = load_tokenizer(cfg, root)
         else:
@@ -101,7 +119,14 @@ class Bench:
         self.text, self.corpus_source = load_corpus()
         self.builder = self._builder(cfg.seed)
         self.spec = workload_spec(cfg)
-        self.work, self.length_source = build_workload(self.spec)
+        work, self.length_source = build_workload(self.spec)
+        self.work, cut = fit_window(work, self.window)
+        if cut:
+            self.log(f"warning: {cut} of {len(work)} requests cut to fit the server's context"
+                     f" window of {self.window} tokens (prompt + output, {WINDOW_MARGIN} spare):"
+                     " lower --max-prompt-len/--max-output-len to measure the lengths you"
+                     " asked for")
+        self.window_cut = cut
         self.prompts = [self.builder.build(w.prompt_len) for w in self.work]
         self.runs = 0
         self.client = Client(ClientConfig(cfg.base_url, cfg.endpoint, self.model, cfg.api_key,
@@ -129,7 +154,10 @@ class Bench:
         n = self.cfg.warmup_requests
         if n:
             work = [WorkloadRequest(i, 0.0, 16, 4) for i in range(n)]
-            self._run(work, [self.builder.build(16) for _ in work], "warm-up")
+            records = self._run(work, [self.builder.build(16) for _ in work], "warm-up")
+            if not any(r.ok for r in records):  # as vLLM's test request: fail before the run
+                raise ValueError(f"the warm-up requests to {self.cfg.base_url}"
+                                 f"{self.cfg.endpoint} failed: {records[0].error}")
 
     def profile_prefill(self) -> None:
         """Fit TTFT(prompt length) with a quadratic from isolated max_tokens=1 requests."""
@@ -158,7 +186,7 @@ class Bench:
         work = self.work
         if request_rate is not None and request_rate != self.spec.request_rate:
             spec = dataclasses.replace(self.spec, request_rate=request_rate)
-            work = build_workload(spec)[0]
+            work = fit_window(build_workload(spec)[0], self.window)[0]
         rate = request_rate if request_rate is not None else self.spec.request_rate
         prompts = self.prompts
         if self.runs:  # same lengths, other text (see the class)
@@ -174,6 +202,7 @@ class Bench:
             "label": self.cfg.label, "base_url": self.cfg.base_url, "endpoint": self.cfg.endpoint,
             "model": self.model, "request_rate": rate, "wall_time_s": wall,
             "lengths": self.length_source, "corpus": self.corpus_source,
+            "server_max_model_len": self.window, "requests_cut_to_window": self.window_cut,
             "prompts_inexact_length": self.builder.inexact,
             "tokenizer": self.tokenizer_source,
             "server_prompt_tokens_ratio": prompt_token_ratio(records),
@@ -218,4 +247,7 @@ def run_bench(cfg: BenchConfig) -> int:
         bench.log(f"{summary['num_failed']} requests failed: {summary['errors']}")
     bench.log(f"wrote {out}")
     print(to_json(summary))
+    if not summary["num_completed"]:
+        bench.log("error: no request completed")
+        return 1
     return 0

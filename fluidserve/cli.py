@@ -80,7 +80,8 @@ def _cmd_generate(args: argparse.Namespace) -> int:
             llm.engine.telemetry.export_jsonl(g.telemetry)
     n = sum(len(o.token_ids) for o in outs)
     print(
-        f"{len(outs)} prompts, {n} tokens in {elapsed:.2f}s ({n / elapsed:.1f} tok/s)",
+        f"{len(outs)} prompt{'s' * (len(outs) != 1)}, {n} tokens in {elapsed:.2f}s"
+        f" ({n / elapsed:.1f} tok/s)",
         file=sys.stderr,
     )
     return 0

@@ -96,6 +96,10 @@ def test_bad_config_is_a_clear_error(tiny_model_dir, tmp_path):
     assert r.returncode == 2 and "token_budget must be >= 1" in r.stderr
     r = cli("generate", "--prompt", "x", "--model", str(tmp_path), check=False)
     assert r.returncode == 2 and "no config.json" in r.stderr
+    # A prompt the engine refuses: one line, not a traceback.
+    r = cli("generate", "--prompt", "x", "--max-tokens", "5000", check=False)
+    assert r.returncode == 2 and "Traceback" not in r.stderr
+    assert "fluidserve: error: prompt (2 tokens) + max_tokens (5000)" in r.stderr
 
 
 def test_profile_quick_writes_json_and_plots(tiny_model_dir, tmp_path):

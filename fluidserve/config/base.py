@@ -25,10 +25,12 @@ class ConfigError(ValueError):
 
 def is_config_error(e: BaseException) -> bool:
     """Whether ``e`` says what is wrong with the user's input (a knob, the model directory,
-    a value the model's shape rules out): told as one line, not a traceback."""
+    a value the model's shape rules out, a prompt the engine refuses): told as one line, not
+    a traceback."""
+    from fluidserve.core.scheduler.base import RequestRejected
     from fluidserve.model.arch import ModelLoadError
 
-    return isinstance(e, (ConfigError, ModelLoadError)) or type(e) is ValueError
+    return isinstance(e, (ConfigError, ModelLoadError, RequestRejected)) or type(e) is ValueError
 
 
 def knob(default, help: str, **kw):  # noqa: A002 - "help" mirrors argparse

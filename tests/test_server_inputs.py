@@ -166,7 +166,8 @@ def test_a_list_of_junk_is_one_error_not_one_per_item(monkeypatch):
         with pytest.raises(inputs.ApiError):
             inputs.parse_body(json.dumps(body).encode(), model)
         assert len(seen.pop()) <= 4, body  # one per alternative of a union, not per item
-    with pytest.raises(inputs.ApiError, match="at most 511 items"):  # a token each at least
+    with pytest.raises(inputs.ApiError, match=r"messages \(600 messages\) cannot fit in the"
+                       " context window: each takes a token at least \\(at most 511\\)"):
         inputs.parse_body(json.dumps({"messages": [{"role": "user"}] * 600}).encode(), chat)
 
 
@@ -261,7 +262,8 @@ def test_a_prompt_that_cannot_fit_is_refused_without_tokenizing(srv, schema, tex
                            {"role": "user", "content": too_long[: len(too_long) // 2]}]}),
                        ("/v1/completions", {"prompt": "x" * (500 * n), "max_tokens": 100})):
         err = assert_error(post(srv, path, body), 400, schema)
-        assert "context window" in err["message"] or "at most" in err["message"]
+        assert "context window" in err["message"], err  # (not the schema's character bound)
+        assert err["code"] == "context_length_exceeded", err
     assert text_work["encode"] == [] and text_work["chat"] == []
     # Every message takes a token besides its text: 400 messages leave 111 of the 511 tokens
     # for their 4000 characters, which 14 characters a token cannot fit.

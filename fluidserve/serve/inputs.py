@@ -60,7 +60,26 @@ def validation_error(errors: list) -> ApiError:
     loc = [str(x) for x in first.get("loc", ()) if not _union_tag(x)]
     msg = str(first.get("msg", "invalid request")).removeprefix("Value error, ")
     where = ".".join(loc)
+    if loc[:1] in (["prompt"], ["messages"]) and first.get("type") in ("string_too_long",
+                                                                      "too_long"):
+        return _window_error(first, where)
     return ApiError(400, f"{where}: {msg}" if where else msg, param=where or None)
+
+
+def _window_error(error: dict, where: str) -> ApiError:
+    """A prompt or messages longer than the schema's bound, which is the context window's:
+    said as such, with the code clients look for (the bound itself means nothing to them)."""
+    bound, value = error.get("ctx", {}).get("max_length"), error.get("input")
+    size = len(value) if isinstance(value, str | list) else None
+    if error["type"] == "string_too_long":
+        what = f"{size} characters" if size is not None else "text"
+        why = f"no text of more than {bound} characters fits in it"
+    elif where == "messages":
+        what, why = f"{size} messages", f"each takes a token at least (at most {bound})"
+    else:
+        what, why = f"{size} token ids", f"at most {bound} fit with a token to generate"
+    return ApiError(400, f"{where} ({what}) cannot fit in the context window: {why}",
+                    param=where, code=CONTEXT_LENGTH_EXCEEDED)
 
 
 def _wrong_type(error: dict) -> bool:

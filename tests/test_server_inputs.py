@@ -171,6 +171,26 @@ def test_a_list_of_junk_is_one_error_not_one_per_item(monkeypatch):
         inputs.parse_body(json.dumps({"messages": [{"role": "user"}] * 600}).encode(), chat)
 
 
+@pytest.mark.parametrize("field,value,says", [
+    ("n", 2, "n: only 1 is supported"), ("best_of", 3, "best_of: only 1 is supported"),
+    ("presence_penalty", 0.5, "presence_penalty: only 0.0 is supported"),
+    ("frequency_penalty", -0.5, "frequency_penalty: only 0.0 is supported"),
+    ("response_format", {"type": "json_object"}, 'response_format.type: only "text" is'),
+])
+def test_a_parameter_at_a_value_this_server_does_not_implement_says_so(field, value, says):
+    """Not a range ('less than or equal to 0' for 0.5, 'greater than or equal to 0' for
+    -0.5): the one value that is supported."""
+    from fluidserve.serve import inputs
+    from fluidserve.serve.protocol import Limits, request_models
+
+    completion, _ = request_models(Limits(512, 1000, 512 * 14))
+    with pytest.raises(inputs.ApiError, match=says):
+        inputs.parse_body(json.dumps({"prompt": "a", field: value}).encode(), completion)
+    neutral = {"n": 1, "best_of": 1.0, "presence_penalty": 0, "frequency_penalty": 0.0,
+               "response_format": {"type": "text"}}[field]
+    inputs.parse_body(json.dumps({"prompt": "a", field: neutral}).encode(), completion)
+
+
 def test_continuous_usage_comes_with_the_final_usage_only(srv):
     def usages(options: dict) -> list:
         body = {"prompt": PROMPT, "max_tokens": 3, "ignore_eos": True, "stream": True,

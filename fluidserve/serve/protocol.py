@@ -46,8 +46,6 @@ def Int(**bounds) -> Any:  # noqa: N802 - a type
 
 Int64 = Int(ge=INT64_MIN, le=INT64_MAX)
 StopString = Annotated[str, Field(min_length=1)]
-# Literal[1] would take true and Literal[False] would take 0 (they compare equal in Python).
-One = Int(ge=1, le=1)
 
 
 def _only(value, allowed):
@@ -72,6 +70,8 @@ def _null(value):
 
 OnlyFalse = Only(bool, False, "boolean")
 OnlyTrue = Only(bool, True, "boolean")
+# Literal[1] would take true and Literal[False] would take 0 (they compare equal in Python).
+One = Annotated[Only(int, 1, "integer"), BeforeValidator(_integral)]
 # A parameter this server does not implement, whose presence would change the output
 # (structured output, tool calls, other sampling rules): null or absent, else a 400.
 Unsupported = Annotated[Any, AfterValidator(_null), WithJsonSchema({"type": "null"})]
@@ -102,7 +102,7 @@ class StreamOptions(BaseModel):
 class TextFormat(BaseModel):
     model_config = ConfigDict(extra="ignore", strict=True)
 
-    type: Literal["text"]
+    type: Only(str, "text", "string")
 
 
 class _Common(BaseModel):
@@ -131,9 +131,9 @@ class _Common(BaseModel):
         None, description="Only with stream=true.")
     ignore_eos: bool = False
     user: str | None = None
-    presence_penalty: Annotated[float, Field(ge=0.0, le=0.0)] | None = Field(
+    presence_penalty: Only(float, 0.0, "number") | None = Field(
         None, description="Only 0 is supported.")
-    frequency_penalty: Annotated[float, Field(ge=0.0, le=0.0)] | None = Field(
+    frequency_penalty: Only(float, 0.0, "number") | None = Field(
         None, description="Only 0 is supported.")
     # Any values: a 300k-entry map is refused for its size, not after 300k checks.
     logit_bias: Annotated[dict[str, Any], Field(max_length=0)] | None = Field(

@@ -160,6 +160,13 @@ def test_bench_counts_prompts_with_the_served_models_tokenizer(srv, tmp_path, ca
     assert summary["tokenizer"] == str(default_model_dir())
     assert abs(summary["server_prompt_tokens_ratio"] - 1) > 0.02
     assert "pass the server's tokenizer with --tokenizer" in out.err
+    # The chat endpoint counts its template's tokens too: a constant, not a mismatch.
+    assert main([*common, "--endpoint", "/v1/chat/completions", "--dataset-name", "uniform",
+                 "--output-dir", str(tmp_path / "chat")]) == 0
+    out = capsys.readouterr()
+    summary = json.loads(out.out.strip().splitlines()[-1])
+    assert summary["server_prompt_tokens_ratio"] == pytest.approx(1.0, abs=0.02)
+    assert "--tokenizer" not in out.err
 
 
 def test_bench_names_a_server_model_directory_it_cannot_read(tmp_path):

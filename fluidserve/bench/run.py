@@ -205,7 +205,8 @@ class Bench:
             "server_max_model_len": self.window, "requests_cut_to_window": self.window_cut,
             "prompts_inexact_length": self.builder.inexact,
             "tokenizer": self.tokenizer_source,
-            "server_prompt_tokens_ratio": prompt_token_ratio(records),
+            "server_prompt_tokens_ratio": prompt_token_ratio(records,
+                                                             "chat" in self.cfg.endpoint),
             "ttft_deadline_s": self.cfg.ttft_deadline if self.prefill_fit is None else None,
             "prefill_fit": self.prefill_fit,
             "ttft_slack_s": None if self.prefill_fit is None else self.cfg.ttft_slack,
@@ -220,12 +221,19 @@ class Bench:
         return records, summary
 
 
-def prompt_token_ratio(records: list[RequestRecord]) -> float | None:
+def prompt_token_ratio(records: list[RequestRecord], chat: bool = False) -> float | None:
     """Median of (prompt tokens the server reported) / (tokens the prompt was built with), over
-    the requests whose usage reported them; None when none did."""
-    pairs = [r.server_prompt_tokens / r.prompt_len for r in records
+    the requests whose usage reported them; None when none did. On the chat endpoint the
+    server also counts its template's tokens, a constant: there, the slope of one against the
+    other (None with fewer than two prompt lengths)."""
+    pairs = [(r.prompt_len, r.server_prompt_tokens) for r in records
              if r.server_prompt_tokens and r.prompt_len]
-    return float(np.median(pairs)) if pairs else None
+    if not chat:
+        return float(np.median([s / b for b, s in pairs])) if pairs else None
+    if len({b for b, _ in pairs}) < 2:
+        return None
+    built, served = np.array(pairs, dtype=float).T
+    return float(np.polyfit(built, served, 1)[0])
 
 
 def run_bench(cfg: BenchConfig) -> int:

@@ -430,6 +430,15 @@ def test_simulate_cli_run_budget_and_capacity(tmp_path, capsys):
     assert (c["model_shape"], c["device"]) == (None, "this cpu")
 
 
+def test_a_disaggregated_capacity_search_runs(tmp_path, capsys):
+    # Its probes read the pipeline's idle fraction, which a cluster has not (KeyError).
+    assert main(["simulate", "--disaggregate", "--capacity", "--num-prompts", "20",
+                 "--max-probes", "1", "--no-plots", "--output-dir", str(tmp_path)]) == 0
+    out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert out["num_probes"] == 1 and out["scheduler"] == "tetriinfer"
+    assert out["capacity_qps"] == 1.0 and out["curve"][0]["ok"]
+
+
 def test_find_token_budget_reports_an_unreachable_slo(capsys):
     rc = main(["simulate", "--cost-model", "cpu", "--find-token-budget", "--tbt-slo", "0.01"])
     out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
@@ -438,6 +447,12 @@ def test_find_token_budget_reports_an_unreachable_slo(capsys):
                  "--budget-decodes", "8", "--budget-context", "512"]) == 0
     ok = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert ok["token_budget"] > 8 and ok["iteration_time_s"] <= 0.2 and ok["error"] is None
+    # The decodes alone fit, one tile beside them does not: an error, not a budget of 0.
+    rc = main(["simulate", "--find-token-budget", "--model-shape", "llama-2-70b", "--device",
+               "a40", "--tensor-parallel-size", "4", "--pipeline-parallel-size", "2",
+               "--tile-size", "128", "--tbt-slo", "0.135"])
+    out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert rc == 1 and out["token_budget"] == 0 and "one tile (128 tokens)" in out["error"]
 
 
 def test_a_shipped_cpu_profile_is_chosen_by_name(capsys):

@@ -166,9 +166,14 @@ def _token_budget(sim: SimConfig, eng: EngineConfig, cap: CapacityConfig, cost: 
                " --budget-decodes / --budget-context or relax --tbt-slo")
         print(f"error: {msg}", file=sys.stderr)
     else:
-        budget, t = find_token_budget(batch_time, target, eng.scheduler.tile_size,
-                                      sim.max_budget)
+        tile = eng.scheduler.tile_size
+        budget, t = find_token_budget(batch_time, target, tile, sim.max_budget)
         msg = None
+        if budget == 0:  # the decodes fit, a tile beside them does not
+            msg = (f"a batch of one tile ({tile} tokens) takes {t:.3g} s > the {target:.3g} s"
+                   f" a pass may take for the {cap.tbt_slo} s SLO: no budget meets it; lower"
+                   " --tile-size or relax --tbt-slo")
+            print(f"error: {msg}", file=sys.stderr)
     result = {"token_budget": budget, "iteration_time_s": t, "tbt_slo_s": cap.tbt_slo,
               "pass_target_s": target,
               "error": msg, "tile_size": eng.scheduler.tile_size,
@@ -195,14 +200,18 @@ def _capacity(sim, eng, bench, cap, cost, out: Path) -> int:
         ok, value = check(summary)
         curve.append({"rate": rate, "value": value, "ok": ok})
         return ok, {k: summary[k] for k in ("tbt_s", "ttft_s", "scheduling_delay_s",
-                                             "fraction_fluid_requests", "stage_idle_fraction")}
+                                             "fraction_fluid_requests", "stage_idle_fraction")
+                    if k in summary}  # (a disaggregated cluster has no pipeline stages)
 
     res = search_capacity(probe, cap.start_rate, cap.granularity, cap.max_probes,
                           lambda m: print(m, file=sys.stderr), cap.min_rate)
     summary = {"capacity_qps": res["capacity_qps"], "upper_bound_qps": res["upper_bound_qps"],
                "num_probes": res["num_probes"], "converged": res["converged"],
-               "slo": dataclasses.asdict(cap), "scheduler": eng.scheduler.policy,
-               "token_budget": eng.scheduler.token_budget, "cost_model": sim.cost_model,
+               "slo": dataclasses.asdict(cap),
+               **({"scheduler": "tetriinfer", "token_budget": None}
+                  if eng.disagg.disaggregate else
+                  {"scheduler": eng.scheduler.policy, "token_budget": eng.scheduler.token_budget}),
+               "cost_model": sim.cost_model,
                **_what_is_simulated(sim),
                "tp": eng.parallel.tensor_parallel_size,
                "pp": eng.parallel.pipeline_parallel_size,

@@ -43,7 +43,10 @@ class SimConfig:
         False, "gpu cost model with --pipeline-parallel-size > 1: every stage on a node of its"
         " own (hops priced with the two-node send/recv profile; default: the GPUs of one node,"
         " over NVLink). Tensor-parallel all-reduces stay within a node.")
-    max_model_len: int = knob(16384, "Context window of the simulated engine (tokens).")
+    max_model_len: int | None = knob(
+        None, "Context window of the simulated engine (tokens; default: 16384 with the gpu cost"
+        " model, with the cpu one the shipped profiles' model's, 4096: the requests its server"
+        " would refuse are refused).")
     capacity: bool = knob(False, "Search the capacity (max QPS meeting the SLO) instead.")
     find_token_budget: bool = knob(False, "Print the largest token budget meeting --tbt-slo.")
     budget_decodes: int = knob(32, "--find-token-budget: decodes in the reference batch.")
@@ -51,14 +54,27 @@ class SimConfig:
                                " prefix of the prefill chunk.")
     max_budget: int = knob(8192, "--find-token-budget: largest budget considered.")
 
+    def context_window(self) -> int:
+        if self.max_model_len is not None:
+            return self.max_model_len
+        return _cpu_window() if self.cost_model == "cpu" else 16384
+
     def __post_init__(self) -> None:
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ConfigError("gpu_memory_utilization must be in (0, 1]")
         require_positive("budget_decodes", self.budget_decodes)
         require_positive("max_budget", self.max_budget)
-        require_positive("max_model_len", self.max_model_len)
+        if self.max_model_len is not None:
+            require_positive("max_model_len", self.max_model_len)
         if self.budget_context < 0:
             raise ConfigError("budget_context must be >= 0")
+
+
+def _cpu_window() -> int:
+    """The context window of the model the shipped CPU profiles measured (250m)."""
+    from fluidserve.model.builder import SHAPES
+
+    return SHAPES["250m"].max_position_embeddings
 
 
 def _model_shapes() -> list[str]:

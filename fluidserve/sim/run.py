@@ -69,8 +69,8 @@ def make_executor(sim: SimConfig, eng: EngineConfig, cost: CostModel) -> CostMod
                                        m.hidden_size // m.num_heads, 2, 1,
                                        par.pipeline_parallel_size)
         blocks = cache_blocks(per_token, c.block_size, c.kv_cache_memory_gb,
-                              eng.scheduler.max_num_seqs, sim.max_model_len, c.watermark)
-    return CostModelExecutor(cost, blocks, c.block_size, sim.max_model_len)
+                              eng.scheduler.max_num_seqs, sim.context_window(), c.watermark)
+    return CostModelExecutor(cost, blocks, c.block_size, sim.context_window())
 
 
 def reference_batch(budget: int, decodes: int, context: int) -> SchedulerOutput:

@@ -101,6 +101,10 @@ def _cmd_build_model(args: argparse.Namespace) -> int:
 def _cmd_serve(args: argparse.Namespace) -> int:
     from fluidserve.serve.server import run_server
 
+    if args.model_tag is not None:
+        if args.model is not None and args.model != args.model_tag:
+            raise ConfigError(f"two models: {args.model_tag} and --model {args.model}")
+        args.model = args.model_tag
     return run_server(engine_config_from_args(args, (*ALL_SECTIONS, "disagg")),
                       dataclass_from_args(ServerConfig, args))
 
@@ -176,6 +180,8 @@ def build_parser() -> argparse.ArgumentParser:
     gen.set_defaults(func=_cmd_generate)
 
     srv = sub.add_parser("serve", help="OpenAI-compatible HTTP server.")
+    srv.add_argument("model_tag", nargs="?", metavar="MODEL",
+                     help="The model directory, as `vllm serve MODEL` takes it (or --model).")
     add_dataclass_args(srv, ServerConfig, "server")
     add_engine_args(srv, (*ALL_SECTIONS, "disagg"))
     srv.set_defaults(func=_cmd_serve)

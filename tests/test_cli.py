@@ -91,6 +91,27 @@ def test_generate_and_build_model_knobs_are_config_fields(tmp_path, capsys):
     assert read_arch(out).hidden_size == 256 and "wrote" in capsys.readouterr().out
 
 
+def test_serve_takes_vllms_spellings_and_checks_its_port_first(capsys):
+    """`serve MODEL` as `vllm serve MODEL`; --dtype half/float as vLLM's; a port in use is an
+    error before the model loads (it came after, from uvicorn, with exit code 3)."""
+    import socket
+
+    from fluidserve.cli import build_parser, main
+
+    parser = build_parser()
+    assert parser.parse_args(["serve", "/m", "--port", "9"]).model_tag == "/m"
+    assert parser.parse_args(["generate", "--dtype", "half"]).dtype == "float16"
+    assert parser.parse_args(["serve", "--dtype", "float"]).dtype == "float32"
+    assert main(["serve", "/a", "--model", "/b"]) == 2
+    assert "two models: /a and --model /b" in capsys.readouterr().err
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        assert main(["serve", "--port", str(port), "--model", "/does/not/matter"]) == 2
+    assert f"cannot listen on 127.0.0.1:{port}" in capsys.readouterr().err
+
+
 def test_bad_config_is_a_clear_error(tiny_model_dir, tmp_path):
     r = cli("generate", "--prompt", "x", "--token-budget", "0", check=False)
     assert r.returncode == 2 and "token_budget must be >= 1" in r.stderr

@@ -17,6 +17,12 @@ SCHEDULERS = (
 )
 SLO_SCHEDULERS = ("sarathi_slack",)  # need --token-budget auto --tbt-slo
 DTYPES = ("float32", "bfloat16", "float16")
+DTYPE_ALIASES = {"half": "float16", "float": "float32"}  # as vLLM's --dtype takes them
+
+
+def dtype_name(value: str) -> str:
+    """A dtype as given (``half``, ``float`` too, as vLLM takes them), by its one name."""
+    return DTYPE_ALIASES.get(value, value)
 
 
 class ConfigError(ValueError):

@@ -11,6 +11,7 @@ from fluidserve.config.base import (
     SLO_SCHEDULERS,
     ConfigError,
     check_device,
+    dtype_name,
     knob,
     require_positive,
 )
@@ -26,8 +27,9 @@ class ModelConfig:
     )
     tokenizer: str | None = knob(None, "Tokenizer directory (default: the model directory).")
     dtype: str = knob("auto", "Weight and activation dtype; auto: the checkpoint's own"
-                      " (config.json torch_dtype; float16 runs as bfloat16 on the CPU).",
-                      choices=("auto", *DTYPES))
+                      " (config.json torch_dtype; float16 runs as bfloat16 on the CPU);"
+                      " half and float are float16 and float32, as in vLLM.",
+                      choices=("auto", *DTYPES), parse=dtype_name)
     device: str = knob("cpu", "Torch device: cpu, cuda, cuda:N.")
     seed: int = knob(0, "Sampling seed for requests that do not carry one.")
     max_model_len: int | None = knob(
@@ -64,6 +66,7 @@ class ModelConfig:
     def __post_init__(self) -> None:
         require_positive("max_cudagraph_capture_size", self.max_cudagraph_capture_size)
         check_device(self.device)
+        object.__setattr__(self, "dtype", dtype_name(self.dtype))
         if self.dtype not in ("auto", *DTYPES):
             raise ConfigError(f"dtype must be auto or one of {', '.join(DTYPES)},"
                               f" got {self.dtype!r}")

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import signal
+import socket
 import threading
 import time
 from contextlib import asynccontextmanager
@@ -20,7 +21,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from fluidserve.config import EngineConfig, ServerConfig
+from fluidserve.config import ConfigError, EngineConfig, ServerConfig
 from fluidserve.engine.core_proc import freeze_startup_heap
 from fluidserve.model.builder import default_model_dir
 from fluidserve.model.tokenizer import Tokenizer, check_tokenizer_files
@@ -191,12 +192,26 @@ def start_engine(engine_config: EngineConfig, config: ServerConfig,
     return engine, name
 
 
+def listen_socket(host: str, port: int) -> socket.socket:
+    """The server's socket, bound: a port in use is an error before anything loads."""
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as e:
+        sock.close()
+        raise ConfigError(f"cannot listen on {host}:{port}: {e.strerror}") from None
+    sock.set_inheritable(True)
+    return sock
+
+
 def run_server(engine_config: EngineConfig, config: ServerConfig) -> int:
     logging.basicConfig(
         level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
     t0 = time.perf_counter()
     holder: dict = {}
+    sock = listen_socket(config.host, config.port)  # before the model loads, not after
 
     def on_dead(message: str) -> None:  # the engine core died: stop, and exit non-zero
         holder["failed"] = message
@@ -235,11 +250,13 @@ def run_server(engine_config: EngineConfig, config: ServerConfig) -> int:
     # A signal after uvicorn's run (while the engine core stops) must not cut that short.
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: None)
+    host = f"[{config.host}]" if ":" in config.host else config.host
+    log.info("serving on http://%s:%d (Ctrl-C drains, twice stops)", host, config.port)
     server = DrainingServer(uv, app.state.fluidserve)
     holder["server"] = server
     freeze_startup_heap()  # the front end's full collections, too, would pause every stream
     try:
-        server.run()
+        server.run(sockets=[sock])
     finally:
         if not engine.stopped:  # a forced exit skips the app's shutdown, which stops it
             engine.stop(5.0)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import math
 
@@ -365,6 +366,20 @@ def test_each_run_after_the_first_sends_other_text_of_the_same_lengths(monkeypat
     assert first == sorted(bench.prompts) and not set(first) & set(seen)
     count = bench.builder.count
     assert sorted(map(count, first)) == sorted(map(count, seen)) == [40] * 4
+
+
+def test_the_api_key_defaults_to_openai_api_key(monkeypatch):
+    from fluidserve.bench import run as bench_run
+    from fluidserve.config import BenchConfig
+
+    seen = []
+    monkeypatch.setattr(bench_run, "server_model",
+                        lambda cfg: seen.append(cfg.api_key) or ("m", None, None))
+    monkeypatch.setenv("OPENAI_API_KEY", "from-env")
+    cfg = BenchConfig(base_url="http://test", num_prompts=1, warmup_requests=0)
+    assert bench_run.Bench(cfg, quiet=True).client.cfg.api_key == "from-env"
+    bench_run.Bench(dataclasses.replace(cfg, api_key="given"), quiet=True)
+    assert seen == ["from-env", "given"]
 
 
 def test_requests_are_cut_to_the_servers_window_output_first():

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import math
+import os
 import sys
 import time
 from pathlib import Path
@@ -108,6 +109,8 @@ class Bench:
     search in its cache and answer its prefills for free."""
 
     def __init__(self, cfg: BenchConfig, tokenizer=None, quiet: bool = False) -> None:
+        if cfg.api_key is None and os.environ.get("OPENAI_API_KEY"):
+            cfg = dataclasses.replace(cfg, api_key=os.environ["OPENAI_API_KEY"])
         self.cfg = cfg
         self.quiet = quiet
         self.model, root, self.window = server_model(cfg)

@@ -80,7 +80,8 @@ class BenchConfig:
         None, "Tokenizer directory used to build prompts (default: the directory the server"
         " reports as its model's root when it has tokenizer files, else the embedded model's)."
     )
-    api_key: str | None = knob(None, "Bearer token for the server.")
+    api_key: str | None = knob(None, "Bearer token for the server (default: $OPENAI_API_KEY,"
+                               " as vllm bench serve).")
     dataset_name: str = knob(
         "sharegpt", aliases=("--trace",), help=
         "Lengths: sharegpt, arxiv, bwb, splitwise_conv, splitwise_code (trace files, or built-in"

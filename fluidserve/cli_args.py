@@ -32,9 +32,10 @@ def add_dataclass_args(parser: argparse.ArgumentParser, cls: type, title: str,
         tp, _ = _base_type(hints[f.name])
         default = f.default
         if tp is bool:
+            shown = "" if default is None else f" (default: {'on' if default else 'off'})"
             group.add_argument(
-                *flags, action=argparse.BooleanOptionalAction, default=default, help=help_text,
-                dest=f.name,
+                *flags, action=argparse.BooleanOptionalAction, default=default,
+                help=help_text + shown, dest=f.name,
             )
             continue
         if f.metadata.get("repeat"):  # tuple[T, ...]: the flag once per value

@@ -171,6 +171,16 @@ def test_a_list_of_junk_is_one_error_not_one_per_item(monkeypatch):
         inputs.parse_body(json.dumps({"messages": [{"role": "user"}] * 600}).encode(), chat)
 
 
+def test_a_rule_between_fields_names_the_field_at_fault(srv, schema):
+    for path, body, param in (
+            ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}],
+                                      "top_logprobs": 2}, "top_logprobs"),
+            ("/v1/completions", {"prompt": "hi", "stream_options": {"include_usage": True}},
+             "stream_options")):
+        err = assert_error(post(srv, path, body), 400, schema)
+        assert err["param"] == param, err
+
+
 @pytest.mark.parametrize("field,value,says", [
     ("n", 2, "n: only 1 is supported"), ("best_of", 3, "best_of: only 1 is supported"),
     ("presence_penalty", 0.5, "presence_penalty: only 0.0 is supported"),

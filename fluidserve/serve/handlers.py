@@ -55,9 +55,8 @@ def precheck(state: ServerState, body: CompletionRequest | ChatCompletionRequest
     if body.model is not None and body.model != state.model_name:
         raise ApiError(404, f"model {body.model!r} does not exist; this server serves"
                        f" {state.model_name!r}", "not_found_error", "model")
-    why = cross_field_error(body)
-    if why is not None:
-        raise ApiError(400, why)
+    if (fault := cross_field_error(body)) is not None:
+        raise ApiError(400, fault[1], param=fault[0])
     if state.draining:
         raise ApiError(503, "the server is shutting down", "service_unavailable")
     if state.engine.dead is not None:

@@ -324,12 +324,13 @@ def request_models(limits: Limits) -> tuple[type[CompletionRequest], type[ChatCo
     return completion, chat
 
 
-def cross_field_error(body: Any) -> str | None:
-    """Constraints between fields (the schema states them with ``dependentSchemas``)."""
+def cross_field_error(body: Any) -> tuple[str, str] | None:
+    """Constraints between fields (the schema states them with ``dependentSchemas``): the
+    field at fault and what is wrong."""
     if body.stream_options is not None and not body.stream:
-        return "stream_options is only allowed when stream is true"
+        return "stream_options", "stream_options is only allowed when stream is true"
     if getattr(body, "top_logprobs", None) is not None and not body.logprobs:
-        return "top_logprobs requires logprobs=true"
+        return "top_logprobs", "top_logprobs requires logprobs=true"
     return None
 
 

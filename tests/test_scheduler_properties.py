@@ -157,8 +157,9 @@ class Harness:
         req = Request(rid, [3] * spec.prompt_len, params, self.now, eos_token_ids=(EOS,))
         total = spec.prompt_len + spec.max_tokens
         reserve = int(self.cfg["watermark"] * self.cfg["num_blocks"])
-        fits = (total <= self.cfg["max_model_len"]
-                and math.ceil(total / self.cfg["block_size"]) <= self.cfg["num_blocks"] - reserve)
+        # (KV for all but the last output token: it is sampled, never fed back)
+        fits = (total <= self.cfg["max_model_len"] and math.ceil(
+            (total - 1) / self.cfg["block_size"]) <= self.cfg["num_blocks"] - reserve)
         try:
             self.s.add_request(req)
         except RequestRejected:
@@ -304,10 +305,11 @@ class Harness:
         room = max(0, budget - decodes)
         if self.name in CHUNKED:
             # A chunk that stops short of the request's end was cut by the budget: it took
-            # all the budget left, rounded down to the tile.
+            # all the budget left, rounded down to the tile (less than a tile: all of it).
             for c in prefills:
                 if not c.samples:
-                    assert c.num_tokens % self.cfg["tile"] == 0, "a chunk ignored the tile"
+                    assert c.num_tokens % self.cfg["tile"] == 0 or \
+                        c.num_tokens < self.cfg["tile"], "a chunk ignored the tile"
                     assert budget - plan.num_tokens < self.cfg["tile"], "budget left unused"
         if self.name in CHUNKED or plan.num_prefill_tokens <= room:
             assert plan.num_prefill_tokens <= room, "prefill work exceeds the token budget"

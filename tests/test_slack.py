@@ -310,7 +310,7 @@ def test_a_decode_lending_its_turn_is_never_evicted_for_the_prefill():
     blocks the cache does not have. Plain stall-free batching would evict nothing that
     decodes; a lent turn must not make S the victim (it was preempted and then put back into
     the plan as a decode, with an empty block table, writing into another request's KV)."""
-    bm = BlockManager(9, 4)
+    bm = BlockManager(12, 4)  # R's 30 tokens fit when it is admitted, not beside the decodes
     sched = make_scheduler("sarathi_slack", SchedulerLimits(20, 8, 4096, 8, "fcfs"), bm)
     reqs = [Request("K", [3] * 8, SamplingParams(max_tokens=5), 0.0),
             Request("R", [3] * 30, SamplingParams(max_tokens=1), 0.0),

@@ -77,7 +77,7 @@ def run_engine_core(config: EngineConfig, inbox: Connection, outbox: Connection,
         ex.shutdown()
     except BaseException as e:  # report, then exit non-zero: the front end fails requests
         if core is None and is_config_error(e):  # bad input at startup: one line, no trace
-            log.error("cannot start: %s", e)
+            log.debug("cannot start: %s", e)  # (the front end says it, once)
             failed = CoreFailed(str(e), config_error=True)
         else:
             log.exception("engine core failed")

@@ -201,7 +201,6 @@ def listen_socket(host: str, port: int) -> socket.socket:
     except OSError as e:
         sock.close()
         raise ConfigError(f"cannot listen on {host}:{port}: {e.strerror}") from None
-    sock.set_inheritable(True)
     return sock
 
 

@@ -368,6 +368,30 @@ def test_each_run_after_the_first_sends_other_text_of_the_same_lengths(monkeypat
     assert sorted(map(count, first)) == sorted(map(count, seen)) == [40] * 4
 
 
+def test_vllms_random_dataset_and_flags():
+    """--dataset-name random --random-input-len/--random-output-len/--random-range-ratio, as
+    `vllm bench serve` takes them: uniform lengths, all the same unless given a range."""
+    from fluidserve.bench.run import workload_spec
+    from fluidserve.bench.workload import build_workload
+    from fluidserve.cli import build_parser
+    from fluidserve.cli_args import dataclass_from_args
+    from fluidserve.config import BenchConfig
+
+    def lengths(*flags):
+        cfg = dataclass_from_args(BenchConfig, build_parser().parse_args(
+            ["bench", "--num-prompts", "50", *flags]))
+        work = build_workload(workload_spec(cfg))[0]
+        return {w.prompt_len for w in work}, {w.output_len for w in work}
+
+    assert lengths("--dataset-name", "random", "--random-input-len", "100",
+                   "--random-output-len", "20") == ({100}, {20})
+    prompts, outputs = lengths("--dataset-name", "random", "--random-input-len", "100",
+                               "--random-output-len", "20", "--random-range-ratio", "0.5")
+    assert len(prompts) > 10 and 50 <= min(prompts) and max(prompts) <= 150
+    prompts, _ = lengths("--dataset-name", "uniform", "--input-len", "100")
+    assert len(prompts) > 10 and 50 <= min(prompts) and max(prompts) <= 150  # 0.5 by default
+
+
 def test_the_api_key_defaults_to_openai_api_key(monkeypatch):
     from fluidserve.bench import run as bench_run
     from fluidserve.config import BenchConfig

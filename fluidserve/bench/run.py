@@ -32,13 +32,16 @@ PROMPT_TOKENS_TOLERANCE = 0.02  # server/built prompt-token ratio beyond which t
 
 
 def workload_spec(cfg: BenchConfig, **override) -> WorkloadSpec:
+    # vllm bench serve's "random": uniform lengths, by default all the same (range ratio 0).
+    random = cfg.dataset_name == "random"
+    dataset = "uniform" if random else cfg.dataset_name
+    ratio = cfg.range_ratio if cfg.range_ratio is not None else 0.0 if random else 0.5
     # --input-len / --output-len set uniform's means, and otherwise fix every length.
-    fixed = cfg.dataset_name != "uniform" and (cfg.input_len is not None
-                                               or cfg.output_len is not None)
+    fixed = dataset != "uniform" and (cfg.input_len is not None or cfg.output_len is not None)
     spec = WorkloadSpec(
-        dataset="fixed" if fixed else cfg.dataset_name, dataset_path=cfg.dataset_path,
+        dataset="fixed" if fixed else dataset, dataset_path=cfg.dataset_path,
         num_prompts=cfg.num_prompts, input_len=cfg.input_len or 512,
-        output_len=cfg.output_len or 128, range_ratio=cfg.range_ratio,
+        output_len=cfg.output_len or 128, range_ratio=ratio,
         prompt_scale=cfg.prompt_scale, output_scale=cfg.output_scale,
         max_prompt_len=cfg.max_prompt_len, max_output_len=cfg.max_output_len,
         request_rate=cfg.request_rate, burstiness=cfg.burstiness, arrivals=cfg.arrivals,

@@ -85,7 +85,8 @@ class BenchConfig:
     dataset_name: str = knob(
         "sharegpt", aliases=("--trace",), help=
         "Lengths: sharegpt, arxiv, bwb, splitwise_conv, splitwise_code (trace files, or built-in"
-        " stand-ins when absent), fixed, uniform, zipf, TetriInfer LPLD/LPHD/HPLD/HPHD/mixed.",
+        " stand-ins when absent), fixed, uniform, zipf, random (vllm bench serve's: uniform with"
+        " --random-range-ratio 0 by default), TetriInfer LPLD/LPHD/HPLD/HPHD/mixed.",
     )
     dataset_path: str | None = knob(
         None, "CSV with num_prefill_tokens,num_decode_tokens[,arrived_at]: the trace to"
@@ -93,11 +94,15 @@ class BenchConfig:
         " drawn from; not with fixed, uniform or zipf lengths."
     )
     num_prompts: int = knob(100, "Requests to send.")
-    input_len: int | None = knob(None, "Prompt length: the mean with --dataset-name uniform,"
-                                 " else a fixed length (implies --dataset-name fixed).")
-    output_len: int | None = knob(None, "Output length: the mean with --dataset-name uniform,"
-                                  " else a fixed length (implies --dataset-name fixed).")
-    range_ratio: float = knob(0.5, "uniform: lengths in [(1-r)L, (1+r)L].")
+    input_len: int | None = knob(None, "Prompt length: the mean with --dataset-name uniform or"
+                                 " random, else a fixed length (implies --dataset-name fixed).",
+                                 aliases=("--random-input-len",))
+    output_len: int | None = knob(None, "Output length: the mean with --dataset-name uniform or"
+                                  " random, else a fixed length (implies --dataset-name"
+                                  " fixed).", aliases=("--random-output-len",))
+    range_ratio: float | None = knob(None, "uniform and random: lengths in [(1-r)L, (1+r)L]"
+                                     " (default: 0.5 for uniform, 0 for random, as vLLM's).",
+                                     aliases=("--random-range-ratio",))
     prompt_scale: float = knob(1.0, "Multiply trace prompt lengths by this.")
     output_scale: float = knob(1.0, "Multiply trace output lengths by this.")
     max_prompt_len: int = knob(2048, "Clip prompt lengths to this.")

@@ -43,6 +43,11 @@ def add_dataclass_args(parser: argparse.ArgumentParser, cls: type, title: str,
             group.add_argument(*flags, action="append", type=item, default=None,
                                help=help_text, metavar=f.name.upper(), dest=f.name)
             continue
+        if f.metadata.get("nargs"):  # tuple[T, ...]: the values after one flag
+            item = typing.get_args(hints[f.name])[0]
+            group.add_argument(*flags, nargs=f.metadata["nargs"], type=item, default=None,
+                               help=help_text, metavar=f.name.upper(), dest=f.name)
+            continue
         choices = f.metadata.get("choices")
         if callable(choices):  # computed when the parser is built
             choices = choices()
@@ -65,7 +70,7 @@ def dataclass_from_args(cls: type, args: argparse.Namespace) -> Any:
         if not hasattr(args, f.name):
             continue
         value = getattr(args, f.name)
-        if f.metadata.get("repeat"):  # a repeatable flag: the values given, or the default
+        if f.metadata.get("repeat") or f.metadata.get("nargs"):  # the values, or the default
             value = f.default if value is None else tuple(value)
         values[f.name] = value
     return cls(**values)

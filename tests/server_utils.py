@@ -23,7 +23,8 @@ class InProcessServer:
     by the same ``DrainingServer`` as `fluidserve serve`; ``dead`` is set when the engine is."""
 
     def __init__(
-        self, model_dir, *, name: str = "tiny", engine_kw: dict | None = None, **server_kw
+        self, model_dir, *, name: str | tuple[str, ...] = "tiny", engine_kw: dict | None = None,
+        **server_kw
     ) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
@@ -33,7 +34,7 @@ class InProcessServer:
         self.dead = threading.Event()
         self.engine, _ = start_engine(EngineConfig.create(**kw | (engine_kw or {})), config,
                                       on_dead=lambda _: self.dead.set())
-        self.app = build_app(self.engine, config, name)
+        self.app = build_app(self.engine, config, config.served_model_name[0])
         self.server = DrainingServer(
             uvicorn.Config(self.app, host="127.0.0.1", port=self.port, log_level="warning"),
             self.app.state.fluidserve,

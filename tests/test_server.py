@@ -333,6 +333,24 @@ def test_metrics_fault_is_counted_and_fails_nobody(srv):
     assert httpx.get(srv.url + "/health").status_code == 200
 
 
+def test_several_served_model_names_as_vllm(tiny_model_dir):
+    """--served-model-name a b: requests may name either; responses carry the first; both
+    are listed; another name is a 404 that lists them."""
+    from fluidserve.cli import build_parser
+
+    args = build_parser().parse_args(["serve", "--served-model-name", "a", "b"])
+    assert args.served_model_name == ["a", "b"]
+    with InProcessServer(tiny_model_dir, name=("first", "second")) as s:
+        ids = [m["id"] for m in httpx.get(s.url + "/v1/models").json()["data"]]
+        assert ids == ["first", "second"]
+        body = {"model": "second", "prompt": "x", "max_tokens": 1}
+        r = httpx.post(s.url + "/v1/completions", json=body, timeout=30)
+        assert r.status_code == 200 and r.json()["model"] == "first"
+        r = httpx.post(s.url + "/v1/completions", json=body | {"model": "third"}, timeout=30)
+        assert r.status_code == 404
+        assert "serves 'first', 'second'" in r.json()["error"]["message"]
+
+
 def test_gate_checks_the_key_first_then_the_body_size(tiny_model_dir):
     with InProcessServer(tiny_model_dir, api_key="sekret", protect_metrics=True,
                          max_request_bytes=64 * 1024) as s:

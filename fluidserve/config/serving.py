@@ -18,9 +18,9 @@ class ServerConfig:
 
     host: str = knob("127.0.0.1", "Address to bind.")
     port: int = knob(8000, "Port to bind.")
-    served_model_name: str | None = knob(
-        None, "Model name clients must use (default: the model directory's name)."
-    )
+    served_model_name: tuple[str, ...] = knob(
+        (), "Model names clients may use (one or more, as vLLM's); responses carry the first"
+        " (default: the model directory's name).", nargs="+")
     api_key: str | None = knob(
         None, "Require 'Authorization: Bearer <key>' on every /v1 route, checked before"
         " anything else (a request without it gets 401 whatever its body)."
@@ -51,6 +51,11 @@ class ServerConfig:
     )
 
     def __post_init__(self) -> None:
+        names = self.served_model_name  # (one name, or none, as a string or None too)
+        names = () if names is None else (names,) if isinstance(names, str) else tuple(names)
+        if any(not n for n in names):
+            raise ConfigError("served_model_name: a name must not be empty")
+        object.__setattr__(self, "served_model_name", names)
         if not 0 < self.port < 65536:
             raise ConfigError(f"port must be in 1..65535, got {self.port}")
         require_positive("max_waiting_requests", self.max_waiting_requests)

@@ -49,12 +49,18 @@ class ServerState:
     def max_model_len(self) -> int:
         return self.engine.info.max_model_len
 
+    @property
+    def model_names(self) -> tuple[str, ...]:
+        """Every name a request may use (``model_name``, the first, is in the responses)."""
+        return self.config.served_model_name or (self.model_name,)
+
 
 def precheck(state: ServerState, body: CompletionRequest | ChatCompletionRequest) -> None:
     """Refusals that need no tokenizing, in the order a client can act on them."""
-    if body.model is not None and body.model != state.model_name:
+    if body.model is not None and body.model not in state.model_names:
+        served = ", ".join(repr(n) for n in state.model_names)
         raise ApiError(404, f"model {body.model!r} does not exist; this server serves"
-                       f" {state.model_name!r}", "not_found_error", "model")
+                       f" {served}", "not_found_error", "model")
     if (fault := cross_field_error(body)) is not None:
         raise ApiError(400, fault[1], param=fault[0])
     if state.draining:

@@ -142,19 +142,22 @@ def full_response(ctx: Context) -> dict:
     return _envelope(ctx, "text_completion", [choice], u)
 
 
-def model_list(name: str, max_model_len: int, root: str | None = None) -> dict:
-    """The one served model; ``root`` is its directory (as vLLM reports it), which lets a
-    client on the same machine find the tokenizer the server counts tokens with."""
+def model_list(names: tuple[str, ...], max_model_len: int, root: str | None = None) -> dict:
+    """The served model under each of its names; ``root`` is its directory (as vLLM reports
+    it), which lets a client on the same machine find the tokenizer the server counts tokens
+    with."""
+    created = now()
     return {
         "object": "list",
         "data": [
             {
                 "id": name,
                 "object": "model",
-                "created": now(),
+                "created": created,
                 "owned_by": "fluidserve",
                 "max_model_len": max_model_len,
                 "root": root,
             }
+            for name in names
         ],
     }

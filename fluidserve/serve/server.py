@@ -82,7 +82,7 @@ def build_app(engine: AsyncEngine, config: ServerConfig, model_name: str) -> Fas
 
     @app.get("/v1/models", responses=api.other_responses(api.ModelList, protected))
     async def models() -> Response:
-        return JSONResponse(R.model_list(model_name, state.max_model_len, model_root))
+        return JSONResponse(R.model_list(state.model_names, state.max_model_len, model_root))
 
     @app.post("/v1/completions", openapi_extra=api.request_body("CompletionRequest"),
               responses=api.generate_responses(api.CompletionResponse,
@@ -180,7 +180,7 @@ def start_engine(engine_config: EngineConfig, config: ServerConfig,
     the core loads the model."""
     given = engine_config.model.model
     default_name = Path(given).name if given else "fluidserve-shakespeare"
-    name = config.served_model_name or default_name
+    name = config.served_model_name[0] if config.served_model_name else default_name
     model_dir = given or str(default_model_dir())
     engine_config = engine_config.replace(model=model_dir)
     tokenizer_dir = engine_config.model.tokenizer or model_dir

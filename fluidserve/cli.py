@@ -225,12 +225,16 @@ def build_parser() -> argparse.ArgumentParser:
     bld = sub.add_parser("build-model", help="Write a random-weight Llama model directory.")
     add_dataclass_args(bld, BuildModelConfig, "model")
     bld.set_defaults(func=_cmd_build_model)
+    for command in sub.choices.values():  # its own usage in its own errors (see ``main``)
+        command.set_defaults(subparser=command)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args, unknown = parser.parse_known_args(argv)
+    if unknown:  # said by the subcommand's parser, with its usage, not the top-level one
+        args.subparser.error(f"unrecognized arguments: {' '.join(unknown)}")
     try:
         return args.func(args)
     except (ConfigError, ValueError) as e:

@@ -6,6 +6,8 @@ import json
 import subprocess
 import sys
 
+import pytest
+
 from fluidserve.engine.llm import LLM
 from fluidserve.sampling_params import SamplingParams
 
@@ -104,6 +106,11 @@ def test_serve_takes_vllms_spellings_and_checks_its_port_first(capsys):
     assert parser.parse_args(["serve", "--dtype", "float"]).dtype == "float32"
     assert main(["serve", "/a", "--model", "/b"]) == 2
     assert "two models: /a and --model /b" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as e:  # a flag vLLM has and this server not: serve's usage
+        main(["serve", "--port", "9", "--gpu-memory-utilization", "0.9"])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and err.startswith("usage: fluidserve serve")
+    assert "fluidserve serve: error: unrecognized arguments: --gpu-memory-utilization" in err
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
         taken.listen()

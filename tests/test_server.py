@@ -423,6 +423,15 @@ def test_overload_gets_503_and_nothing_is_lost(tiny_model_dir):
             else:
                 assert "overloaded" in body["error"]["message"]
         assert s.kv_idle()
+        m = metric_values(httpx.get(s.url + "/metrics").text)
+        refused = 'fluidserve_requests_rejected_total{reason="%s"}'
+        assert m[refused % "overloaded"] == codes.count(503)
+        # Every refusal counts, whatever refused it: the schema, the model name, the length.
+        for body in ({"prompt": 7}, {"prompt": "x", "model": "other"},
+                     {"prompt": "word " * 600}):
+            assert httpx.post(s.url + "/v1/completions", json=body).status_code in (400, 404)
+        m = metric_values(httpx.get(s.url + "/metrics").text)
+        assert m[refused % "invalid"] == 3
 
 
 @pytest.mark.parametrize("extra, group", [

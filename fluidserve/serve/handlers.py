@@ -69,7 +69,6 @@ def precheck(state: ServerState, body: CompletionRequest | ChatCompletionRequest
         raise ApiError(503, f"the engine is down: {state.engine.dead}", "service_unavailable")
     waiting = state.engine.num_waiting + state.admitting  # admitting: being tokenized
     if waiting >= state.config.max_waiting_requests:
-        state.metrics.rejected.labels("overloaded").inc()
         raise ApiError(503, f"server overloaded: {waiting} requests waiting (limit"
                        f" {state.config.max_waiting_requests}); retry later", "overloaded")
 
@@ -104,7 +103,6 @@ def _check_chars(state: ServerState, num_chars: int, max_tokens: int | None, par
     room = max_len - (max_tokens or 1)
     limit = state.prompts.max_chars(max(room - num_messages, 0))
     if limit is not None and num_chars > limit:
-        state.metrics.rejected.labels("invalid").inc()
         raise too_long(num_chars, room, max_len, param, num_messages)
 
 
@@ -128,19 +126,16 @@ def admit(state: ServerState, body, ids: list[int], chat: bool):
         raise ApiError(400, "the prompt is empty", param="prompt")
     room = max_len - len(ids)
     if room < 1:
-        state.metrics.rejected.labels("invalid").inc()
         raise ApiError(400, f"the prompt has {len(ids)} tokens; the context window is {max_len}"
                        " tokens, prompt and completion together", param="messages" if chat
                        else "prompt", code=CONTEXT_LENGTH_EXCEEDED)
     requested = body.max_new_tokens if chat else body.max_tokens
     max_tokens = requested if requested is not None else (room if chat else min(16, room))
     if len(ids) + max_tokens > max_len:
-        state.metrics.rejected.labels("invalid").inc()
         raise ApiError(400, f"this model's context window is {max_len} tokens; the prompt has"
                        f" {len(ids)} and max_tokens is {max_tokens}", param="max_tokens",
                        code=CONTEXT_LENGTH_EXCEEDED)
     if body.min_tokens > max_tokens:
-        state.metrics.rejected.labels("invalid").inc()
         default = "" if requested is not None else " (the default: no max_tokens was given)"
         raise ApiError(400, f"min_tokens must be at most max_tokens, which is {max_tokens}"
                        f"{default}; got min_tokens={body.min_tokens}", param="min_tokens")
@@ -149,7 +144,6 @@ def admit(state: ServerState, body, ids: list[int], chat: bool):
                           admissible_blocks(info.num_kv_blocks,
                                             state.engine.config.cache.watermark))
     if why is not None:
-        state.metrics.rejected.labels("invalid").inc()
         raise ApiError(400, why, code=CONTEXT_LENGTH_EXCEEDED)
     params = body.sampling_params(max_tokens, body.num_logprobs if chat else body.logprobs)
     rid = R.new_id("chatcmpl" if chat else "cmpl")

@@ -104,9 +104,18 @@ def build_app(engine: AsyncEngine, config: ServerConfig, model_name: str) -> Fas
     return app
 
 
+# An ApiError's type -> the reason label of fluidserve_requests_rejected_total.
+REFUSALS = {"overloaded": "overloaded", "service_unavailable": "unavailable"}
+
+
 def _install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(ApiError)
-    async def api_error(_: Request, e: ApiError) -> JSONResponse:
+    async def api_error(request: Request, e: ApiError) -> JSONResponse:
+        # Every refusal is counted here, whatever refused it (the schema, a precheck, the
+        # tokenized length); the gate's 401 and 413 come before the app.
+        reason = REFUSALS.get(e.type, "invalid") if e.status < 500 or e.status == 503 else None
+        if reason is not None:
+            request.app.state.fluidserve.metrics.rejected.labels(reason).inc()
         return JSONResponse(e.body(), status_code=e.status)
 
     @app.exception_handler(StarletteHTTPException)

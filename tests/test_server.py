@@ -395,6 +395,16 @@ def test_gate_checks_the_key_first_then_the_body_size(tiny_model_dir):
         assert schema["paths"]["/metrics"]["get"]["security"]
 
 
+def test_version_as_vllm(srv):
+    import fluidserve
+
+    r = httpx.get(srv.url + "/version")
+    assert r.status_code == 200 and r.json() == {"version": fluidserve.__version__}
+    schema = httpx.get(srv.url + "/openapi.json").json()
+    assert schema["info"]["version"] == fluidserve.__version__
+    assert "Version" in str(schema["paths"]["/version"]["get"]["responses"]["200"])
+
+
 def test_metrics_stay_open_without_protect_metrics(srv):
     assert httpx.get(srv.url + "/metrics").status_code == 200
 

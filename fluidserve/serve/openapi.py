@@ -152,6 +152,10 @@ class Health(BaseModel):
     error: str | None = None
 
 
+class Version(BaseModel):
+    version: str
+
+
 def _error(description: str) -> dict:
     return {"model": ErrorResponse, "description": description}
 

@@ -21,6 +21,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from fluidserve import __version__
 from fluidserve.config import ConfigError, EngineConfig, ServerConfig
 from fluidserve.engine.core_proc import freeze_startup_heap
 from fluidserve.model.builder import default_model_dir
@@ -61,7 +62,7 @@ def build_app(engine: AsyncEngine, config: ServerConfig, model_name: str) -> Fas
         engine.stop(max(10.0, engine.watchdog_timeout))
         prompts.close()
 
-    app = FastAPI(title="fluidserve", version="0.1.0", lifespan=lifespan)
+    app = FastAPI(title="fluidserve", version=__version__, lifespan=lifespan)
     app.state.fluidserve = state
     _install_error_handlers(app)
     protected = config.api_key is not None
@@ -74,6 +75,10 @@ def build_app(engine: AsyncEngine, config: ServerConfig, model_name: str) -> Fas
         if state.draining:
             return JSONResponse({"status": "draining"}, status_code=503)
         return JSONResponse({"status": "ok"})
+
+    @app.get("/version", responses=api.other_responses(api.Version, False))
+    async def version() -> Response:  # as vLLM's: which server, which release
+        return JSONResponse({"version": __version__})
 
     @app.get("/metrics", response_class=Response,
              responses=api.other_responses(None, protected and config.protect_metrics))

@@ -70,11 +70,19 @@ class SimConfig:
             raise ConfigError("budget_context must be >= 0")
 
 
-def _cpu_window() -> int:
-    """The context window of the model the shipped CPU profiles measured (250m)."""
+# The model `fluidserve profile` builds by default, which the shipped CPU profiles measured:
+# the cpu cost model prices it, with its window and its KV bytes.
+PROFILED_SHAPE = "250m"
+
+
+def profiled_shape():
     from fluidserve.model.builder import SHAPES
 
-    return SHAPES["250m"].max_position_embeddings
+    return SHAPES[PROFILED_SHAPE]
+
+
+def _cpu_window() -> int:
+    return profiled_shape().max_position_embeddings
 
 
 def _model_shapes() -> list[str]:
@@ -88,7 +96,7 @@ class ProfileConfig:
     """Knobs of `fluidserve profile` (the engine characterization benchmark)."""
 
     model: str | None = knob(None, "Model directory (default: build the --shape benchmark model).")
-    shape: str = knob("250m", "Benchmark model shape when --model is not given.",
+    shape: str = knob(PROFILED_SHAPE, "Benchmark model shape when --model is not given.",
                       choices=_model_shapes)
     dtype: str = knob("bfloat16", "Weight dtype.", choices=DTYPES)
     device: str = knob("cpu", "Torch device.")

@@ -11,6 +11,7 @@ from fluidserve.bench.capacity import search_capacity, slo_check
 from fluidserve.bench.report import constant_deadline, score_fluidity, summarize_run, write_run
 from fluidserve.bench.workload import build_workload
 from fluidserve.config import BenchConfig, CapacityConfig, EngineConfig, ParallelConfig, SimConfig
+from fluidserve.config.commands import profiled_shape
 from fluidserve.core.admission import cache_blocks
 from fluidserve.core.scheduler.output import ScheduledChunk, SchedulerOutput
 from fluidserve.core.token_budget import find_token_budget, pass_target
@@ -61,10 +62,8 @@ def make_executor(sim: SimConfig, eng: EngineConfig, cost: CostModel) -> CostMod
         blocks = gpu_kv_blocks(SHAPES[sim.model_shape], DEVICES[sim.device],
                                par.tensor_parallel_size, par.pipeline_parallel_size,
                                c.block_size, sim.gpu_memory_utilization)
-    if blocks is None:  # cpu: what `fluidserve serve` allots the profiled 250M model by default
-        from fluidserve.model.builder import SHAPES as MODEL_SHAPES
-
-        m = MODEL_SHAPES["250m"]
+    if blocks is None:  # cpu: what `fluidserve serve` allots the profiled model by default
+        m = profiled_shape()
         per_token = kv_bytes_per_token(m.num_layers, m.num_kv_heads,
                                        m.hidden_size // m.num_heads, 2, 1,
                                        par.pipeline_parallel_size)

@@ -4,10 +4,11 @@ Offline step times of the race model (213M bf16, GQA) through ModelExecutor with
 (attention, linear) backends native/auto (the default: tile copies where the CPU has a tile
 kernel), native/packed, eager/packed and eager/eager, measured in two interleaved rounds (the
 median over both): a 512-token prefill, and a decode at batch 1 and at batch 40 (context
-300). Prints JSON.
+300). Prints JSON. A pair may name the panels' product (``--panel-product``) as a third part.
 
     python scripts/bench_backends.py
     python scripts/bench_backends.py --pairs native/auto,native/packed,eager/eager --rounds 1
+    python scripts/bench_backends.py --pairs native/auto/fma,native/auto/dot,native/packed
 """
 
 from __future__ import annotations
@@ -36,9 +37,10 @@ def median_ms(ex: ModelExecutor, plan: SchedulerOutput, n: int) -> float:
     return statistics.median(times) * 1e3
 
 
-def measure(model: str, attention: str, linear: str) -> dict[str, float]:
+def measure(model: str, attention: str, linear: str, product: str = "auto") -> dict[str, float]:
     ex = ModelExecutor(model, dtype="bfloat16", max_model_len=2048, kv_cache_memory_gb=1,
-                       attention_backend=attention, linear_backend=linear)
+                       attention_backend=attention, linear_backend=linear,
+                       panel_product=product)
     bs = ex.block_size
     for i in range(40):  # 40 requests with 300 tokens of context each
         ex.execute(SchedulerOutput(0, [_chunk(f"r{i}", 0, 300, bs, 40 + 20 * i)]))
@@ -51,19 +53,19 @@ def measure(model: str, attention: str, linear: str) -> dict[str, float]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--pairs", default=",".join(f"{a}/{b}" for a, b in PAIRS),
-                    help="ATTENTION/LINEAR backend pairs, comma-separated.")
+                    help="ATTENTION/LINEAR[/PANEL_PRODUCT] backends, comma-separated.")
     ap.add_argument("--rounds", type=int, default=2, help="Interleaved rounds.")
     args = ap.parse_args()
     pairs = [tuple(p.split("/")) for p in args.pairs.split(",")]
-    if any(len(p) != 2 for p in pairs):
-        ap.error("--pairs: ATTENTION/LINEAR,...")
+    if any(len(p) not in (2, 3) for p in pairs):
+        ap.error("--pairs: ATTENTION/LINEAR[/PANEL_PRODUCT],...")
     model = cache_root() / "models" / "race-200m-gqa-bf16"
     if not (model / "config.json").exists():
         build_model_dir(model, "200m-gqa", dtype="bfloat16")
-    runs: dict[str, list[dict]] = {f"{a}/{b}": [] for a, b in pairs}
+    runs: dict[str, list[dict]] = {"/".join(p): [] for p in pairs}
     for _ in range(args.rounds):  # interleaved rounds: drift hits every pair alike
-        for a, b in pairs:
-            runs[f"{a}/{b}"].append(measure(str(model), a, b))
+        for p in pairs:
+            runs["/".join(p)].append(measure(str(model), *p))
     cpu = next((ln.split(":", 1)[1].strip() for ln in open("/proc/cpuinfo")
                 if ln.startswith("model name")), "?")
     out = {"cpu": cpu, "steps_ms": {pair: {k: statistics.median(r[k] for r in rs) for k in rs[0]}

@@ -6,8 +6,9 @@ weight from memory as a decode step does (one weight reused sixteen times would 
 cache and flatter the kernel). For each row count: the median time of the whole stack over
 a few rounds, the weight bytes read per second, and the arithmetic rate. Prints JSON lines.
 With ``--backend tiles`` the stack multiplies on tile copies (``--linear-backend tiles``: AMX
-tiles, AVX-512 or AVX2 panels); ``--backend both`` builds both stacks and alternates them
-round by round, so that the two are compared side by side. ``--against FILE`` builds a
+tiles, AVX-512 or AVX2 panels, with the panel product ``auto`` picks; ``tiles-fma`` and
+``tiles-dot`` name it); several backends, comma-separated (``both``: packed,tiles), are built
+and alternated round by round, so that they are compared side by side. ``--against FILE`` builds a
 variant of the kernels (the main file of an edited copy of ``fluidserve/kernels/csrc``, or
 one self-contained source) and times its ``tile_linear`` beside the package's, on its own
 packed copy of the same weights (outputs compared: ``identical`` in the JSON); repeat it for
@@ -15,6 +16,7 @@ several variants.
 
     python scripts/bench_linears.py 1 16 32 48 64 128 256
     python scripts/bench_linears.py --backend both 1 40 256 2048
+    python scripts/bench_linears.py --backend packed,tiles-fma,tiles-dot 1 40 256 2048
     python scripts/bench_linears.py --backend tiles --against /tmp/csrc/cpu_kernels.cpp 1 40 2048
 """
 
@@ -30,7 +32,7 @@ import torch
 from torch import nn
 
 from fluidserve.kernels import variant_label, variant_ops
-from fluidserve.model.linear import PackedLinear, packed_linear_supported
+from fluidserve.model.linear import PackedLinear, dot_panels, packed_linear_supported
 
 SHAPES = ((1024, 1536), (1024, 1024), (1024, 5632), (2816, 1024))  # (in, out) per layer
 LAYERS = 16
@@ -42,9 +44,14 @@ def weights() -> list[nn.Linear]:
             for i, o in SHAPES]
 
 
+BACKENDS = ("packed", "tiles", "tiles-fma", "tiles-dot")
+
+
 def build(backend: str) -> list[PackedLinear]:
-    stack = [PackedLinear(linear, tiles=backend == "tiles") for linear in weights()]
-    if backend == "tiles" and stack[0].tiles is None:
+    tiles, _, product = backend.partition("-")
+    dot = tiles == "tiles" and dot_panels(product or "auto")
+    stack = [PackedLinear(linear, tiles=tiles == "tiles", dot=dot) for linear in weights()]
+    if tiles == "tiles" and stack[0].tiles is None:
         raise SystemExit("no tile kernel here (needs AMX, AVX-512 or AVX2 and the compiled"
                          " kernels)")
     return stack
@@ -56,7 +63,7 @@ class VariantLinear:
     def __init__(self, module, linear: nn.Linear) -> None:
         self.module, self.in_features = module, linear.in_features
         self.out_features = linear.out_features
-        self.tiles = module.tile_pack(linear.weight.detach())
+        self.tiles = module.tile_pack(linear.weight.detach(), dot=dot_panels("auto"))
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         return self.module.tile_linear(x, self.tiles, self.out_features, None)
@@ -66,18 +73,22 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("rows", nargs="*", type=int, default=[1, 16, 32, 48, 64, 128, 256])
     ap.add_argument("--rounds", type=int, default=7)
-    ap.add_argument("--backend", choices=("packed", "tiles", "both"), default="packed",
+    ap.add_argument("--backend", default="packed",
                     help="packed: oneDNN (bf16 widened to float32 where the CPU has no bf16"
-                    " kernels); tiles: the compiled kernels' tile_linear; both: side by side.")
+                    " kernels); tiles: the compiled kernels' tile_linear (tiles-fma,"
+                    " tiles-dot: the AVX-512 panels' product); several, comma-separated, side"
+                    " by side (both: packed,tiles).")
     ap.add_argument("--against", type=Path, action="append", default=[], metavar="FILE",
                     help="a variant of the kernel source whose tile_linear to time beside the"
                     " package's (with --backend tiles); repeat for several")
     args = ap.parse_args()
     if not packed_linear_supported(torch.bfloat16, torch.device("cpu")):
         raise SystemExit("this CPU/PyTorch has no oneDNN linear")
-    if args.against and args.backend != "tiles":
+    names = ("packed", "tiles") if args.backend == "both" else tuple(args.backend.split(","))
+    if unknown := [n for n in names if n not in BACKENDS]:
+        ap.error(f"--backend: unknown {', '.join(unknown)} (of {', '.join(BACKENDS)}, both)")
+    if args.against and names != ("tiles",):
         ap.error("--against compares tile kernels: use it with --backend tiles")
-    names = ("packed", "tiles") if args.backend == "both" else (args.backend,)
     stacks = {name: build(name) for name in names}
     for i, path in enumerate(args.against):
         module = variant_ops(path, i)

@@ -364,6 +364,44 @@ def test_linear_backend_tiles_is_chosen_where_it_can_run(tiny_model_dir, monkeyp
                              linear_backend="tiles").worker.tile_linear
 
 
+def test_the_panels_product_is_the_dot_product_where_it_issues_fast_enough(tiny_model_dir,
+                                                                           monkeypatch):
+    """``--panel-product auto`` takes the bf16 dot product where the build has it (AVX-512
+    BF16 without AMX) and the CPU issues it at least DOT_RATE_SHARE as fast as its FMA;
+    ``dot`` insists, and says why it cannot where it cannot; ``fma`` never; the worker packs
+    its panels for the product it chose."""
+    from fluidserve.model import linear as L
+    from fluidserve.model.runner import ModelExecutor
+
+    built = ops is not None and ops.dot_panels_built()
+    assert built == ({"avx512f", "avx512bw", "avx512_bf16"} <= set(cpu_flags().split())
+                     and TILE_KIND == "avx512")
+    fma_rate, dot_rate = ops.bf16_dot_rates() if ops is not None else (0.0, 0.0)
+    assert (fma_rate > 1e8 and dot_rate > 1e8) == ("avx512_bf16" in cpu_flags().split()
+                                                   and ops is not None)
+    L.dot_panels_by_default.cache_clear()
+    assert L.dot_panels_by_default() == (built and dot_rate >= L.DOT_RATE_SHARE * fma_rate)
+    assert not L.dot_panels("fma")
+    with pytest.raises(ValueError, match="one of auto, fma, dot"):
+        L.dot_panels("bf16")
+    if not built:
+        with pytest.raises(ValueError, match="'dot' unavailable"):
+            L.dot_panels("dot")
+        return
+    for fast in (True, False):  # a CPU whose dot product issues fast, and one where it is slow
+        monkeypatch.setattr(L, "dot_panels_by_default", lambda fast=fast: fast)
+        ex = ModelExecutor(str(tiny_model_dir), dtype="bfloat16", num_blocks=16)
+        assert ex.worker.dot_panels == fast
+        assert ex.model.layers[0].mlp.down_proj.tiles.shape[2] == (64 if fast else 32)
+        assert ("bf16 dot products" if fast else "float32 FMAs") in ex.worker.linear_kernel()
+    ex = ModelExecutor(str(tiny_model_dir), dtype="bfloat16", num_blocks=16,
+                       panel_product="dot")
+    assert ex.worker.dot_panels
+    with pytest.raises(ValueError, match="'dot' needs the panel linears"):
+        ModelExecutor(str(tiny_model_dir), dtype="bfloat16", num_blocks=16,
+                      linear_backend="packed", panel_product="dot")
+
+
 @pytest.mark.skipif(ops is None or not os.path.exists("/proc/cpuinfo"),
                     reason="needs the compiled kernels and /proc/cpuinfo")
 def test_the_linear_kernel_built_is_the_widest_the_cpu_has():
@@ -378,22 +416,38 @@ def test_the_linear_kernel_built_is_the_widest_the_cpu_has():
         assert panels_by_default()
 
 
+@pytest.mark.parametrize("product", ["fma", "dot"])
 @pytest.mark.parametrize("n,k,bias", [(96, 64, False), (100, 96, True), (1536, 1024, False),
                                       (1024, 2816, True), (40, 33, True)])
 def test_panel_linear_rounds_the_float32_product_and_is_the_same_for_every_batch(kernels, n,
-                                                                                  k, bias):
-    """The AVX2 or AVX-512 kernel on bf16 panels (16 or 32 columns): the float32 product of
-    the bf16 operands, rounded once to bf16 (within a unit in the last place of the exact
-    product's rounding, where float32 sums in another order tip it), and each row's result
-    independent of the rows beside it, whatever their number (groups of six rows on AVX2,
-    twelve on AVX-512, partial groups, row blocks of 48), and a partial last panel."""
+                                                                                  k, bias,
+                                                                                  product):
+    """The AVX2 or AVX-512 kernel on bf16 panels (16 or 32 columns), with float32 FMAs or
+    (AVX-512 BF16) the bf16 dot product: the float32 product of the bf16 operands, rounded
+    once to bf16 (within a unit in the last place of the exact product's rounding, where
+    float32 sums in another order tip it), and each row's result independent of the rows
+    beside it, whatever their number (groups of six rows on AVX2, twelve on AVX-512, partial
+    groups, row blocks of 48), and a partial last panel. The dot product takes an even K
+    only (the FMA panels any)."""
     if kernels.tile_kind() not in ("avx2", "avx512"):
         pytest.skip("this build's linears are AMX tiles (tested above), not panels")
+    dot = product == "dot"
     g = torch.Generator().manual_seed(n + k)
     w = (torch.randn(n, k, generator=g) * 0.05).bfloat16()
     b = torch.randn(n, generator=g).bfloat16() if bias else None
-    panels = kernels.tile_pack(w)
-    assert panels.shape[2] == (32 if kernels.tile_kind() == "avx512" else 16)
+    if dot and not kernels.dot_panels_built():  # AVX2, or AVX-512 without BF16
+        with pytest.raises(RuntimeError, match="AVX-512 BF16"):
+            kernels.tile_pack(w, dot=True)
+        return
+    if dot and k % 2:
+        with pytest.raises(RuntimeError, match="even K"):
+            kernels.tile_pack(w, dot=True)
+        return
+    panels = kernels.tile_pack(w, dot=dot)
+    if dot:  # [panels][pairs of k][32 columns x 2]
+        assert panels.shape == ((n + 31) // 32, k // 2, 64)
+    else:
+        assert panels.shape[2] == (32 if kernels.tile_kind() == "avx512" else 16)
     x = torch.randn(100, k, generator=g).bfloat16()
     full = kernels.tile_linear(x, panels, n, b)
     ref = x.double() @ w.double().T + (b.double() if bias else 0)

@@ -28,6 +28,11 @@ def tiles_available() -> bool:
     return ops is not None and ops.tile_max_rows() > 0
 
 
+def dot_panels_available() -> bool:
+    ops = cpu_ops()
+    return ops is not None and ops.dot_panels_built()
+
+
 def hf_logits(model_dir, ids: list[int]) -> torch.Tensor:
     import transformers as tf
 
@@ -90,19 +95,26 @@ def test_chunked_prefill_and_decode_logits_match_transformers(hf_models, arch, b
 # copies, where the CPU has a tile kernel: AMX tiles (the 35-token prompt is within their 64
 # rows, so every linear runs on them) or the AVX2 or AVX-512 panels (every batch); the prompt
 # is a long run, so attention takes the prefill kernel there. On a CPU whose oneDNN has no
-# bf16 kernels, "packed" is oneDNN on weights widened to float32.
+# bf16 kernels, "packed" is oneDNN on weights widened to float32. On an AVX-512 CPU the
+# panels multiply with float32 FMAs (tiles-fma) or, with AVX-512 BF16, the bf16 dot product
+# (tiles-dot).
 BF16_BACKENDS = [b for b in BACKENDS if b[1] != "triton" or b[0] == "cuda"] + [
-    ("cpu", "native", "tiles")]
+    ("cpu", "native", "tiles-fma"), ("cpu", "native", "tiles-dot")]
 
 
 @pytest.mark.parametrize("backends", BF16_BACKENDS, ids=lambda b: "-".join(b))
 @pytest.mark.parametrize("arch", ARCHS)
 def test_bfloat16_logits_close_to_transformers(hf_models, arch, backends):
     device, attention, linear = backends
+    linear, _, product = linear.partition("-")
     if linear == "tiles" and not tiles_available():
         pytest.skip("no tile kernel here (needs AMX, AVX-512 or AVX2)")
+    if product == "dot" and not dot_panels_available():
+        pytest.skip("no dot-product panels here (needs AVX-512 BF16 without AMX)")
     ex = ModelExecutor(hf_models[arch], dtype="bfloat16", device=device, num_blocks=16,
-                       block_size=BS, attention_backend=attention, linear_backend=linear)
+                       block_size=BS, attention_backend=attention, linear_backend=linear,
+                       panel_product=product or "auto")
+    assert ex.worker.dot_panels == (product == "dot")
     ids = list(range(5, 40))
     ref = hf_logits(hf_models[arch], ids)[-1]
     with torch.inference_mode():

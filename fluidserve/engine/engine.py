@@ -178,6 +178,7 @@ def build_model_executor(config: EngineConfig):
         max_model_len=m.max_model_len,
         attention_backend=m.attention_backend,
         linear_backend=m.linear_backend,
+        panel_product=m.panel_product,
         cuda_graph_max_batch=cuda_graph_batch(config),
         max_num_seqs=config.scheduler.max_num_seqs,
         watermark=c.watermark,

@@ -34,9 +34,18 @@ the float32 FMA rate (172 against 314 GFLOP/s for [2048, 1024] x [1024, 5632] on
 There the same panel kernel runs on 512-bit registers, panels of 32 columns, and takes every
 batch: for that product, against oneDNN on the bf16 weight, 0.22 vs 0.27 ms at 1 row, 1.66 vs
 2.71 at 40, 10.7 vs 17.5 at 256, 96.6 vs 138.6 ms at 2048 (docs/performance.md).
+
+Where an AVX-512 CPU's bf16 dot product (VDPBF16PS) issues about as fast as its float32 FMA
+(AMD Zen 4), it does twice the FMA's multiply-adds, and the panels multiply with it instead
+(``dot``: the weights' pairs of k against x's, no widening): on a 2-core EPYC (Zen 4), for
+that product, 0.087 against 0.106 ms at 1 row, 1.03 against 2.39 at 40 and 53 against 122 ms
+at 2048 rows (445 GFLOP/s, oneDNN's bf16 kernels 53 ms). Which product runs is measured
+per CPU (``kernels: bf16_dot_rates``), or chosen with ``--panel-product``.
 """
 
 from __future__ import annotations
+
+import functools
 
 import torch
 import torch.nn.functional as F
@@ -121,14 +130,46 @@ def panels_by_default() -> bool:
     return kind == "avx512" or (kind == "avx2" and widened(torch.bfloat16))
 
 
+# The dot-product panels are the default where the CPU issues its bf16 dot product at least at
+# this share of its FMA rate (each does twice an FMA's multiply-adds: at a half they break
+# even). Measured: 0.96 on AMD Zen 4, 0.25 on an Emerald Rapids class Xeon.
+DOT_RATE_SHARE = 0.6
+PANEL_PRODUCTS = ("auto", "fma", "dot")
+
+
+@functools.cache
+def dot_panels_by_default() -> bool:
+    """Whether ``auto`` panels multiply with the bf16 dot product here: built (AVX-512 BF16)
+    and issued at least DOT_RATE_SHARE as fast as the FMA (probed once, ~50 ms)."""
+    ops = cpu_ops()
+    if ops is None or not ops.dot_panels_built():
+        return False
+    fma, dot = ops.bf16_dot_rates()
+    return fma > 0 and dot >= DOT_RATE_SHARE * fma
+
+
+def dot_panels(product: str) -> bool:
+    """Whether panels multiply with the bf16 dot product for ``--panel-product PRODUCT``."""
+    if product not in PANEL_PRODUCTS:
+        raise ValueError(f"panel product {product!r}: one of {', '.join(PANEL_PRODUCTS)}")
+    if product == "dot":
+        ops = cpu_ops()
+        if ops is None or not ops.dot_panels_built():
+            raise ValueError("panel product 'dot' unavailable: needs the compiled kernels on a"
+                             " CPU with AVX-512 BF16 and without AMX")
+        return True
+    return product == "auto" and dot_panels_by_default()
+
+
 class PackedLinear(nn.Module):
     """``y = x W^T + b`` on weights laid out once for the CPU's kernels: a tile copy
     (``tiles``, where ``tiles_supported``) for the batches of up to ``tile_rows`` tokens, and
     for the others W reordered into oneDNN's blocked layout (in float32 where the dtype is
     ``widened``; ``packed`` is None where the tiles take every batch). ``bias`` is the one
-    the packed weight's product takes (float32 when widened)."""
+    the packed weight's product takes (float32 when widened). With ``dot`` the tile copy is
+    of the dot-product panels (``dot_panels``)."""
 
-    def __init__(self, linear: nn.Linear, tiles: bool = False) -> None:
+    def __init__(self, linear: nn.Linear, tiles: bool = False, dot: bool = False) -> None:
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
         weight = linear.weight.detach()
@@ -137,7 +178,9 @@ class PackedLinear(nn.Module):
         self.tile_rows = 0
         if tiles and tiles_supported(weight):
             self._ops = cpu_ops()
-            self.tiles, self.tile_rows = self._ops.tile_pack(weight), self._ops.tile_max_rows()
+            # (an odd in_features, where a model has one, keeps the FMA panels)
+            self.tiles = self._ops.tile_pack(weight, dot=dot and weight.shape[1] % 2 == 0)
+            self.tile_rows = self._ops.tile_max_rows()
         self.packed: torch.Tensor | None = None
         if self.tile_rows < ANY_ROWS:
             with torch.no_grad():
@@ -171,11 +214,11 @@ def linear_weight_bytes(model: nn.Module) -> int:
     return sum(w.numel() * w.element_size() for w in weights.values())
 
 
-def pack_linear_layers(model: nn.Module, tiles: bool = False) -> int:
+def pack_linear_layers(model: nn.Module, tiles: bool = False, dot: bool = False) -> int:
     """Replace every nn.Linear of ``model`` by a PackedLinear; returns how many."""
     targets = [(name, m) for name, m in model.named_modules() if isinstance(m, nn.Linear)]
     for name, linear in targets:
         parent_name, _, attr = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
-        setattr(parent, attr, PackedLinear(linear, tiles))
+        setattr(parent, attr, PackedLinear(linear, tiles, dot))
     return len(targets)

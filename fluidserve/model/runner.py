@@ -53,6 +53,7 @@ class ModelExecutor:
         max_model_len: int | None = None,
         attention_backend: str = "auto",
         linear_backend: str = "auto",
+        panel_product: str = "auto",
         cuda_graph_max_batch: int = 0,
         max_num_seqs: int | None = None,
         watermark: float = 0.0,
@@ -67,7 +68,7 @@ class ModelExecutor:
                                                max_seqs=max_num_seqs, max_len=max_len,
                                                watermark=watermark)
         spec = WorkerSpec(str(model_dir), dtype, device, block_size, blocks, max_len,
-                          attention_backend, linear_backend, cuda_graph_max_batch,
+                          attention_backend, linear_backend, panel_product, cuda_graph_max_batch,
                           async_scheduling, max_num_seqs or WorkerSpec.max_num_seqs)
         self.worker = Worker(spec)
         self.resolves_placeholders = async_scheduling

@@ -30,6 +30,7 @@ from fluidserve.model.host_memory import keep_freed_memory, to_device
 from fluidserve.model.inputs import StepInputs
 from fluidserve.model.linear import (
     PANEL_KINDS,
+    dot_panels,
     linear_weight_bytes,
     pack_linear_layers,
     packed_linear_supported,
@@ -37,6 +38,7 @@ from fluidserve.model.linear import (
     tile_kind,
     tiles_cover_every_batch,
     tiles_supported,
+    widened,
 )
 from fluidserve.model.llama import Shard, TensorParallel
 from fluidserve.model.loader import DTYPES, load_model, resolve_dtype
@@ -57,6 +59,7 @@ class WorkerSpec:
     max_model_len: int = 0
     attention_backend: str = "auto"
     linear_backend: str = "auto"
+    panel_product: str = "auto"
     cuda_graph_max_batch: int = 0  # decode batches up to this size replay CUDA graphs (0: off)
     # Asynchronous scheduling: a step's token ids may name a row of the previous step's
     # sampled tokens (``inputs.prepare_inputs``), of which there are at most max_num_seqs.
@@ -115,7 +118,8 @@ def plan_workers(model_dir: str | Path, config) -> tuple[ArchConfig, WorkerSpec]
         arch, dtype, c.block_size, c.kv_cache_memory_gb, p.tensor_parallel_size,
         p.pipeline_parallel_size, config.scheduler.max_num_seqs, max_len, c.watermark)
     spec = WorkerSpec(str(model_dir), dtype, m.device, c.block_size, blocks, max_len,
-                      m.attention_backend, m.linear_backend, cuda_graph_batch(config))
+                      m.attention_backend, m.linear_backend, m.panel_product,
+                      cuda_graph_batch(config))
     return arch, spec
 
 
@@ -143,8 +147,14 @@ class Worker:
         self.packed_linear = spec.packed_linear()
         self.tile_linear = self.packed_linear and choose_tiles(
             spec.linear_backend, self.model, self.device)
+        panels = self.tile_linear and tile_kind() in PANEL_KINDS
+        if spec.panel_product == "dot" and not panels:
+            raise ValueError("panel product 'dot' needs the panel linears (bfloat16 on a CPU"
+                             " with AVX-512 and without AMX, --linear-backend auto or tiles)")
+        self.dot_panels = panels and dot_panels(spec.panel_product)
         if self.packed_linear:
-            pack_linear_layers(self.model, tiles=self.tile_linear)
+            pack_linear_layers(self.model, tiles=self.tile_linear, dot=self.dot_panels)
+        log.info("linear layers: %s", self.linear_kernel())
         hkv = self.arch.num_kv_heads // shard.tp_size
         # One (key, value) pair of caches per layer of this stage (layouts: model/attention.py).
         self.kv_caches = [new_kv_cache(spec.num_blocks, spec.block_size, hkv, self.arch.head_dim,
@@ -162,6 +172,18 @@ class Worker:
             from fluidserve.model.cuda_graphs import DecodeGraphs
 
             self.graphs = DecodeGraphs(self, spec.cuda_graph_max_batch)
+
+    def linear_kernel(self) -> str:
+        """What the linear layers run on, in words (logged at start-up)."""
+        if not self.packed_linear:
+            return "F.linear"
+        kind = tile_kind()
+        if self.tile_linear and kind in PANEL_KINDS:
+            product = "bf16 dot products" if self.dot_panels else "float32 FMAs"
+            return f"{kind} panels of the compiled kernels, {product}"
+        onednn = "oneDNN, prepacked" + (" (widened to float32)" if widened(
+            DTYPES[self.spec.dtype]) else "")
+        return f"AMX tiles up to 64 rows, else {onednn}" if self.tile_linear else onednn
 
     def _rank(self, pp_rank: int) -> int:
         return pp_rank * self.tp_size + self.shard.tp_rank

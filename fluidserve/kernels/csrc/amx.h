@@ -301,7 +301,8 @@ bool kernel_long_runs(const Batch& b, int64_t S, int BS, const std::vector<uint8
 constexpr int64_t kTileMaxRows = 64;
 constexpr int kTilePrefetch = 16;  // k-steps (2 KB each) ahead
 
-at::Tensor tile_pack(const at::Tensor& w) {
+at::Tensor tile_pack(const at::Tensor& w, bool dot) {
+  TORCH_CHECK(!dot, "tile_pack: dot panels are not built where the CPU has AMX tiles");
   TORCH_CHECK(w.dim() == 2 && w.scalar_type() == at::kBFloat16,
               "tile_pack: a [N, K] bf16 weight expected");
   const int64_t N = w.size(0), K = w.size(1);

@@ -16,12 +16,14 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <chrono>
 #include <cmath>
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
 #include <limits>
 #include <type_traits>
+#include <utility>
 #include <vector>
 
 // AVX2 without AVX-512: GCC then has no register mode for the 16-lane vectors below and keeps
@@ -37,10 +39,20 @@
 #define FLUIDSERVE_AMX 1
 #elif defined(__AVX2__) && defined(__FMA__)
 #define FLUIDSERVE_PANELS 1
+// The panels have a second product where the CPU has AVX-512 BF16: its dot product
+// (panel_linear.h), chosen per CPU by how fast it issues (bf16_dot_rates).
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512BF16__)
+#define FLUIDSERVE_DOT_PANELS 1
+#endif
 #endif
 
 namespace {
 
+#ifdef FLUIDSERVE_DOT_PANELS
+constexpr bool kDotPanelsBuilt = true;
+#else
+constexpr bool kDotPanelsBuilt = false;
+#endif
 constexpr int kMaxRows = 16;
 constexpr int kMaxHeadDim = 256;
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();

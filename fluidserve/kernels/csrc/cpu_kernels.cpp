@@ -28,7 +28,7 @@ bool kernel_long_runs(const Batch&, int64_t, int, const std::vector<uint8_t>&, c
   return false;
 }
 constexpr int64_t kTileMaxRows = 0;
-at::Tensor tile_pack(const at::Tensor&) {
+at::Tensor tile_pack(const at::Tensor&, bool) {
   TORCH_CHECK(false, "tile_pack: this build has no tile kernel (neither AMX nor AVX2)");
 }
 void tile_linear_into(const at::Tensor&, const at::Tensor&, int64_t,
@@ -255,6 +255,45 @@ at::Tensor tile_linear(const at::Tensor& x, const at::Tensor& packed, int64_t N,
 }
 
 int64_t tile_max_rows() { return tile_linear_supported() ? kTileMaxRows : 0; }
+bool dot_panels_built() { return kDotPanelsBuilt; }
+
+// How fast one core issues the bf16 dot product (VDPBF16PS: 32 bf16 products summed in pairs
+// into 16 float32 lanes) and the float32 FMA (VFMADD231PS: 16 multiply-adds), in instructions
+// a second: twelve independent accumulator chains of each in a tight loop, ~10 ms each. The
+// dot product does twice the multiply-adds of an FMA, so the dot panels pay where it issues
+// at more than half the FMA's rate: on AMD Zen 4 at 0.96 of it, on an Emerald Rapids class
+// Xeon at 0.25 (docs/performance.md). (0, 0) where the build has no AVX-512 BF16.
+std::pair<double, double> bf16_dot_rates() {
+#if defined(__AVX512BF16__)
+  constexpr long kSteps = 2500000;  // of twelve instructions each
+  using clock = std::chrono::steady_clock;
+  const auto rate = [](auto&& step) {
+    const auto t0 = clock::now();
+    for (long i = 0; i < kSteps; ++i) step();
+    return 12.0 * kSteps / std::chrono::duration<double>(clock::now() - t0).count();
+  };
+  __m512 a[12], b[12];
+  for (int j = 0; j < 12; ++j) a[j] = b[j] = _mm512_setzero_ps();
+  const __m512 x = _mm512_set1_ps(1.0001f), y = _mm512_set1_ps(0.9999f);
+  const __m512bh u = (__m512bh)_mm512_set1_epi16(0x3f80);
+  const double fma = rate([&] {
+#pragma GCC unroll 12
+    for (int j = 0; j < 12; ++j) a[j] = _mm512_fmadd_ps(x, y, a[j]);
+    asm volatile("" ::"v"(a[0]), "v"(a[3]), "v"(a[6]), "v"(a[9]));
+  });
+  const double dot = rate([&] {
+#pragma GCC unroll 12
+    for (int j = 0; j < 12; ++j) b[j] = _mm512_dpbf16_ps(b[j], u, u);
+    asm volatile("" ::"v"(b[0]), "v"(b[3]), "v"(b[6]), "v"(b[9]));
+  });
+  float sink = 0;  // (keeps every chain live)
+  for (int j = 0; j < 12; ++j) sink += _mm512_reduce_add_ps(a[j]) + _mm512_reduce_add_ps(b[j]);
+  asm volatile("" ::"x"(sink));
+  return {fma, dot};
+#else
+  return {0.0, 0.0};
+#endif
+}
 std::string tile_kind() { return tile_linear_supported() ? kTileKind : ""; }
 
 #include "decoder_stack.h"
@@ -296,12 +335,19 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::call_guard<py::gil_scoped_release>());
   m.def("write_kv", &write_kv, "Scatter new keys/values into the paged cache",
         py::call_guard<py::gil_scoped_release>());
-  m.def("tile_pack", &tile_pack, "A bf16 weight copied into the layout tile_linear reads",
+  m.def("tile_pack", &tile_pack,
+        "A bf16 weight copied into the layout tile_linear reads (dot: the bf16 dot-product"
+        " panels, where dot_panels_built())", py::arg("weight"), py::arg("dot") = false,
+        py::call_guard<py::gil_scoped_release>());
+  m.def("dot_panels_built", &dot_panels_built,
+        "Whether this build has panels for the bf16 dot product (AVX-512 BF16 without AMX)");
+  m.def("bf16_dot_rates", &bf16_dot_rates,
+        "(FMA, bf16 dot) instructions a second on one core; (0, 0) without AVX-512 BF16",
         py::call_guard<py::gil_scoped_release>());
   m.def("tile_linear", &tile_linear, "x W^T (+ b) on a tile_pack'ed weight",
         py::call_guard<py::gil_scoped_release>());
   m.def("tile_max_rows", &tile_max_rows, "Rows tile_linear takes here (0: none)");
-  m.def("tile_kind", &tile_kind, "The tile_linear kernel built here: amx, avx2 or ''");
+  m.def("tile_kind", &tile_kind, "The tile_linear kernel built here: amx, avx512, avx2 or ''");
   m.def("decoder_layers", &decoder_layers, "A stack of decoder layers for a small batch",
         py::call_guard<py::gil_scoped_release>());
 }

@@ -68,7 +68,7 @@ inline int panel_pos(int c) {
   return 8 * ((c % half) / 4) + (c >= half ? 4 : 0) + c % 4;
 }
 
-at::Tensor tile_pack(const at::Tensor& w) {
+at::Tensor fma_pack(const at::Tensor& w) {
   TORCH_CHECK(w.dim() == 2 && w.scalar_type() == at::kBFloat16,
               "tile_pack: a [N, K] bf16 weight expected");
   const int64_t N = w.size(0), K = w.size(1), panels = (N + kPanelCols - 1) / kPanelCols;
@@ -147,7 +147,6 @@ inline void panel_rows(const float* x, int64_t ldx, const uint16_t* w, int64_t k
   FS_PANEL_ROWS(FS_STORE)
 #undef FS_STORE
 }
-#undef FS_PANEL_ROWS
 
 #else
 // Row I's two accumulators to (store) or from its partial sums (when the group has row I).
@@ -220,6 +219,103 @@ inline void panel_rows(const float* x, int64_t ldx, const uint16_t* w, int64_t k
 
 #endif
 
+#ifdef FLUIDSERVE_DOT_PANELS
+// ------------------------------------------------- linears on bf16 dot products (VDPBF16PS)
+//
+// Where the CPU's bf16 dot product issues as fast as its float32 FMA (AMD Zen 4: 3.24 G
+// against 3.37 G instructions a second on one core, `python scripts/probe_bf16_dot.py`), it
+// does twice the multiply-adds per instruction and needs no unpacks: the weights' pairs of
+// k multiply on x's pairs as they are. Panels of 32 columns as above, laid out
+// [ceil(N/32)][ceil(K/2)][32][2]: a k-pair step reads two registers (columns 0-15 and 16-31,
+// each lane a column's two k), a row's pair of x broadcast to every lane (one 32-bit
+// broadcast), one VDPBF16PS per register and row. A row's sum is taken in the same order
+// whatever rows are beside it. K must be even (a packed odd K could not be told from the
+// next even one; model widths are even). (Where the dot product issues at a quarter of the FMA rate, as on the Emerald Rapids
+// class VM, the FMA panels above are twice as fast: ``dot`` is chosen per CPU.)
+constexpr int kDotCols = 2 * kPanelCols;  // bf16 values of one k-pair step of a panel
+
+at::Tensor dot_pack(const at::Tensor& w) {
+  TORCH_CHECK(w.dim() == 2 && w.scalar_type() == at::kBFloat16,
+              "tile_pack: a [N, K] bf16 weight expected");
+  const int64_t N = w.size(0), K = w.size(1), panels = (N + kPanelCols - 1) / kPanelCols;
+  TORCH_CHECK(K % 2 == 0, "tile_pack: dot panels need an even K, got ", K);
+  const int64_t pairs = K / 2;
+  const at::Tensor wc = w.contiguous();
+  at::Tensor out = at::zeros({panels, pairs, kDotCols}, w.options());
+  const auto* src = reinterpret_cast<const uint16_t*>(wc.data_ptr<at::BFloat16>());
+  auto* dst = reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>());
+  at::parallel_for(0, panels, 1, [&](int64_t p0, int64_t p1) {
+    for (int64_t p = p0; p < p1; ++p)
+      for (int c = 0; c < kPanelCols && p * kPanelCols + c < N; ++c) {
+        const uint16_t* row = src + (p * kPanelCols + c) * K;
+        uint16_t* col = dst + p * pairs * kDotCols + 2 * c;
+        for (int64_t k = 0; k < K; ++k) col[(k / 2) * kDotCols + k % 2] = row[k];
+      }
+  });
+  return out;
+}
+
+// x's pair of k (2j, 2j + 1) of one row, on every lane.
+inline __m512bh dot_pair(const uint16_t* x) {
+  int32_t v;
+  std::memcpy(&v, x, sizeof(v));
+  return (__m512bh)_mm512_set1_epi32(v);
+}
+
+template <int I, int R>
+inline void dot_row(const uint16_t* x, __m512bh lo, __m512bh hi, __m512& A, __m512& B) {
+  if constexpr (R > I) {
+    const __m512bh p = dot_pair(x);
+    A = _mm512_dpbf16_ps(A, p, lo);
+    B = _mm512_dpbf16_ps(B, p, hi);
+  }
+}
+
+// part[r] = x[r, :K] . W_panel for R rows (x bf16, row stride ldx; K even), the pairs of k
+// in order.
+// With PF, two lines of the stream ``pf`` on (a pair step's 128 bytes) are prefetched every
+// step into L1 and one pair step kPanelPrefetchL2 bytes further on into L2.
+template <int R, bool PF>
+inline void dot_rows(const uint16_t* x, int64_t ldx, const uint16_t* w, int64_t K,
+                     float (*part)[kPanelCols], const char* pf) {
+#define FS_DECL(i) __m512 c##i##a = _mm512_setzero_ps(), c##i##b = c##i##a;
+  FS_PANEL_ROWS(FS_DECL)
+#undef FS_DECL
+  const auto step = [&](int64_t j) __attribute__((always_inline)) {
+    const __m512bh lo = (__m512bh)_mm512_loadu_si512(w + j * kDotCols);
+    const __m512bh hi = (__m512bh)_mm512_loadu_si512(w + j * kDotCols + kPanelCols);
+#define FS_DOT(i) dot_row<i, R>(x + i * ldx + 2 * j, lo, hi, c##i##a, c##i##b);
+    FS_PANEL_ROWS(FS_DOT)
+#undef FS_DOT
+  };
+  const int64_t pairs = K / 2;
+  int64_t j = 0;
+  if constexpr (PF)
+    for (; j < pairs; ++j) {
+      const char* at = pf + 2 * kDotCols * j;
+      _mm_prefetch(at, _MM_HINT_T0);
+      _mm_prefetch(at + 64, _MM_HINT_T0);
+      _mm_prefetch(at + kPanelPrefetchL2, _MM_HINT_T1);
+      _mm_prefetch(at + kPanelPrefetchL2 + 64, _MM_HINT_T1);
+      step(j);
+    }
+  for (; j < pairs; ++j) step(j);
+#define FS_STORE(i) part_row512<i, R, true>(part, c##i##a, c##i##b);
+  FS_PANEL_ROWS(FS_STORE)
+#undef FS_STORE
+}
+
+template <bool PF, int R = 1>
+inline void dot_group(int rows, const uint16_t* x, int64_t ldx, const uint16_t* w, int64_t K,
+                      float (*part)[kPanelCols], const char* pf = nullptr) {
+  if constexpr (R < kPanelRows) {
+    if (rows > R) return dot_group<PF, R + 1>(rows, x, ldx, w, K, part, pf);
+  }
+  return dot_rows<R, PF>(x, ldx, w, K, part, pf);
+}
+#endif  // FLUIDSERVE_DOT_PANELS
+#undef FS_PANEL_ROWS
+
 // panel_rows for a group of ``rows`` rows (1 to kPanelRows), the row count a template argument.
 template <bool PF, int R = 1>
 inline void panel_group(int rows, const float* x, int64_t ldx, const uint16_t* w, int64_t kn,
@@ -256,21 +352,50 @@ void panel_out(const float (*part)[kPanelCols], int rows, T* y, int64_t ldy, int
   }
 }
 
+#ifndef FLUIDSERVE_DOT_PANELS
+constexpr int kDotCols = 0;  // (no such layout in this build)
+template <bool PF>
+inline void dot_group(int, const uint16_t*, int64_t, const uint16_t*, int64_t,
+                      float (*)[kPanelCols], const char* = nullptr) {}
+#endif
+
+// A bf16 [N, K] weight in panels: for the FMA kernel, or with ``dot`` for the bf16 dot
+// product (where the build has it: kDotPanelsBuilt).
+at::Tensor tile_pack(const at::Tensor& w, bool dot) {
+  TORCH_CHECK(!dot || kDotPanelsBuilt,
+              "tile_pack: dot panels need a CPU with AVX-512 BF16 (this build's panels: ",
+              kTileKind, ")");
+  if (dot) {
+#ifdef FLUIDSERVE_DOT_PANELS
+    return dot_pack(w);
+#endif
+  }
+  return fma_pack(w);
+}
+
+// Whether ``packed`` is a dot-product layout (else the FMA one).
+inline bool dot_layout(const at::Tensor& packed) {
+  return kDotPanelsBuilt && packed.dim() == 3 && packed.size(2) == kDotCols;
+}
+
 void tile_linear_into(const at::Tensor& x_in, const at::Tensor& packed, int64_t N,
                       const std::optional<at::Tensor>& bias, at::Tensor& y) {
   const int64_t m = x_in.size(0), K = x_in.size(1), panels = packed.size(0);
   if (m == 0) return;
-  const at::Tensor x = x_in.scalar_type() == at::kFloat ? x_in.contiguous()
-                                                         : x_in.to(at::kFloat).contiguous();
+  const bool dot = dot_layout(packed);
+  // The FMA panels multiply on x widened to float32 (exactly), the dot ones on x as it is.
+  TORCH_CHECK(!dot || x_in.scalar_type() == at::kBFloat16,
+              "tile_linear: dot panels take a bf16 input");
+  const at::Tensor x = dot || x_in.scalar_type() == at::kFloat ? x_in.contiguous()
+                                                                : x_in.to(at::kFloat).contiguous();
   at::Tensor bf;  // float32, zero up to the packed width (read 16 at a time)
   if (bias && bias->defined()) {
-    bf = at::zeros({panels * kPanelCols}, x.options());
+    bf = at::zeros({panels * kPanelCols}, x.options().dtype(at::kFloat));
     bf.narrow(0, 0, N).copy_(*bias);
   }
   const float* bp = bf.defined() ? bf.data_ptr<float>() : nullptr;
-  const float* xd = x.data_ptr<float>();
   const auto* wd = reinterpret_cast<const uint16_t*>(packed.data_ptr<at::BFloat16>());
-  const int64_t ldy = y.stride(0);
+  const int64_t ldy = y.stride(0), panel_size = packed.size(1) * packed.size(2);
   AT_DISPATCH_SWITCH(y.scalar_type(), "tile_linear",
     AT_DISPATCH_CASE(at::kBFloat16, [&] {
       auto* yd = y.data_ptr<scalar_t>();
@@ -278,15 +403,25 @@ void tile_linear_into(const at::Tensor& x_in, const at::Tensor& packed, int64_t 
         alignas(64) float part[kPanelRows][kPanelCols];
         for (int64_t b0 = 0; b0 < m; b0 += kRowBlock)
           for (int64_t p = p0; p < p1; ++p) {
-            const uint16_t* wp = wd + p * K * kPanelCols;
+            const uint16_t* wp = wd + p * panel_size;
+            const char* pf = reinterpret_cast<const char*>(wp) + kPanelPrefetch;
             for (int64_t r0 = b0; r0 < std::min(m, b0 + kRowBlock); r0 += kPanelRows) {
               const int rows = static_cast<int>(std::min<int64_t>(kPanelRows, m - r0));
               // The first group of a row block reads the panel from memory: it prefetches.
-              if (r0 == b0)
-                panel_group<true>(rows, xd + r0 * K, K, wp, K, true, part,
-                                  reinterpret_cast<const char*>(wp) + kPanelPrefetch);
-              else
-                panel_group<false>(rows, xd + r0 * K, K, wp, K, true, part);
+              if (dot) {
+                const auto* xr = reinterpret_cast<const uint16_t*>(
+                    x.data_ptr<at::BFloat16>()) + r0 * K;
+                if (r0 == b0)
+                  dot_group<true>(rows, xr, K, wp, K, part, pf);
+                else
+                  dot_group<false>(rows, xr, K, wp, K, part);
+              } else {
+                const float* xr = x.data_ptr<float>() + r0 * K;
+                if (r0 == b0)
+                  panel_group<true>(rows, xr, K, wp, K, true, part, pf);
+                else
+                  panel_group<false>(rows, xr, K, wp, K, true, part);
+              }
               panel_out(part, rows, yd + r0 * ldy, ldy, p * kPanelCols, N, bp);
             }
           }
@@ -298,8 +433,9 @@ bool tile_linear_supported() { return true; }
 
 bool tile_packed_matches(const at::Tensor& packed, int64_t K, int64_t N) {
   // Exactly the panels N needs: the kernel runs every panel it is given.
-  return packed.dim() == 3 && packed.size(1) == K && packed.size(2) == kPanelCols &&
-         packed.size(0) == (N + kPanelCols - 1) / kPanelCols;
+  if (packed.dim() != 3 || packed.size(0) != (N + kPanelCols - 1) / kPanelCols) return false;
+  if (dot_layout(packed)) return K % 2 == 0 && packed.size(1) == K / 2;
+  return packed.size(1) == K && packed.size(2) == kPanelCols;
 }
 
 }  // namespace

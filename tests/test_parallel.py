@@ -343,9 +343,17 @@ def test_stats_of_a_dead_rank_is_an_error_not_a_hang(tiny_model_dir):
     try:
         ex = engine.executor
         assert [s["rank"] for s in ex.stats()] == [0, 1]
-        # A call that gives up leaves its replies to come: the next call skips them.
-        with pytest.raises(RuntimeError, match="no statistics"):
-            ex.stats(timeout=0)
+        # A call that gives up leaves its replies to come: the next call skips them. (With no
+        # time to wait, a call gives up unless both ranks answered within microseconds, which
+        # a fast machine sometimes does: the first of a few that gives up is the case.)
+        for _ in range(20):
+            try:
+                ex.stats(timeout=0)
+            except RuntimeError as e:
+                assert "no statistics" in str(e)
+                break
+        else:
+            pytest.fail("20 calls with no time to wait all had their replies")
         time.sleep(0.2)
         a = ex.stats()
         time.sleep(0.5)

@@ -124,8 +124,9 @@ def tiles_supported(weight: torch.Tensor) -> bool:
 
 def panels_by_default() -> bool:
     """Whether ``auto`` multiplies bf16 linears on panels (which take every batch): on an
-    AVX-512 CPU without AMX, where the float32 FMA rate is about twice oneDNN's bf16 one,
-    and on an AVX2 CPU, where oneDNN has no bf16 kernels at all."""
+    AVX-512 CPU without AMX (float32 FMAs where they run at twice oneDNN's bf16 rate, the
+    bf16 dot product where it issues as fast as the FMA: ``dot_panels``), and on an AVX2
+    CPU, where oneDNN has no bf16 kernels at all."""
     kind = tile_kind()
     return kind == "avx512" or (kind == "avx2" and widened(torch.bfloat16))
 

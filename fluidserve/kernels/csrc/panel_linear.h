@@ -25,8 +25,8 @@ namespace {
 // kernels (VDPBF16PS) reach only about half the float32 FMA rate: on a 2-core Emerald Rapids
 // class VM, a [2048, 1024] x [1024, 5632] product ran at 172 GFLOP/s in bf16 and 314 in
 // float32 through oneDNN, and at 173 on the AVX2 panels, whose 256-bit FMAs are half the
-// machine's width; on these panels, at 245-282 (docs/performance.md). Only that CPU has been
-// measured: `--linear-backend packed` keeps oneDNN where its bf16 kernels might be faster.
+// machine's width; on these panels, at 245-282 (docs/performance.md). Where the CPU issues
+// VDPBF16PS as fast as its FMA (AMD Zen 4), the panels multiply with it instead (below).
 constexpr int64_t kTileMaxRows = std::numeric_limits<int32_t>::max();
 constexpr int64_t kRowBlock = 48;
 #if defined(__AVX512F__) && defined(__AVX512BW__)
@@ -222,10 +222,12 @@ inline void panel_rows(const float* x, int64_t ldx, const uint16_t* w, int64_t k
 #ifdef FLUIDSERVE_DOT_PANELS
 // ------------------------------------------------- linears on bf16 dot products (VDPBF16PS)
 //
-// Where the CPU's bf16 dot product issues as fast as its float32 FMA (AMD Zen 4: 3.24 G
-// against 3.37 G instructions a second on one core, `python scripts/probe_bf16_dot.py`), it
-// does twice the multiply-adds per instruction and needs no unpacks: the weights' pairs of
-// k multiply on x's pairs as they are. Panels of 32 columns as above, laid out
+// Where the CPU's bf16 dot product issues as fast as its float32 FMA (a 2-core AMD Zen 4:
+// 3.66 G against 3.64 G instructions a second on one core, `python scripts/probe_bf16_dot.py`),
+// it does twice the multiply-adds per instruction and needs no unpacks: the weights' pairs of
+// k multiply on x's pairs as they are. There, for the 64 decoder linears of the race model,
+// FMA panels -> dot panels (oneDNN bf16): 13.2 -> 12.1 (17.1) ms at 1 row, 78.2 -> 34.5
+// (50.6) at 40, 3868 -> 1665 (1697) at 2048, 0.44 TFLOP/s, ~95% of the probed rate. Panels of 32 columns as above, laid out
 // [ceil(N/32)][ceil(K/2)][32][2]: a k-pair step reads two registers (columns 0-15 and 16-31,
 // each lane a column's two k), a row's pair of x broadcast to every lane (one 32-bit
 // broadcast), one VDPBF16PS per register and row. A row's sum is taken in the same order

@@ -61,7 +61,8 @@ class ModelConfig:
         " AMX): fma: bf16 weights widened to float32 FMAs; dot: the bf16 dot product"
         " (VDPBF16PS, twice an FMA's multiply-adds; needs AVX-512 BF16); auto: dot where the"
         " CPU issues it at least 0.6x as fast as its FMA (measured once at start-up: AMD Zen 4"
-        " 0.96x, 2.3x the FMA panels from 40 rows; an Emerald Rapids class Xeon 0.25x).",
+        " ~1x, where dot runs 2.3x the FMA panels from 40 rows; an Emerald Rapids class Xeon"
+        " 0.25x).",
         choices=("auto", "fma", "dot"))
     enforce_eager: bool = knob(
         False, "CUDA: run every step eagerly, with no CUDA graphs (by default decode-only"

@@ -133,7 +133,7 @@ def panels_by_default() -> bool:
 
 # The dot-product panels are the default where the CPU issues its bf16 dot product at least at
 # this share of its FMA rate (each does twice an FMA's multiply-adds: at a half they break
-# even). Measured: 0.96 on AMD Zen 4, 0.25 on an Emerald Rapids class Xeon.
+# even). Measured: 0.96-1.0 on AMD Zen 4, 0.25 on an Emerald Rapids class Xeon.
 DOT_RATE_SHARE = 0.6
 PANEL_PRODUCTS = ("auto", "fma", "dot")
 

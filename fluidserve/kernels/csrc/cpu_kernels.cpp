@@ -261,7 +261,7 @@ bool dot_panels_built() { return kDotPanelsBuilt; }
 // into 16 float32 lanes) and the float32 FMA (VFMADD231PS: 16 multiply-adds), in instructions
 // a second: twelve independent accumulator chains of each in a tight loop, ~10 ms each. The
 // dot product does twice the multiply-adds of an FMA, so the dot panels pay where it issues
-// at more than half the FMA's rate: on AMD Zen 4 at 0.96 of it, on an Emerald Rapids class
+// at more than half the FMA's rate: on AMD Zen 4 at 0.96-1.0 of it, on an Emerald Rapids class
 // Xeon at 0.25 (docs/performance.md). (0, 0) where the build has no AVX-512 BF16.
 std::pair<double, double> bf16_dot_rates() {
 #if defined(__AVX512BF16__)

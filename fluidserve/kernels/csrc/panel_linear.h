@@ -225,15 +225,16 @@ inline void panel_rows(const float* x, int64_t ldx, const uint16_t* w, int64_t k
 // Where the CPU's bf16 dot product issues as fast as its float32 FMA (a 2-core AMD Zen 4:
 // 3.66 G against 3.64 G instructions a second on one core, `python scripts/probe_bf16_dot.py`),
 // it does twice the multiply-adds per instruction and needs no unpacks: the weights' pairs of
-// k multiply on x's pairs as they are. There, for the 64 decoder linears of the race model,
-// FMA panels -> dot panels (oneDNN bf16): 13.2 -> 12.1 (17.1) ms at 1 row, 78.2 -> 34.5
-// (50.6) at 40, 3868 -> 1665 (1697) at 2048, 0.44 TFLOP/s, ~95% of the probed rate. Panels of 32 columns as above, laid out
-// [ceil(N/32)][ceil(K/2)][32][2]: a k-pair step reads two registers (columns 0-15 and 16-31,
-// each lane a column's two k), a row's pair of x broadcast to every lane (one 32-bit
-// broadcast), one VDPBF16PS per register and row. A row's sum is taken in the same order
-// whatever rows are beside it. K must be even (a packed odd K could not be told from the
-// next even one; model widths are even). (Where the dot product issues at a quarter of the FMA rate, as on the Emerald Rapids
-// class VM, the FMA panels above are twice as fast: ``dot`` is chosen per CPU.)
+// k multiply on x's pairs as they are. Panels of 32 columns as above, laid out
+// [ceil(N/32)][K/2][32][2]: a k-pair step reads two registers (columns 0-15 and 16-31, each
+// lane a column's two k), a row's pair of x broadcast to every lane (one 32-bit broadcast),
+// one VDPBF16PS per register and row. A row's sum is taken in the same order whatever rows
+// are beside it. K must be even (a packed odd K could not be told from the next even one;
+// model widths are even). On that CPU, for the 64 decoder linears of the race model, FMA
+// panels -> dot panels (oneDNN bf16): 13.2 -> 12.1 (17.1) ms at 1 row, 78.2 -> 34.5 (50.6) at
+// 40, 3868 -> 1665 (1697) at 2048 rows, 0.44 TFLOP/s, ~95% of the probed rate. Where the dot
+// product issues at a quarter of the FMA's rate, as on the Emerald Rapids class VM, the FMA
+// panels above are twice as fast: the product is chosen per CPU (model/linear.py).
 constexpr int kDotCols = 2 * kPanelCols;  // bf16 values of one k-pair step of a panel
 
 at::Tensor dot_pack(const at::Tensor& w) {
@@ -274,9 +275,8 @@ inline void dot_row(const uint16_t* x, __m512bh lo, __m512bh hi, __m512& A, __m5
 }
 
 // part[r] = x[r, :K] . W_panel for R rows (x bf16, row stride ldx; K even), the pairs of k
-// in order.
-// With PF, two lines of the stream ``pf`` on (a pair step's 128 bytes) are prefetched every
-// step into L1 and one pair step kPanelPrefetchL2 bytes further on into L2.
+// in order. With PF, two lines of the stream ``pf`` on (a pair step's 128 bytes) are
+// prefetched every step into L1 and a pair step kPanelPrefetchL2 bytes further on into L2.
 template <int R, bool PF>
 inline void dot_rows(const uint16_t* x, int64_t ldx, const uint16_t* w, int64_t K,
                      float (*part)[kPanelCols], const char* pf) {
@@ -398,6 +398,8 @@ void tile_linear_into(const at::Tensor& x_in, const at::Tensor& packed, int64_t 
   const float* bp = bf.defined() ? bf.data_ptr<float>() : nullptr;
   const auto* wd = reinterpret_cast<const uint16_t*>(packed.data_ptr<at::BFloat16>());
   const int64_t ldy = y.stride(0), panel_size = packed.size(1) * packed.size(2);
+  const auto* xb = dot ? reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>()) : nullptr;
+  const float* xf = dot ? nullptr : x.data_ptr<float>();
   AT_DISPATCH_SWITCH(y.scalar_type(), "tile_linear",
     AT_DISPATCH_CASE(at::kBFloat16, [&] {
       auto* yd = y.data_ptr<scalar_t>();
@@ -411,18 +413,15 @@ void tile_linear_into(const at::Tensor& x_in, const at::Tensor& packed, int64_t 
               const int rows = static_cast<int>(std::min<int64_t>(kPanelRows, m - r0));
               // The first group of a row block reads the panel from memory: it prefetches.
               if (dot) {
-                const auto* xr = reinterpret_cast<const uint16_t*>(
-                    x.data_ptr<at::BFloat16>()) + r0 * K;
                 if (r0 == b0)
-                  dot_group<true>(rows, xr, K, wp, K, part, pf);
+                  dot_group<true>(rows, xb + r0 * K, K, wp, K, part, pf);
                 else
-                  dot_group<false>(rows, xr, K, wp, K, part);
+                  dot_group<false>(rows, xb + r0 * K, K, wp, K, part);
               } else {
-                const float* xr = x.data_ptr<float>() + r0 * K;
                 if (r0 == b0)
-                  panel_group<true>(rows, xr, K, wp, K, true, part, pf);
+                  panel_group<true>(rows, xf + r0 * K, K, wp, K, true, part, pf);
                 else
-                  panel_group<false>(rows, xr, K, wp, K, true, part);
+                  panel_group<false>(rows, xf + r0 * K, K, wp, K, true, part);
               }
               panel_out(part, rows, yd + r0 * ldy, ldy, p * kPanelCols, N, bp);
             }

@@ -68,23 +68,35 @@ inline int panel_pos(int c) {
   return 8 * ((c % half) / 4) + (c >= half ? 4 : 0) + c % 4;
 }
 
-at::Tensor fma_pack(const at::Tensor& w) {
+void check_panel_weight(const at::Tensor& w) {
   TORCH_CHECK(w.dim() == 2 && w.scalar_type() == at::kBFloat16,
               "tile_pack: a [N, K] bf16 weight expected");
+}
+
+// A [N, K] bf16 weight copied into zeroed panels of kPanelCols output columns, [ceil(N /
+// kPanelCols)][steps][width]: element (c, k) of a panel's columns at offset pos(c, k) in it.
+template <typename Pos>
+at::Tensor pack_panels(const at::Tensor& w, int64_t steps, int64_t width, Pos pos) {
   const int64_t N = w.size(0), K = w.size(1), panels = (N + kPanelCols - 1) / kPanelCols;
   const at::Tensor wc = w.contiguous();
-  at::Tensor out = at::zeros({panels, K, kPanelCols}, w.options());
+  at::Tensor out = at::zeros({panels, steps, width}, w.options());
   const auto* src = reinterpret_cast<const uint16_t*>(wc.data_ptr<at::BFloat16>());
   auto* dst = reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>());
   at::parallel_for(0, panels, 1, [&](int64_t p0, int64_t p1) {
     for (int64_t p = p0; p < p1; ++p)
       for (int c = 0; c < kPanelCols && p * kPanelCols + c < N; ++c) {
         const uint16_t* row = src + (p * kPanelCols + c) * K;
-        uint16_t* col = dst + p * K * kPanelCols + panel_pos(c);
-        for (int64_t k = 0; k < K; ++k) col[k * kPanelCols] = row[k];
+        uint16_t* panel = dst + p * steps * width;
+        for (int64_t k = 0; k < K; ++k) panel[pos(c, k)] = row[k];
       }
   });
   return out;
+}
+
+at::Tensor fma_pack(const at::Tensor& w) {
+  check_panel_weight(w);
+  return pack_panels(w, w.size(1), kPanelCols,
+                     [](int c, int64_t k) { return k * kPanelCols + panel_pos(c); });
 }
 
 #ifdef FLUIDSERVE_PANELS_512
@@ -238,24 +250,10 @@ inline void panel_rows(const float* x, int64_t ldx, const uint16_t* w, int64_t k
 constexpr int kDotCols = 2 * kPanelCols;  // bf16 values of one k-pair step of a panel
 
 at::Tensor dot_pack(const at::Tensor& w) {
-  TORCH_CHECK(w.dim() == 2 && w.scalar_type() == at::kBFloat16,
-              "tile_pack: a [N, K] bf16 weight expected");
-  const int64_t N = w.size(0), K = w.size(1), panels = (N + kPanelCols - 1) / kPanelCols;
-  TORCH_CHECK(K % 2 == 0, "tile_pack: dot panels need an even K, got ", K);
-  const int64_t pairs = K / 2;
-  const at::Tensor wc = w.contiguous();
-  at::Tensor out = at::zeros({panels, pairs, kDotCols}, w.options());
-  const auto* src = reinterpret_cast<const uint16_t*>(wc.data_ptr<at::BFloat16>());
-  auto* dst = reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>());
-  at::parallel_for(0, panels, 1, [&](int64_t p0, int64_t p1) {
-    for (int64_t p = p0; p < p1; ++p)
-      for (int c = 0; c < kPanelCols && p * kPanelCols + c < N; ++c) {
-        const uint16_t* row = src + (p * kPanelCols + c) * K;
-        uint16_t* col = dst + p * pairs * kDotCols + 2 * c;
-        for (int64_t k = 0; k < K; ++k) col[(k / 2) * kDotCols + k % 2] = row[k];
-      }
-  });
-  return out;
+  check_panel_weight(w);
+  TORCH_CHECK(w.size(1) % 2 == 0, "tile_pack: dot panels need an even K, got ", w.size(1));
+  return pack_panels(w, w.size(1) / 2, kDotCols,
+                     [](int c, int64_t k) { return (k / 2) * kDotCols + 2 * c + k % 2; });
 }
 
 // x's pair of k (2j, 2j + 1) of one row, on every lane.

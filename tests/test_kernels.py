@@ -58,22 +58,30 @@ def kernels(request):
                          ids=lambda s: "h{}-kv{}-d{}-bs{}".format(*s))
 @pytest.mark.parametrize("min_long_run", [1, A.MIN_LONG_RUN, 10**9],
                          ids=["all-flash", "default", "all-kernel"])
-@pytest.mark.parametrize("prefill", [True, False], ids=["prefill-kernel", "aten"])
+@pytest.mark.parametrize("prefill", ["fma", "dot", "aten"],
+                         ids=["prefill-kernel", "prefill-kernel-dot", "aten"])
 def test_native_attention_matches_reference(kernels, dtype, shape, min_long_run, prefill):
     """Long runs take the prefill kernel (bf16; AMX tiles with head_dim a multiple of 32, or
-    the AVX2 or AVX-512 panels, where the CPU has them) or ATen's flash attention; short ones and
-    decodes this file's other kernel (groups of six query heads a kv head: a partial group
-    of rows in the decode loops)."""
+    the AVX2 or AVX-512 panels, where the CPU has them, on float32 FMAs or, with AVX-512 BF16,
+    the bf16 dot product) or ATen's flash attention; short ones and decodes this file's other
+    kernel (groups of six query heads a kv head: a partial group of rows in the decode loops).
+    Where a build has no dot product, asking for it is an error."""
     h, hkv, d, bs = shape
     q, k, v, k_cache, v_cache, meta, tables = batch(h, hkv, d, bs, dtype)
     kc, vc = k_cache.clone(), v_cache.clone()
     out = torch.empty_like(q)
-    before = kernels.use_prefill_kernel(prefill)
+    if prefill == "dot" and not kernels.dot_panels_built():
+        with pytest.raises(RuntimeError, match="AVX-512 BF16|no panel prefill kernel"):
+            kernels.use_prefill_dot(True)
+        return
+    before = kernels.use_prefill_kernel(prefill != "aten")
+    dot_before = kernels.use_prefill_dot(prefill == "dot")
     try:
         kernels.paged_attention(out, q, k, v, kc, vc, meta.slot_mapping, meta.cu_q,
                                 meta.ctx_lens, meta.block_tables, d**-0.5, min_long_run)
     finally:
         kernels.use_prefill_kernel(before)
+        kernels.use_prefill_dot(dot_before)
     # The kernel wrote the new keys and values where the eager writer puts them.
     A.write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
     assert torch.equal(kc, k_cache) and torch.equal(vc, v_cache)
@@ -394,9 +402,17 @@ def test_the_panels_product_is_the_dot_product_where_it_issues_fast_enough(tiny_
         assert ex.worker.dot_panels == fast
         assert ex.model.layers[0].mlp.down_proj.tiles.shape[2] == (64 if fast else 32)
         assert ("bf16 dot products" if fast else "float32 FMAs") in ex.worker.linear_kernel()
+        # The prefill attention kernel takes the same product.
+        assert ex.worker.prefill_dot == fast
     ex = ModelExecutor(str(tiny_model_dir), dtype="bfloat16", num_blocks=16,
                        panel_product="dot")
-    assert ex.worker.dot_panels
+    assert ex.worker.dot_panels and ex.worker.prefill_dot
+    ex = ModelExecutor(str(tiny_model_dir), dtype="bfloat16", num_blocks=16,
+                       panel_product="fma")
+    assert not ex.worker.dot_panels and not ex.worker.prefill_dot
+    # A float32 model's attention has no prefill kernel: nothing to choose.
+    assert not ModelExecutor(str(tiny_model_dir), dtype="float32", num_blocks=16
+                             ).worker.prefill_dot
     with pytest.raises(ValueError, match="'dot' needs the panel linears"):
         ModelExecutor(str(tiny_model_dir), dtype="bfloat16", num_blocks=16,
                       linear_backend="packed", panel_product="dot")

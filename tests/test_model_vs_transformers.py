@@ -115,6 +115,8 @@ def test_bfloat16_logits_close_to_transformers(hf_models, arch, backends):
                        block_size=BS, attention_backend=attention, linear_backend=linear,
                        panel_product=product or "auto")
     assert ex.worker.dot_panels == (product == "dot")
+    if product:  # the prefill attention kernel (the 35-token prompt is a long run) too
+        assert ex.worker.prefill_dot == (product == "dot")
     ids = list(range(5, 40))
     ref = hf_logits(hf_models[arch], ids)[-1]
     with torch.inference_mode():

@@ -57,8 +57,9 @@ class ModelConfig:
         " bf16 instructions; else packed.",
         choices=("auto", "tiles", "packed", "eager"))
     panel_product: str = knob(
-        "auto", "The product of the AVX-512 panels (--linear-backend tiles on a CPU without"
-        " AMX): fma: bf16 weights widened to float32 FMAs; dot: the bf16 dot product"
+        "auto", "The product of the AVX-512 panels (the linears with --linear-backend tiles on"
+        " a CPU without AMX, and the prefill attention kernel of bf16 models): fma: bf16"
+        " operands widened to float32 FMAs; dot: the bf16 dot product"
         " (VDPBF16PS, twice an FMA's multiply-adds; needs AVX-512 BF16); auto: dot where the"
         " CPU issues it at least 0.6x as fast as its FMA (measured once at start-up: AMD Zen 4"
         " ~1x, where dot runs 2.3x the FMA panels from 40 rows; an Emerald Rapids class Xeon"

@@ -161,6 +161,7 @@ class Worker:
                                        dtype, self.device) for _ in self.model.layers]
         self.attention = choose_attention(spec.attention_backend, spec.block_size,
                                           self.arch.head_dim, self.device)
+        self.prefill_dot = self._choose_prefill_product(dtype)
         self.tp_size, self.pp_size = shard.tp_size, shard.pp_size
         # The last step's sampled tokens, where the next step's placeholders read them.
         self.last_tokens = torch.zeros(max(spec.max_num_seqs, spec.cuda_graph_max_batch, 1),
@@ -172,6 +173,24 @@ class Worker:
             from fluidserve.model.cuda_graphs import DecodeGraphs
 
             self.graphs = DecodeGraphs(self, spec.cuda_graph_max_batch)
+
+    def _choose_prefill_product(self, dtype: torch.dtype) -> bool:
+        """The prefill attention kernel's panels take the linears' product (``--panel-product``:
+        the bf16 dot product where it is chosen and built); the kernel's switch is per process.
+        Returns whether long runs multiply on the dot product."""
+        if self.attention != "native" or dtype != torch.bfloat16:
+            return False
+        from fluidserve.kernels import cpu_ops
+
+        ops = cpu_ops()
+        if not ops.dot_panels_built():
+            return False
+        dot = dot_panels(self.spec.panel_product)
+        ops.use_prefill_dot(dot)
+        if ops.prefill_kernel():
+            log.info("prefill attention: %s panels, %s", ops.prefill_kernel(),
+                     "bf16 dot products" if dot else "float32 FMAs")
+        return dot
 
     def linear_kernel(self) -> str:
         """What the linear layers run on, in words (logged at start-up)."""

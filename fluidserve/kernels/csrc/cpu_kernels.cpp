@@ -305,6 +305,22 @@ bool use_prefill_kernel(bool enabled) {
   return previous;
 }
 
+// Whether the prefill kernel's panels multiply on the bf16 dot product (where the build has
+// it: dot_panels_built), as the linears' panels; returns the previous value.
+bool use_prefill_dot(bool enabled) {
+#ifdef FLUIDSERVE_PANELS
+  TORCH_CHECK(!enabled || kDotPanelsBuilt,
+              "use_prefill_dot: the dot product needs a CPU with AVX-512 BF16 (this build's "
+              "panels: ", kTileKind, ")");
+  const bool previous = g_prefill_dot;
+  g_prefill_dot = enabled;
+  return previous;
+#else
+  TORCH_CHECK(!enabled, "use_prefill_dot: this build has no panel prefill kernel");
+  return false;
+#endif
+}
+
 // The prefill kernel that long bf16 runs take here: "amx", "avx2", "avx512" or "" (ATen's flash
 // attention: none built, or switched off).
 std::string prefill_kernel() {
@@ -321,6 +337,9 @@ std::string prefill_kernel() {
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("use_prefill_kernel", &use_prefill_kernel,
         "Allow (or not) the prefill attention kernel; returns the old value");
+  m.def("use_prefill_dot", &use_prefill_dot,
+        "Multiply (or not) in the panel prefill kernel on the bf16 dot product; returns the"
+        " old value");
   m.def("prefill_kernel", &prefill_kernel,
         "The prefill attention kernel of long bf16 runs here: amx, avx2, avx512 or '' (none, or off)");
   m.def("fused_add_rms_norm", &fused_add_rms_norm, "residual += x; x = rmsnorm(residual) * w",

@@ -24,6 +24,14 @@ namespace {
 // instead of 1857 ms (113 against 74 GFLOP/s) and of four 512-token prompts 396 instead of
 // 917 ms. The micro-kernel itself runs at ~70% of the FMA peak; the softmax (exp2 on a
 // degree-4 polynomial, as on the tiles) is most of the rest.
+//
+// Where the panels' product is the bf16 dot product (g_prefill_dot: set with the linears',
+// --panel-product), both products run on the dot panels instead: K and V^T stay bf16 (copied
+// 16 x 16 at a time through the registers), Q^T and P^T are laid out in pairs of channels and
+// of keys, and O^T is turned back into rows 16 x 16 at a time. On a 2-core Zen 4 EPYC, the
+// 16 layers' attention of eight 256-token prompts took 86 instead of 173 ms, of one 2048-token
+// prompt 424 instead of 825 ms (a prefill step of the race model: 8 x 256 tokens 1915 -> 1850
+// ms, 2048 tokens 2590 -> 2213 ms).
 constexpr int kLongQ = kPanelCols;  // query tokens per tile: one panel's columns
 constexpr int kLongPairs = 16;      // (query tile, query head) pairs per work item
 constexpr int kLongChunk = 96;      // keys per online-softmax step: a multiple of kPanelRows
@@ -111,13 +119,52 @@ struct LongRun {
                       // multiple of 4 KB apart (one L1 set)
   int64_t offset;     // of its kv heads' packed keys, then values, in the buffer (floats)
 };
-// Keys 0 .. keys - 1 of kv head g in float32, key-major into kp [keys, D] and channel-major
-// into vt [D, keys].
+// The prefill kernel's product (panel_linear.h): bf16 dot products where the CPU has them and
+// the linears take them (model/worker.py sets it with theirs), else float32 FMAs.
+bool g_prefill_dot = false;
+// What the products read K and V^T in: float32 rows for the FMA, bf16 (its bits) for the dot.
+template <bool Dot>
+using LongElem = std::conditional_t<Dot, uint16_t, float>;
+template <bool Dot>
+inline LongElem<Dot> long_elem(c10::BFloat16 v) {
+  if constexpr (Dot)
+    return v.x;
+  else
+    return static_cast<float>(v);
+}
+
+// Keys 0 .. keys - 1 of kv head g, key-major into kp [keys, D] and channel-major into vt
+// [D, keys] (float32 for the FMA, bf16 for the dot product).
+template <bool Dot>
 void long_pack(const Batch& b, const LongRun& r, int g, int BS, const c10::BFloat16* kc,
-               const c10::BFloat16* vc, float* kp, float* vt) {
+               const c10::BFloat16* vc, LongElem<Dot>* kp, LongElem<Dot>* vt) {
   const int D = b.D;
   const int64_t kv_stride = static_cast<int64_t>(b.Hkv) * BS * D;
   const int32_t* table = b.tables + r.run * b.table_stride;
+#ifdef FLUIDSERVE_DOT_PANELS
+  if constexpr (Dot) {  // bf16 bits as they are, 16 x 16 blocks through the registers
+    __m512 x[16];
+    for (int key0 = 0; key0 < r.keys; key0 += 16) {  // (blocks are whole 16-key groups)
+      const int nk = std::min(16, r.keys - key0);
+      const int64_t base = table[key0 / BS] * kv_stride + static_cast<int64_t>(g) * BS * D;
+      const uint16_t* kt = &kc[base + key0 % BS].x;       // [D, BS] from column key0 % BS
+      const uint16_t* vb = &vc[base + (key0 % BS) * D].x;  // [BS, D] from row key0 % BS
+      for (int d0 = 0; d0 < D; d0 += 16) {
+        for (int i = 0; i < 16; ++i) x[i] = widen16(kt + (d0 + i) * BS);  // channel d0 + i
+        transpose16(x);
+        for (int j = 0; j < nk; ++j) narrow16(kp + static_cast<int64_t>(key0 + j) * D + d0, x[j]);
+        for (int j = 0; j < 16; ++j) x[j] = widen16(vb + j * D + d0);  // key key0 + j
+        transpose16(x);
+        for (int i = 0; i < 16; ++i)  // the columns past the keys: stale slots, zeroed below
+          narrow16(vt + static_cast<int64_t>(d0 + i) * r.ldv + key0, x[i]);
+      }
+    }
+    for (int d = 0; d < D; ++d)
+      std::fill(vt + static_cast<int64_t>(d) * r.ldv + r.keys,
+                vt + static_cast<int64_t>(d + 1) * r.ldv, uint16_t{0});
+    return;
+  }
+#endif
   for (int key0 = 0; key0 < r.keys; key0 += BS) {
     const int nk = std::min(BS, r.keys - key0);
     const int64_t base = table[key0 / BS] * kv_stride + static_cast<int64_t>(g) * BS * D;
@@ -125,35 +172,48 @@ void long_pack(const Batch& b, const LongRun& r, int g, int BS, const c10::BFloa
     const c10::BFloat16* vb = vc + base;  // [BS, D]
     for (int j = 0; j < nk; ++j)
       for (int d = 0; d < D; ++d)
-        kp[static_cast<int64_t>(key0 + j) * D + d] = static_cast<float>(kt[d * BS + j]);
+        kp[static_cast<int64_t>(key0 + j) * D + d] = long_elem<Dot>(kt[d * BS + j]);
     for (int d = 0; d < D; ++d)
       for (int j = 0; j < nk; ++j)
-        vt[static_cast<int64_t>(d) * r.ldv + key0 + j] = static_cast<float>(vb[j * D + d]);
+        vt[static_cast<int64_t>(d) * r.ldv + key0 + j] = long_elem<Dot>(vb[j * D + d]);
   }
 }
 
 // A panel row (finite, non-negative) rounded to bf16 (nearest-even), in the order the panel
 // kernel's unpacks read: the pack interleaves its two registers within 128-bit lanes, which
 // is panel_pos's order.
-inline void store_panel_row(uint16_t* p, Lanes::F lo, Lanes::F hi) {
-  const auto round = [](Lanes::F v) {
-    const Lanes::I b = Lanes::bits(v);
-    const Lanes::I lsb = Lanes::and_i(Lanes::srli(b, 16), Lanes::set1_i(1));
-    return Lanes::srli(Lanes::add_i(Lanes::add_i(b, Lanes::set1_i(0x7fff)), lsb), 16);
-  };
-  Lanes::store_packed(p, round(lo), round(hi));
+inline Lanes::I bf16_bits(Lanes::F v) {  // in the low half of each lane
+  const Lanes::I b = Lanes::bits(v);
+  const Lanes::I lsb = Lanes::and_i(Lanes::srli(b, 16), Lanes::set1_i(1));
+  return Lanes::srli(Lanes::add_i(Lanes::add_i(b, Lanes::set1_i(0x7fff)), lsb), 16);
 }
+inline void store_panel_row(uint16_t* p, Lanes::F lo, Lanes::F hi) {
+  Lanes::store_packed(p, bf16_bits(lo), bf16_bits(hi));
+}
+#ifdef FLUIDSERVE_DOT_PANELS
+// Two rows of P^T (keys j and j + 1, bf16 bits in the low halves) as one k-pair step of a
+// dot panel: each query's pair of probabilities in one 32-bit lane.
+inline void store_dot_pair(uint16_t* p, __m512i lo0, __m512i hi0, __m512i lo1, __m512i hi1) {
+  _mm512_storeu_si512(p, _mm512_or_si512(lo0, _mm512_slli_epi32(lo1, 16)));
+  _mm512_storeu_si512(p + kPanelCols, _mm512_or_si512(hi0, _mm512_slli_epi32(hi1, 16)));
+}
+#endif
 
+// With Dot, both products on the bf16 dot product: Q^T and P^T in dot panels (each query's
+// pair of channels, of keys, in one lane), K and V^T as bf16 rows; a chunk of an odd number of
+// keys is multiplied as one more, whose probability is 0 and value 0 (the padding of V^T).
+template <bool Dot>
 void long_item(const LongItem& w, const std::vector<LongRun>& runs, const Batch& b,
-               const uint16_t* q, c10::BFloat16* out, const float* packed) {
+               const uint16_t* q, c10::BFloat16* out, const LongElem<Dot>* packed) {
   using L = Lanes;
   const LongRun& r = runs[w.run_index];
   const int D = b.D, G = b.H / b.Hkv;
   const int q0 = b.cu_q[r.run];
   const int q_len = b.cu_q[r.run + 1] - q0;
   const int first_pos = b.ctx_lens[r.run] - q_len;
-  const float* kp = packed + r.offset + static_cast<int64_t>(w.kv_head) * (r.keys + r.ldv) * D;
-  const float* vt = kp + static_cast<int64_t>(r.keys) * D;
+  const LongElem<Dot>* kp =
+      packed + r.offset + static_cast<int64_t>(w.kv_head) * (r.keys + r.ldv) * D;
+  const LongElem<Dot>* vt = kp + static_cast<int64_t>(r.keys) * D;
   // One (query tile, query head) pair after another meets each chunk of keys while the
   // chunk is in L1/L2; each pair keeps its Q^T panel, running max and sum, and O^T.
   const int tiles = (w.toks + kLongQ - 1) / kLongQ, pairs = tiles * G;
@@ -168,12 +228,31 @@ void long_item(const LongItem& w, const std::vector<LongRun>& runs, const Batch&
   for (int pr = 0; pr < pairs; ++pr) {
     const int t0 = w.tok0 + kLongQ * (pr / G), nt = std::min(kLongQ, w.tok0 + w.toks - t0);
     const int h = w.kv_head * G + pr % G;
+    uint16_t* qp = qt.data() + static_cast<size_t>(pr) * D * kLongQ;
+#ifdef FLUIDSERVE_DOT_PANELS
+    if (Dot && D % 32 == 0) {  // pairs of channels as 32-bit words, 16 x 16 at a time
+      for (int tb = 0; tb < kLongQ; tb += 16)
+        for (int p0 = 0; p0 < D / 2; p0 += 16) {
+          __m512 y[16];
+          for (int t = 0; t < 16; ++t)
+            y[t] = tb + t < nt ? _mm512_loadu_ps(reinterpret_cast<const float*>(
+                                     q + static_cast<int64_t>(q0 + t0 + tb + t) * b.q_row +
+                                     static_cast<int64_t>(h) * D + 2 * p0))
+                               : _mm512_setzero_ps();
+          transpose16(y);  // y[i]: pair p0 + i of the 16 queries
+          for (int i = 0; i < 16; ++i)
+            _mm512_storeu_ps(reinterpret_cast<float*>(qp + (p0 + i) * 2 * kLongQ + 2 * tb), y[i]);
+        }
+    } else
+#endif
     for (int t = 0; t < kLongQ; ++t) {
-      const int col = panel_pos(t);
       const uint16_t* qr =
           q + static_cast<int64_t>(q0 + t0 + t) * b.q_row + static_cast<int64_t>(h) * D;
-      uint16_t* qp = qt.data() + static_cast<size_t>(pr) * D * kLongQ + col;
-      for (int d = 0; d < D; ++d) qp[d * kLongQ] = t < nt ? qr[d] : 0;
+      for (int d = 0; d < D; ++d) {
+        // Channel d of query t: its panel position (FMA), or its pair's half (dot).
+        const int at = Dot ? d / 2 * 2 * kLongQ + 2 * t + d % 2 : d * kLongQ + panel_pos(t);
+        qp[at] = t < nt ? qr[d] : 0;
+      }
     }
     float* mlp = ml.data() + pr * 2 * kLongQ;
     std::fill(mlp, mlp + kLongQ, kNegInf);
@@ -194,9 +273,14 @@ void long_item(const LongItem& w, const std::vector<LongRun>& runs, const Batch&
           ot.data() + static_cast<size_t>(pr) * D * kLongQ);
       float* mlp = ml.data() + pr * 2 * kLongQ;
       const int nk = std::min(kLongChunk, max_pos + 1 - key0);
-      for (int j = 0; j < nk; j += kPanelRows)  // S^T, kPanelRows keys at a time
-        panel_group<false>(std::min(kPanelRows, nk - j), kp + static_cast<int64_t>(key0 + j) * D,
-                           D, qp, D, true, st + j);
+      for (int j = 0; j < nk; j += kPanelRows) {  // S^T, kPanelRows keys at a time
+        const int rows = std::min(kPanelRows, nk - j);
+        if constexpr (Dot)
+          dot_group<false>(rows, kp + static_cast<int64_t>(key0 + j) * D, D, qp, D, st + j);
+        else
+          panel_group<false>(rows, kp + static_cast<int64_t>(key0 + j) * D, D, qp, D, true,
+                             st + j);
+      }
       const bool edge = key0 + nk - 1 > min_pos;  // some key is after some query
       L::F mx_lo = neg_inf, mx_hi = neg_inf;
       for (int j = 0; j < nk; ++j) {
@@ -218,12 +302,26 @@ void long_item(const LongItem& w, const std::vector<LongRun>& runs, const Batch&
       const L::F alpha_lo = L::exp2_neg(L::sub(m_lo, new_lo));
       const L::F alpha_hi = L::exp2_neg(L::sub(m_hi, new_hi));
       L::F sum_lo = L::zero(), sum_hi = sum_lo;
+      [[maybe_unused]] L::I even_lo = L::set1_i(0), even_hi = even_lo;  // Dot: key j - 1's
       for (int j = 0; j < nk; ++j) {
         const L::F p_lo = L::exp2_neg(L::sub(L::load(st[j]), new_lo));
         const L::F p_hi = L::exp2_neg(L::sub(L::load(st[j] + kHalf), new_hi));
         sum_lo = L::add(sum_lo, p_lo);
         sum_hi = L::add(sum_hi, p_hi);
-        store_panel_row(pt + kLongQ * j, p_lo, p_hi);
+        if constexpr (!Dot) {
+          store_panel_row(pt + kLongQ * j, p_lo, p_hi);
+        } else {
+#ifdef FLUIDSERVE_DOT_PANELS
+          uint16_t* at = pt + j / 2 * 2 * kLongQ;
+          if (j % 2 == 1) {
+            store_dot_pair(at, even_lo, even_hi, bf16_bits(p_lo), bf16_bits(p_hi));
+          } else {
+            even_lo = bf16_bits(p_lo);
+            even_hi = bf16_bits(p_hi);
+            if (j + 1 == nk) store_dot_pair(at, even_lo, even_hi, L::set1_i(0), L::set1_i(0));
+          }
+#endif
+        }
       }
       L::store(mlp, new_lo);
       L::store(mlp + kHalf, new_hi);
@@ -234,10 +332,14 @@ void long_item(const LongItem& w, const std::vector<LongRun>& runs, const Batch&
         L::store(op[d], L::mul(L::load(op[d]), alpha_lo));
         L::store(op[d] + kHalf, L::mul(L::load(op[d] + kHalf), alpha_hi));
       }
-      for (int d0 = 0; d0 < D; d0 += kPanelRows)  // O^T += V^T P^T, kPanelRows channels
-        panel_group<false>(std::min(kPanelRows, D - d0),
-                           vt + static_cast<int64_t>(d0) * r.ldv + key0, r.ldv, pt, nk, false,
-                           op + d0);
+      for (int d0 = 0; d0 < D; d0 += kPanelRows) {  // O^T += V^T P^T, kPanelRows channels
+        const int rows = std::min(kPanelRows, D - d0);
+        const LongElem<Dot>* vr = vt + static_cast<int64_t>(d0) * r.ldv + key0;
+        if constexpr (Dot)
+          dot_group<false>(rows, vr, r.ldv, pt, (nk + 1) / 2 * 2, op + d0, nullptr, false);
+        else
+          panel_group<false>(rows, vr, r.ldv, pt, nk, false, op + d0);
+      }
     }
   }
   for (int pr = 0; pr < pairs; ++pr) {
@@ -245,11 +347,59 @@ void long_item(const LongItem& w, const std::vector<LongRun>& runs, const Batch&
     const int h = w.kv_head * G + pr % G;
     const float* op = ot.data() + static_cast<size_t>(pr) * D * kLongQ;
     const float* l = ml.data() + pr * 2 * kLongQ + kLongQ;
+#ifdef FLUIDSERVE_PANELS_512
+    if (D % 16 == 0) {  // O^T's 16 x 16 blocks turned into 16-channel rows in the registers
+      for (int tb = 0; tb < nt; tb += 16) {
+        const __m512 inv = _mm512_div_ps(_mm512_set1_ps(1.0f), _mm512_loadu_ps(l + tb));
+        for (int d0 = 0; d0 < D; d0 += 16) {
+          __m512 y[16];
+          for (int i = 0; i < 16; ++i)
+            y[i] = _mm512_mul_ps(_mm512_loadu_ps(op + (d0 + i) * kLongQ + tb), inv);
+          transpose16(y);
+          for (int t = 0; t < std::min(16, nt - tb); ++t) {
+            v16f row;
+            std::memcpy(&row, &y[t], sizeof(row));
+            store16(out + (static_cast<int64_t>(q0 + t0 + tb + t) * b.H + h) * D + d0, row);
+          }
+        }
+      }
+      continue;
+    }
+#endif
     for (int t = 0; t < nt; ++t) {
       c10::BFloat16* o = out + (static_cast<int64_t>(q0 + t0 + t) * b.H + h) * D;
       const float inv = 1.0f / l[t];
       for (int d = 0; d < D; ++d) o[d] = static_cast<c10::BFloat16>(op[d * kLongQ + t] * inv);
     }
+  }
+}
+
+template <bool Dot>
+void long_runs(const Batch& b, const std::vector<LongRun>& runs,
+               const std::vector<LongItem>& items, int64_t total, int BS, const at::Tensor& q,
+               at::Tensor& out, const at::Tensor& k_cache, const at::Tensor& v_cache) {
+  // Not zeroed: long_pack writes every element the products read (Dot: V^T's padding too).
+  const std::unique_ptr<LongElem<Dot>[]> packed(new LongElem<Dot>[total]);
+  const auto* qd = reinterpret_cast<const uint16_t*>(q.data_ptr<at::BFloat16>());  // panel bits
+  auto* od = out.data_ptr<at::BFloat16>();
+  const auto* kc = k_cache.data_ptr<at::BFloat16>();
+  const auto* vc = v_cache.data_ptr<at::BFloat16>();
+  const int64_t n_pack = static_cast<int64_t>(runs.size()) * b.Hkv;
+  const int64_t n = static_cast<int64_t>(items.size());
+  const int threads = static_cast<int>(std::max<int64_t>(
+      1, std::min<int64_t>(at::get_num_threads(), std::max(n, n_pack))));
+#pragma omp parallel num_threads(threads)
+  {
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t i = 0; i < n_pack; ++i) {
+      const LongRun& r = runs[i / b.Hkv];
+      const int g = static_cast<int>(i % b.Hkv);
+      LongElem<Dot>* kp =
+          packed.get() + r.offset + static_cast<int64_t>(g) * (r.keys + r.ldv) * b.D;
+      long_pack<Dot>(b, r, g, BS, kc, vc, kp, kp + static_cast<int64_t>(r.keys) * b.D);
+    }
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t i = 0; i < n; ++i) long_item<Dot>(items[i], runs, b, qd, od, packed.get());
   }
 }
 
@@ -269,27 +419,13 @@ bool kernel_long_runs(const Batch& b, int64_t S, int BS, const std::vector<uint8
   }
   const int long_q = kLongQ * std::max(1, kLongPairs / (b.H / b.Hkv));  // query tokens per item
   const std::vector<LongItem> items = long_items(b, runs, long_q);
-  std::vector<float> packed(total);
-  const auto* qd = reinterpret_cast<const uint16_t*>(q.data_ptr<at::BFloat16>());  // panel bits
-  auto* od = out.data_ptr<at::BFloat16>();
-  const auto* kc = k_cache.data_ptr<at::BFloat16>();
-  const auto* vc = v_cache.data_ptr<at::BFloat16>();
-  const int64_t n_pack = static_cast<int64_t>(runs.size()) * b.Hkv;
-  const int64_t n = static_cast<int64_t>(items.size());
-  const int threads = static_cast<int>(std::max<int64_t>(
-      1, std::min<int64_t>(at::get_num_threads(), std::max(n, n_pack))));
-#pragma omp parallel num_threads(threads)
-  {
-#pragma omp for schedule(dynamic, 1)
-    for (int64_t i = 0; i < n_pack; ++i) {
-      const LongRun& r = runs[i / b.Hkv];
-      const int g = static_cast<int>(i % b.Hkv);
-      float* kp = packed.data() + r.offset + static_cast<int64_t>(g) * (r.keys + r.ldv) * b.D;
-      long_pack(b, r, g, BS, kc, vc, kp, kp + static_cast<int64_t>(r.keys) * b.D);
+  if constexpr (kDotPanelsBuilt) {
+    if (g_prefill_dot && b.D % 2 == 0) {
+      long_runs<true>(b, runs, items, total, BS, q, out, k_cache, v_cache);
+      return true;
     }
-#pragma omp for schedule(dynamic, 1)
-    for (int64_t i = 0; i < n; ++i) long_item(items[i], runs, b, qd, od, packed.data());
   }
+  long_runs<false>(b, runs, items, total, BS, q, out, k_cache, v_cache);
   return true;
 }
 

@@ -275,12 +275,18 @@ inline void dot_row(const uint16_t* x, __m512bh lo, __m512bh hi, __m512& A, __m5
 // part[r] = x[r, :K] . W_panel for R rows (x bf16, row stride ldx; K even), the pairs of k
 // in order. With PF, two lines of the stream ``pf`` on (a pair step's 128 bytes) are
 // prefetched every step into L1 and a pair step kPanelPrefetchL2 bytes further on into L2.
+// Unless ``first``, the sums go on from those in ``part`` (prefill attention's O^T).
 template <int R, bool PF>
 inline void dot_rows(const uint16_t* x, int64_t ldx, const uint16_t* w, int64_t K,
-                     float (*part)[kPanelCols], const char* pf) {
+                     float (*part)[kPanelCols], const char* pf, bool first) {
 #define FS_DECL(i) __m512 c##i##a = _mm512_setzero_ps(), c##i##b = c##i##a;
   FS_PANEL_ROWS(FS_DECL)
 #undef FS_DECL
+  if (!first) {
+#define FS_LOAD(i) part_row512<i, R, false>(part, c##i##a, c##i##b);
+    FS_PANEL_ROWS(FS_LOAD)
+#undef FS_LOAD
+  }
   const auto step = [&](int64_t j) __attribute__((always_inline)) {
     const __m512bh lo = (__m512bh)_mm512_loadu_si512(w + j * kDotCols);
     const __m512bh hi = (__m512bh)_mm512_loadu_si512(w + j * kDotCols + kPanelCols);
@@ -307,11 +313,11 @@ inline void dot_rows(const uint16_t* x, int64_t ldx, const uint16_t* w, int64_t 
 
 template <bool PF, int R = 1>
 inline void dot_group(int rows, const uint16_t* x, int64_t ldx, const uint16_t* w, int64_t K,
-                      float (*part)[kPanelCols], const char* pf = nullptr) {
+                      float (*part)[kPanelCols], const char* pf = nullptr, bool first = true) {
   if constexpr (R < kPanelRows) {
-    if (rows > R) return dot_group<PF, R + 1>(rows, x, ldx, w, K, part, pf);
+    if (rows > R) return dot_group<PF, R + 1>(rows, x, ldx, w, K, part, pf, first);
   }
-  return dot_rows<R, PF>(x, ldx, w, K, part, pf);
+  return dot_rows<R, PF>(x, ldx, w, K, part, pf, first);
 }
 #endif  // FLUIDSERVE_DOT_PANELS
 #undef FS_PANEL_ROWS
@@ -356,7 +362,7 @@ void panel_out(const float (*part)[kPanelCols], int rows, T* y, int64_t ldy, int
 constexpr int kDotCols = 0;  // (no such layout in this build)
 template <bool PF>
 inline void dot_group(int, const uint16_t*, int64_t, const uint16_t*, int64_t,
-                      float (*)[kPanelCols], const char* = nullptr) {}
+                      float (*)[kPanelCols], const char* = nullptr, bool = true) {}
 #endif
 
 // A bf16 [N, K] weight in panels: for the FMA kernel, or with ``dot`` for the bf16 dot

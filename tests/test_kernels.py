@@ -482,3 +482,34 @@ def test_panel_linear_rounds_the_float32_product_and_is_the_same_for_every_batch
     if n > 64:  # whole panels past ``n``: the kernel ran them, writing past the output's rows
         with pytest.raises(RuntimeError, match="does not match"):
             kernels.tile_linear(x[:2], panels, n - 64, None)
+
+
+@pytest.mark.parametrize("product", ["fma", "dot"])
+@pytest.mark.parametrize("k,i,bias", [(1024, 2816, False), (64, 64, True), (130, 96, True)])
+def test_fused_gate_up_and_silu_give_the_bits_of_the_two_calls(kernels, k, i, bias, product):
+    """tile_linear_silu (the decoder stack's gate/up layer on the AVX-512 panels) gives exactly
+    tile_linear followed by silu_and_mul, for every row count; where it cannot fuse (AVX2
+    panels, out features not a multiple of 64) it says so."""
+    if kernels.tile_kind() not in ("avx2", "avx512"):
+        pytest.skip("this build's linears are AMX tiles, not panels")
+    g = torch.Generator().manual_seed(k + i)
+    w = (torch.randn(2 * i, k, generator=g) * 0.05).bfloat16()
+    b = torch.randn(2 * i, generator=g).bfloat16() if bias else None
+    if product == "dot" and not kernels.dot_panels_built():  # no such panels to fuse
+        with pytest.raises(RuntimeError, match="AVX-512 BF16"):
+            kernels.tile_pack(w, dot=True)
+        return
+    panels = kernels.tile_pack(w, dot=product == "dot")
+    x = torch.randn(97, k, generator=g).bfloat16()
+    if kernels.tile_kind() == "avx2":
+        with pytest.raises(RuntimeError, match="not fused here"):
+            kernels.tile_linear_silu(x, panels, 2 * i, b)
+        return
+    for m in (1, 5, 12, 13, 40, 49, 97):
+        gate_up = kernels.tile_linear(x[:m], panels, 2 * i, b)
+        ref = torch.empty(m, i, dtype=torch.bfloat16)
+        kernels.silu_and_mul(ref, gate_up)
+        assert torch.equal(kernels.tile_linear_silu(x[:m], panels, 2 * i, b), ref), m
+    odd = kernels.tile_pack(w[:80], dot=product == "dot")
+    with pytest.raises(RuntimeError, match="not fused here"):
+        kernels.tile_linear_silu(x, odd, 80, None)

@@ -39,6 +39,13 @@ bool tile_linear_supported() { return false; }
 const char* kTileKind = "";
 bool tile_packed_matches(const at::Tensor&, int64_t, int64_t) { return false; }
 #endif
+#ifndef FLUIDSERVE_PANELS
+// The fused gate/up and SiLU runs on the panels only (panel_linear.h).
+bool tile_linear_silu_into(const at::Tensor&, const at::Tensor&, int64_t,
+                           const std::optional<at::Tensor>&, at::Tensor&) {
+  return false;
+}
+#endif
 
 void check_common(const at::Tensor& k_cache, const at::Tensor& v_cache) {
   TORCH_CHECK(k_cache.dim() == 4 && v_cache.dim() == 4, "caches must be 4-D");
@@ -254,6 +261,26 @@ at::Tensor tile_linear(const at::Tensor& x, const at::Tensor& packed, int64_t N,
   return y;
 }
 
+inline const char* tile_kind_name() { return tile_linear_supported() ? kTileKind : ""; }
+
+// silu(x W_gate^T) * (x W_up^T) on a gate/up weight packed by ``tile_pack`` ([2I, K], the
+// gate's rows first): the bits of tile_linear and silu_and_mul, without the [M, 2I] product
+// in memory; where the build has it (the AVX-512 panels, I a multiple of 32).
+at::Tensor tile_linear_silu(const at::Tensor& x, const at::Tensor& packed, int64_t N,
+                            const std::optional<at::Tensor>& bias) {
+  TORCH_CHECK(tile_linear_supported(),
+              "tile_linear_silu: no tile kernel on this CPU (tile_kind() is empty)");
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.scalar_type() == at::kBFloat16,
+              "tile_linear_silu: a contiguous [M, K] bf16 input expected");
+  TORCH_CHECK(tile_packed_matches(packed, x.size(1), N),
+              "tile_linear_silu: the packed weight does not match the input");
+  at::Tensor out = at::empty({x.size(0), N / 2}, x.options());
+  TORCH_CHECK(tile_linear_silu_into(x, packed, N, bias, out),
+              "tile_linear_silu: not fused here (needs the AVX-512 panels and out features a"
+              " multiple of 64, got ", N, ", kernel '", tile_kind_name(), "')");
+  return out;
+}
+
 int64_t tile_max_rows() { return tile_linear_supported() ? kTileMaxRows : 0; }
 bool dot_panels_built() { return kDotPanelsBuilt; }
 
@@ -364,6 +391,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "(FMA, bf16 dot) instructions a second on one core; (0, 0) without AVX-512 BF16",
         py::call_guard<py::gil_scoped_release>());
   m.def("tile_linear", &tile_linear, "x W^T (+ b) on a tile_pack'ed weight",
+        py::call_guard<py::gil_scoped_release>());
+  m.def("tile_linear_silu", &tile_linear_silu,
+        "silu(x W_gate^T) * (x W_up^T) on a tile_pack'ed gate/up weight (the AVX-512 panels)",
         py::call_guard<py::gil_scoped_release>());
   m.def("tile_max_rows", &tile_max_rows, "Rows tile_linear takes here (0: none)");
   m.def("tile_kind", &tile_kind, "The tile_linear kernel built here: amx, avx512, avx2 or ''");

@@ -45,9 +45,9 @@ at::Tensor packed_linear(const at::Tensor& x_in, const at::Tensor& w,
 // kernels and oneDNN calls in the same order, so the result is identical; only the
 // interpreter's share of a decode step (about 0.15 ms per layer) is gone. (On the AVX-512
 // panels, from kFusedSiluMinRows rows, the gate/up linear and SiLU-and-mul are one call,
-// tile_linear_silu: the same bits
-// without the gate/up product in memory; a saturated burst of the race model on a Zen 4 EPYC,
-// alternated with the two calls: 996/985 -> 1015/1004 tokens/s.) Per layer: the
+// tile_linear_silu: the same bits without the gate/up product in memory; a saturated burst
+// of the race model on a Zen 4 EPYC, alternated with the two calls: 996/985 -> 1015/1004
+// tokens/s.) Per layer: the
 // input and post-attention norm weights (``norms``: 2 per layer), the prepacked QKV, output,
 // gate/up and down weights (``weights``: 4 per layer) and their optional biases; optionally
 // (``tiles``, empty or 4 per layer, with ``out_features``) their ``tile_pack`` copies, which

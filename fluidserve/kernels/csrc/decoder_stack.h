@@ -40,6 +40,14 @@ at::Tensor packed_linear(const at::Tensor& x_in, const at::Tensor& w,
   return wide ? y.to(x_in.scalar_type()) : y;
 }
 
+// Rows from which the stack fuses gate/up and SiLU-and-mul. Below, a step is bound by reading
+// its weights from memory, and the fused loop's alternation of gate and up panels defeats the
+// prefetch stream that runs from one panel into the next in memory: batch-1 decode steps of
+// the race model on a Zen 4 EPYC took 15.9 / 16.9 / 15.7 ms fused against 14.7 / 15.6 / 16.0
+// apart (alternated). From 40 rows the product is bound by the multiply-adds, and fused
+// batch-40 decode steps took 57.3 / 53.2 ms against 59.3 / 53.9 apart.
+constexpr int64_t kFusedSiluMinRows = 32;
+
 // The model's decoder layers (or a pipeline stage's) for one batch, exactly as
 // ``DecoderLayer.forward_native`` runs them one after the other from Python: the same
 // kernels and oneDNN calls in the same order, so the result is identical; only the
@@ -61,14 +69,6 @@ at::Tensor packed_linear(const at::Tensor& x_in, const at::Tensor& w,
 // only the batch's tokens, and the attention output's padding rows stay zero. Padding each
 // linear's input instead cost a zero-filled copy per linear: 64 a step, ~1.1 ms of a 47 ms
 // batch-40 decode step, and ~7 MB of copies per layer for a 600-token prefill.
-// Rows from which the stack fuses gate/up and SiLU-and-mul. Below, a step is bound by reading
-// its weights from memory, and the fused loop's alternation of gate and up panels defeats the
-// prefetch stream that runs from one panel into the next in memory: batch-1 decode steps of
-// the race model on a Zen 4 EPYC took 15.9 / 16.9 / 15.7 ms fused against 14.7 / 15.6 / 16.0
-// apart (alternated). From 40 rows the product is bound by the multiply-adds, and fused
-// batch-40 decode steps took 57.3 / 53.2 ms against 59.3 / 53.9 apart.
-constexpr int64_t kFusedSiluMinRows = 32;
-
 std::vector<at::Tensor> decoder_layers(
     at::Tensor h, const at::Tensor& positions, const at::Tensor& cos, const at::Tensor& sin,
     const std::vector<at::Tensor>& norms, const std::vector<at::Tensor>& weights,
@@ -130,7 +130,8 @@ std::vector<at::Tensor> decoder_layers(
     at::Tensor act;
     if (tiled && tiles[j] && T >= kFusedSiluMinRows) {
       act = at::empty({rows, out_features[j] / 2}, h.options());
-      if (!tile_linear_silu_into(h, *tiles[j], out_features[j], biases[j], act)) act = at::Tensor();
+      if (!tile_linear_silu_into(h, *tiles[j], out_features[j], biases[j], act))
+        act = at::Tensor();  // (not fusable: the two calls below)
     }
     if (!act.defined()) {
       const at::Tensor gu = linear(h, j);

@@ -117,7 +117,7 @@ struct LongRun {
   int32_t ldv;        // row stride of its channel-major values: 16 floats past a multiple
                       // of 16, so that the rows the kernel reads together are not a
                       // multiple of 4 KB apart (one L1 set)
-  int64_t offset;     // of its kv heads' packed keys, then values, in the buffer (floats)
+  int64_t offset;     // of its kv heads' packed keys, then values, in the buffer (elements)
 };
 // The prefill kernel's product (panel_linear.h): bf16 dot products where the CPU has them and
 // the linears take them (model/worker.py sets it with theirs), else float32 FMAs.

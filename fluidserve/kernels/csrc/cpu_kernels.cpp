@@ -245,39 +245,36 @@ void silu_and_mul(at::Tensor out, const at::Tensor& x) {
     AT_DISPATCH_CASE(at::kHalf, [&] { silu_mul_impl<scalar_t>(out, x); }));
 }
 
+// What tile_linear and tile_linear_silu (``op``) ask of their input.
+void check_tile_input(const char* op, const at::Tensor& x, const at::Tensor& packed, int64_t N) {
+  // (On AMX this also asks the kernel for the tiles: without that, their first use is SIGILL.)
+  TORCH_CHECK(tile_linear_supported(), op, ": no tile kernel on this CPU (tile_kind() is empty)");
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.scalar_type() == at::kBFloat16, op,
+              ": a contiguous [M, K] bf16 input expected");
+  TORCH_CHECK(x.size(0) <= kTileMaxRows, op, ": at most ", kTileMaxRows, " rows");
+  TORCH_CHECK(tile_packed_matches(packed, x.size(1), N), op,
+              ": the packed weight does not match the input");
+}
+
 // y = x W^T (+ b) on a weight packed by ``tile_pack``, for at most ``tile_max_rows()`` rows.
 at::Tensor tile_linear(const at::Tensor& x, const at::Tensor& packed, int64_t N,
                        const std::optional<at::Tensor>& bias) {
-  // (On AMX this also asks the kernel for the tiles: without that, their first use is SIGILL.)
-  TORCH_CHECK(tile_linear_supported(),
-              "tile_linear: no tile kernel on this CPU (tile_kind() is empty)");
-  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.scalar_type() == at::kBFloat16,
-              "tile_linear: a contiguous [M, K] bf16 input expected");
-  TORCH_CHECK(x.size(0) <= kTileMaxRows, "tile_linear: at most ", kTileMaxRows, " rows");
-  TORCH_CHECK(tile_packed_matches(packed, x.size(1), N),
-              "tile_linear: the packed weight does not match the input");
+  check_tile_input("tile_linear", x, packed, N);
   at::Tensor y = at::empty({x.size(0), N}, x.options());
   tile_linear_into(x, packed, N, bias, y);
   return y;
 }
-
-inline const char* tile_kind_name() { return tile_linear_supported() ? kTileKind : ""; }
 
 // silu(x W_gate^T) * (x W_up^T) on a gate/up weight packed by ``tile_pack`` ([2I, K], the
 // gate's rows first): the bits of tile_linear and silu_and_mul, without the [M, 2I] product
 // in memory; where the build has it (the AVX-512 panels, I a multiple of 32).
 at::Tensor tile_linear_silu(const at::Tensor& x, const at::Tensor& packed, int64_t N,
                             const std::optional<at::Tensor>& bias) {
-  TORCH_CHECK(tile_linear_supported(),
-              "tile_linear_silu: no tile kernel on this CPU (tile_kind() is empty)");
-  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.scalar_type() == at::kBFloat16,
-              "tile_linear_silu: a contiguous [M, K] bf16 input expected");
-  TORCH_CHECK(tile_packed_matches(packed, x.size(1), N),
-              "tile_linear_silu: the packed weight does not match the input");
+  check_tile_input("tile_linear_silu", x, packed, N);
   at::Tensor out = at::empty({x.size(0), N / 2}, x.options());
   TORCH_CHECK(tile_linear_silu_into(x, packed, N, bias, out),
               "tile_linear_silu: not fused here (needs the AVX-512 panels and out features a"
-              " multiple of 64, got ", N, ", kernel '", tile_kind_name(), "')");
+              " multiple of 64, got ", N, ", kernel '", kTileKind, "')");
   return out;
 }
 

@@ -123,6 +123,15 @@ inline void part_row512(float (*part)[kPanelCols], __m512& a, __m512& b) {
   }
 }
 #define FS_PANEL_ROWS(X) X(0) X(1) X(2) X(3) X(4) X(5) X(6) X(7) X(8) X(9) X(10) X(11)
+// A group's named accumulators, c<i>a and c<i>b for its rows: zero, or unless ``first`` the
+// partial sums in ``part`` (the FMA and the dot-product rows below both start so).
+#define FS_DECL(i) __m512 c##i##a = _mm512_setzero_ps(), c##i##b = c##i##a;
+#define FS_LOAD(i) part_row512<i, R, false>(part, c##i##a, c##i##b);
+#define FS_ACCUMULATORS(first) \
+  FS_PANEL_ROWS(FS_DECL)       \
+  if (!(first)) {              \
+    FS_PANEL_ROWS(FS_LOAD)     \
+  }
 
 // As the AVX2 panel_rows below, on 32-column panels: 24 FMAs per two unpacks at 12 rows.
 // With PF one line of the stream ``pf`` on is prefetched every k-step (64 bytes a step) into
@@ -130,14 +139,7 @@ inline void part_row512(float (*part)[kPanelCols], __m512& a, __m512& b) {
 template <int R, bool PF>
 inline void panel_rows(const float* x, int64_t ldx, const uint16_t* w, int64_t kn, bool first,
                        float (*part)[kPanelCols], const char* pf) {
-#define FS_DECL(i) __m512 c##i##a = _mm512_setzero_ps(), c##i##b = c##i##a;
-  FS_PANEL_ROWS(FS_DECL)
-#undef FS_DECL
-  if (!first) {
-#define FS_LOAD(i) part_row512<i, R, false>(part, c##i##a, c##i##b);
-    FS_PANEL_ROWS(FS_LOAD)
-#undef FS_LOAD
-  }
+  FS_ACCUMULATORS(first)
   const __m512i zero = _mm512_setzero_si512();
   const auto step = [&](int64_t k) __attribute__((always_inline)) {
     const __m512i v = _mm512_loadu_si512(w + k * kPanelCols);
@@ -279,14 +281,7 @@ inline void dot_row(const uint16_t* x, __m512bh lo, __m512bh hi, __m512& A, __m5
 template <int R, bool PF>
 inline void dot_rows(const uint16_t* x, int64_t ldx, const uint16_t* w, int64_t K,
                      float (*part)[kPanelCols], const char* pf, bool first) {
-#define FS_DECL(i) __m512 c##i##a = _mm512_setzero_ps(), c##i##b = c##i##a;
-  FS_PANEL_ROWS(FS_DECL)
-#undef FS_DECL
-  if (!first) {
-#define FS_LOAD(i) part_row512<i, R, false>(part, c##i##a, c##i##b);
-    FS_PANEL_ROWS(FS_LOAD)
-#undef FS_LOAD
-  }
+  FS_ACCUMULATORS(first)
   const auto step = [&](int64_t j) __attribute__((always_inline)) {
     const __m512bh lo = (__m512bh)_mm512_loadu_si512(w + j * kDotCols);
     const __m512bh hi = (__m512bh)_mm512_loadu_si512(w + j * kDotCols + kPanelCols);
@@ -320,6 +315,9 @@ inline void dot_group(int rows, const uint16_t* x, int64_t ldx, const uint16_t* 
   return dot_rows<R, PF>(x, ldx, w, K, part, pf, first);
 }
 #endif  // FLUIDSERVE_DOT_PANELS
+#undef FS_ACCUMULATORS
+#undef FS_LOAD
+#undef FS_DECL
 #undef FS_PANEL_ROWS
 
 // panel_rows for a group of ``rows`` rows (1 to kPanelRows), the row count a template argument.

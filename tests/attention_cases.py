@@ -101,3 +101,53 @@ def check_elementwise_ops(ops, dtype, exact_norm: bool, device: str = "cpu") -> 
         ops.silu_and_mul(out, gu)
         gate, up = gu.chunk(2, dim=-1)
         torch.testing.assert_close(out, F.silu(gate) * up, **close)
+
+
+def check_last_layer_on_sampled_rows(make_executor, monkeypatch, atol: float, rtol: float
+                                     ) -> None:
+    """Steps whose last decoder layer computes past its keys and values only for the rows
+    they sample (``llama.SAMPLED_ROWS_ONLY``) give the logits of steps that compute every row,
+    now and in the steps after (which read the keys and values that layer wrote): batches that
+    sample none of their rows, some, all (left whole), and a padded one of 100+ rows."""
+    from fluidserve.core.scheduler.output import ScheduledChunk, SchedulerOutput
+    from fluidserve.model import llama
+    from fluidserve.sampling_params import SamplingParams
+
+    pruned, full = make_executor(), make_executor()
+    vocab = full.arch.vocab_size
+    g = torch.Generator().manual_seed(0)
+    ids = {r: torch.randint(3, vocab, (120,), generator=g).tolist() for r in "abcd"}
+    tables = {"a": (3, 9, 4, 11, 12), "b": (13, 1, 7, 20), "c": (21, 30, 25),
+              "d": (40, 41, 50, 43, 44, 60, 46, 47)}
+
+    def chunk(r: str, start: int, n: int, samples: bool = True) -> ScheduledChunk:
+        return ScheduledChunk(r, start, tuple(ids[r][start:start + n]), tables[r], samples,
+                              SamplingParams(temperature=0.0), 0, 0,
+                              is_decode=n == 1 and start > 0)
+
+    plans = [([chunk("a", 0, 40, samples=False)], True),  # nothing sampled: keys, values only
+             ([chunk("a", 40, 30), chunk("b", 0, 20, samples=False)], True),
+             ([chunk("a", 70, 1), chunk("b", 20, 40), chunk("c", 0, 5)], True),
+             ([chunk("a", 71, 1), chunk("b", 60, 1), chunk("c", 5, 1)], False),  # all sampled
+             ([chunk("d", 0, 100), chunk("a", 72, 1), chunk("c", 6, 1)], True),  # 102 rows
+             ([chunk("a", 73, 1), chunk("b", 61, 1), chunk("c", 7, 1), chunk("d", 100, 1)],
+              False)]
+    took = []
+    real = llama.LlamaForCausalLM._sampled_rows
+
+    def spy(self, *args):
+        keep = real(self, *args)
+        took.append(keep is not None)
+        return keep
+
+    monkeypatch.setattr(llama.LlamaForCausalLM, "_sampled_rows", spy)
+    with torch.inference_mode():
+        for i, (plan, _) in enumerate(plans):
+            monkeypatch.setattr(llama, "SAMPLED_ROWS_ONLY", False)
+            want = full.logits(SchedulerOutput(i, plan))
+            monkeypatch.setattr(llama, "SAMPLED_ROWS_ONLY", True)
+            got = pruned.logits(SchedulerOutput(i, plan))
+            assert got.shape == want.shape == (sum(c.samples for c in plan), vocab)
+            torch.testing.assert_close(got, want, atol=atol, rtol=rtol, msg=f"step {i}")
+            assert torch.equal(got.argmax(-1), want.argmax(-1)), f"step {i}"
+    assert took == [x for _, p in plans for x in (False, p)]

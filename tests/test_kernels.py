@@ -14,7 +14,8 @@ import torch
 from fluidserve.kernels import build_error, cpu_flags, cpu_ops
 from fluidserve.model import attention as A
 
-from .attention_cases import batch, check_elementwise_ops, reference
+from .attention_cases import (batch, check_elementwise_ops,
+                              check_last_layer_on_sampled_rows, reference)
 
 ops = cpu_ops()
 pytestmark = pytest.mark.skipif(ops is None, reason=f"no compiled kernels: {build_error()}")
@@ -271,6 +272,24 @@ def test_decoder_layers_in_one_call_equal_the_per_layer_path(tiny_model_dir, mon
             layered = ex.logits(SchedulerOutput(i, plan))
             assert torch.equal(fused, layered), f"iteration {i}"
     assert used == [True, False] * len(plans)  # the one-call path ran, then the layered one
+
+
+@pytest.mark.parametrize("fused", [True, False], ids=["one-call", "per-layer"])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_the_last_layer_on_the_sampled_rows_gives_the_full_batchs_logits(
+        tiny_model_dir, monkeypatch, dtype, fused):
+    """The last layer runs past its keys and values for the sampled rows only, in the one-call
+    stack and in the per-layer path: the logits of every step equal those of the whole batch
+    within rounding (a sampled row's attention then runs as a single query, not in its
+    prefill run's tiles), and so do the next steps', which read the keys and values it wrote."""
+    from fluidserve.model import llama
+    from fluidserve.model.runner import ModelExecutor
+
+    monkeypatch.setattr(llama, "FUSED_MAX_ROWS", None if fused else 0)
+    tol = 1e-4 if dtype == "float32" else 2e-2
+    check_last_layer_on_sampled_rows(
+        lambda: ModelExecutor(str(tiny_model_dir), dtype=dtype, num_blocks=64, block_size=16),
+        monkeypatch, atol=tol, rtol=tol)
 
 
 def test_attention_benchmark_reports_both_cases_per_thread_count():

@@ -13,7 +13,8 @@ import torch
 
 from fluidserve.model import attention as A
 
-from .attention_cases import RUNS, batch, check_elementwise_ops, reference
+from .attention_cases import (RUNS, batch, check_elementwise_ops,
+                              check_last_layer_on_sampled_rows, reference)
 
 triton_ops = pytest.importorskip("fluidserve.kernels.triton_ops")
 CUDA = torch.cuda.is_available()
@@ -200,6 +201,19 @@ def test_skinny_config_keeps_every_multiprocessor_busy():
         assert triton_ops.skinny_config(1, 4096, 4096) is not tuned
     finally:
         del triton_ops.SKINNY_TUNED[key]
+
+
+def test_the_last_layer_on_the_sampled_rows_gives_the_full_batchs_logits(hf_models,
+                                                                         monkeypatch):
+    """On the Triton kernels too, the last layer past its keys and values for the sampled rows
+    only gives the whole batch's logits, now and in the steps that read its cache."""
+    from fluidserve.model.runner import ModelExecutor
+
+    check_last_layer_on_sampled_rows(
+        lambda: ModelExecutor(hf_models["llama"], dtype="float32", device=DEVICE,
+                              num_blocks=64, block_size=16, max_model_len=256,
+                              attention_backend="triton", linear_backend="eager"),
+        monkeypatch, atol=1e-4, rtol=1e-4)
 
 
 def test_a_single_row_takes_one_launch_per_projection(hf_models, monkeypatch,

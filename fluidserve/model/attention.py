@@ -26,6 +26,7 @@ import os
 from dataclasses import dataclass
 from types import ModuleType
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -74,6 +75,28 @@ class AttentionMetadata:
     def ops(self) -> ModuleType:
         """The kernel module of this backend (same call signatures on every device)."""
         return kernel_ops(self.backend)
+
+
+def sampled_rows_metadata(meta: AttentionMetadata, rows: torch.Tensor, group: int,
+                          num_kv_heads: int) -> AttentionMetadata:
+    """The metadata of attention for ``rows`` alone, each the last row of its run (the rows
+    a step samples): one query per run, at the run's last position, over the same context.
+    ``slot_mapping`` stays the whole batch's: every row's keys and values are still written.
+    For the compiled backends (native, triton); ``group`` and ``num_kv_heads`` shape
+    triton's launch grid."""
+    if meta.backend not in ("native", "triton"):
+        raise ValueError(f"sampled_rows_metadata: backend {meta.backend!r} has none")
+    n = len(rows)
+    runs = torch.searchsorted(meta.cu_q[1:], rows.to(meta.cu_q.dtype), right=True)
+    sub = AttentionMetadata(
+        slot_mapping=meta.slot_mapping,
+        cu_q=torch.arange(n + 1, dtype=torch.int32, device=meta.cu_q.device),
+        ctx_lens=meta.ctx_lens[runs], block_tables=meta.block_tables[runs],
+        block_size=meta.block_size, runs=[], backend=meta.backend)
+    if meta.backend == "triton":
+        sub.tiles = meta.ops.attention_tiles(np.arange(n + 1, dtype=np.int32), group,
+                                             num_kv_heads, meta.cu_q.device)
+    return sub
 
 
 def kernel_ops(backend: str) -> ModuleType:

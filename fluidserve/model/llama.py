@@ -14,7 +14,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from fluidserve.model.arch import ArchConfig
-from fluidserve.model.attention import AttentionMetadata, min_long_run, paged_attention
+from fluidserve.model.attention import (AttentionMetadata, min_long_run, paged_attention,
+                                        sampled_rows_metadata)
 
 
 class RMSNorm(nn.Module):
@@ -163,12 +164,20 @@ class Attention(nn.Module):
         return (qkv[:, : h * d].view(t, h, d), qkv[:, h * d : (h + hkv) * d].view(t, hkv, d),
                 qkv[:, (h + hkv) * d :].view(t, hkv, d))
 
-    def forward_native(self, x, positions, rotary, meta: AttentionMetadata, kv):
-        t, h, d = x.shape[0], self.h, self.d
+    def forward_native(self, x, positions, rotary, meta: AttentionMetadata, kv,
+                       keep: SampledRows | None = None):
+        """With ``keep``, every row's keys and values are written and the output is that of
+        the kept rows only."""
+        h, d = self.h, self.d
         q, k, v = self.split_qkv(self.qkv_proj(x))  # RoPE is applied in place
         meta.ops.rope(q, k, positions, rotary.cos, rotary.sin)
+        if keep is not None:
+            q, meta = q[keep.rows], keep.meta
+            if not len(q):  # (the keys and values written, nothing else to compute)
+                paged_attention(q, k, v, kv[0], kv[1], meta, self.scale)
+                return x.new_empty(0, x.shape[1])
         o = paged_attention(q, k, v, kv[0], kv[1], meta, self.scale)  # views: no copies
-        return self.tp.all_reduce(self.o_proj(o.reshape(t, h * d)))
+        return self.tp.all_reduce(self.o_proj(o.reshape(q.shape[0], h * d)))
 
 
 class MLP(nn.Module):
@@ -204,18 +213,39 @@ class DecoderLayer(nn.Module):
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, meta, kv)
         return x + self.mlp(self.post_attention_layernorm(x))
 
-    def forward_native(self, h, residual, positions, rotary, meta, kv):
+    def forward_native(self, h, residual, positions, rotary, meta, kv,
+                       keep: SampledRows | None = None):
         """The same layer on the compiled kernels, as a (layer output, residual stream) pair:
-        the residual add is fused into the next norm (x = residual + h)."""
+        the residual add is fused into the next norm (x = residual + h). With ``keep``, the
+        pair of the kept rows only (``LlamaForCausalLM.forward``)."""
         ops = meta.ops
         if residual is None:
             h, residual = self.input_layernorm.native(h, ops), h
         else:
             h, residual = self.input_layernorm.add_native(h, residual, ops)
-        h = self.self_attn.forward_native(h, positions, rotary, meta, kv)
+        h = self.self_attn.forward_native(h, positions, rotary, meta, kv, keep)
+        if keep is not None:
+            residual = residual[keep.rows]
+            if not len(h):
+                return h, residual
         h, residual = self.post_attention_layernorm.add_native(h, residual, ops)
         return self.mlp.forward_native(h, ops), residual
 
+
+@dataclass
+class SampledRows:
+    """The rows a step samples (``logits_idx``: each the last row of its run) and the
+    attention metadata of those rows alone (``sampled_rows_metadata``)."""
+
+    rows: torch.Tensor
+    meta: AttentionMetadata
+
+
+# The last decoder layer runs for the sampled rows only, where a batch samples fewer rows than
+# it holds (a prefill chunk's rows but its last feed nothing past the last layer's keys and
+# values): a sixteenth of a 16-layer model's projections and attention for every prefill token
+# but the last of each prompt. The eager reference runs every row; tests set False to compare.
+SAMPLED_ROWS_ONLY = True
 
 # Batches run the decoder layers in one compiled call (``kernels: decoder_layers``): the same
 # kernels and oneDNN calls as ``DecoderLayer.forward_native``, without the interpreter between
@@ -252,7 +282,7 @@ class LlamaForCausalLM(nn.Module):
                 self.lm_head.weight = self.embed_tokens.weight
         self.rotary = Rotary(cfg, max_len)
 
-    def _fused_layers(self, x, positions, meta, kv_caches):
+    def _fused_layers(self, x, positions, meta, kv_caches, keep: SampledRows | None):
         """This stage's decoder layers in one compiled call, if every layer runs on the
         compiled CPU kernels and prepacked linears without a tensor-parallel all-reduce; else
         None."""
@@ -274,8 +304,21 @@ class LlamaForCausalLM(nn.Module):
             [kv[0] for kv in kv_caches], [kv[1] for kv in kv_caches], meta.slot_mapping,
             meta.cu_q, meta.ctx_lens, meta.block_tables, attn.h, attn.hkv, attn.d,
             self.layers[0].input_layernorm.eps, attn.scale, min_long_run(ops, x.dtype), tiles,
-            out_features)
+            out_features, *((keep.rows, keep.meta.cu_q, keep.meta.ctx_lens,
+                             keep.meta.block_tables) if keep is not None else (None,) * 4))
         return h, residual
+
+    def _sampled_rows(self, x: torch.Tensor, meta: AttentionMetadata, logits_idx: torch.Tensor
+                      ) -> SampledRows | None:
+        """The rows the last layer computes past its keys and values, where fewer than all
+        (this stage holds the last layer, the layers run on kernels); else None."""
+        if not (SAMPLED_ROWS_ONLY and self.shard.last and self.layers and meta.compiled
+                and len(logits_idx) < x.shape[0]):
+            return None
+        attn = self.layers[-1].self_attn
+        return SampledRows(logits_idx, sampled_rows_metadata(meta, logits_idx,
+                                                             attn.h // attn.hkv, attn.hkv))
+
 
     def _collect_fused_args(self) -> tuple | tuple[()]:
         from fluidserve.model.linear import PackedLinear
@@ -362,17 +405,21 @@ class LlamaForCausalLM(nn.Module):
             return self._few_rows_forward(x if self.shard.first else x.clone(), positions,
                                           meta, kv_caches, logits_idx)
         if meta.compiled and x.is_contiguous():
-            fused = self._fused_layers(x, positions, meta, kv_caches)
+            keep = self._sampled_rows(x, meta, logits_idx)
+            fused = self._fused_layers(x, positions, meta, kv_caches, keep)
             if fused is not None:
                 h, residual = fused
             else:
                 h, residual = x, None
-                for layer, kv in zip(self.layers, kv_caches, strict=True):
+                last = len(self.layers) - 1
+                for i, (layer, kv) in enumerate(zip(self.layers, kv_caches, strict=True)):
                     h, residual = layer.forward_native(h, residual, positions, self.rotary,
-                                                       meta, kv)
+                                                       meta, kv, keep if i == last else None)
             if residual is not None:
                 if self.shard.last:  # only the sampled rows go on: norm(residual + h)
-                    x, _ = self.norm.add_native(h[logits_idx], residual[logits_idx], meta.ops)
+                    if keep is None:
+                        h, residual = h[logits_idx], residual[logits_idx]
+                    x, _ = self.norm.add_native(h, residual, meta.ops)
                     return self.lm_head(x)
                 x = residual + h
             else:

@@ -69,6 +69,13 @@ constexpr int64_t kFusedSiluMinRows = 32;
 // only the batch's tokens, and the attention output's padding rows stay zero. Padding each
 // linear's input instead cost a zero-filled copy per linear: 64 a step, ~1.1 ms of a 47 ms
 // batch-40 decode step, and ~7 MB of copies per layer for a 600-token prefill.
+//
+// With ``keep`` (ascending batch rows, each the last of its run) and the attention metadata
+// of those rows alone (one query per run: ``keep_cu_q`` = 0, 1, ..., ``keep_ctx_lens`` and
+// ``keep_block_tables`` of their runs), the last layer writes every row's keys and values and
+// computes the rest for the kept rows only, and the stack returns those rows (padded as their
+// own count asks, then cut). LlamaForCausalLM passes the sampled rows where they are fewer
+// than the batch's.
 std::vector<at::Tensor> decoder_layers(
     at::Tensor h, const at::Tensor& positions, const at::Tensor& cos, const at::Tensor& sin,
     const std::vector<at::Tensor>& norms, const std::vector<at::Tensor>& weights,
@@ -76,7 +83,10 @@ std::vector<at::Tensor> decoder_layers(
     const std::vector<at::Tensor>& v_caches, const at::Tensor& slots, const at::Tensor& cu_q,
     const at::Tensor& ctx_lens, const at::Tensor& block_tables, int64_t H, int64_t Hkv,
     int64_t D, double eps, double scale, int64_t min_long_run,
-    const std::vector<std::optional<at::Tensor>>& tiles, const std::vector<int64_t>& out_features) {
+    const std::vector<std::optional<at::Tensor>>& tiles, const std::vector<int64_t>& out_features,
+    const std::optional<at::Tensor>& keep, const std::optional<at::Tensor>& keep_cu_q,
+    const std::optional<at::Tensor>& keep_ctx_lens,
+    const std::optional<at::Tensor>& keep_block_tables) {
   const size_t L = k_caches.size();
   TORCH_CHECK(v_caches.size() == L && norms.size() == 2 * L && weights.size() == 4 * L &&
                   biases.size() == 4 * L,
@@ -84,15 +94,28 @@ std::vector<at::Tensor> decoder_layers(
   TORCH_CHECK(tiles.empty() || (tiles.size() == 4 * L && out_features.size() == 4 * L),
               "decoder_layers: tile weights and out features must come 4 per layer");
   TORCH_CHECK(h.dim() == 2 && h.is_contiguous(), "decoder_layers: h must be [T, hidden]");
-  // A batch small enough for the tile copies runs unpadded: they take any row count.
-  const int64_t T = h.size(0);
-  const bool tiled = !tiles.empty() && T <= kTileMaxRows && tile_linear_supported();
-  const int64_t rows = tiled ? T : padded_rows(T);
-  if (rows != T) {
-    at::Tensor padded = at::zeros({rows, h.size(1)}, h.options());
-    padded.narrow(0, 0, T).copy_(h);
-    h = padded;
-  }
+  TORCH_CHECK(!keep || (keep_cu_q && keep_ctx_lens && keep_block_tables),
+              "decoder_layers: the kept rows need their attention metadata");
+  // A batch small enough for the tile copies runs unpadded: they take any row count. (The
+  // last layer of a pruned batch changes all three: it runs on the kept rows only.)
+  int64_t T = h.size(0);
+  bool tiled = false;
+  int64_t rows = T;
+  auto shape_for = [&](int64_t n) {
+    T = n;
+    tiled = !tiles.empty() && T <= kTileMaxRows && tile_linear_supported();
+    rows = tiled ? T : padded_rows(T);
+  };
+  auto pad = [&](const at::Tensor& x) {  // x [T, ...] -> [rows, ...], zero rows appended
+    if (rows == T) return x;
+    std::vector<int64_t> shape = x.sizes().vec();
+    shape[0] = rows;
+    at::Tensor padded = at::zeros(shape, x.options());
+    padded.narrow(0, 0, T).copy_(x);
+    return padded;
+  };
+  shape_for(T);
+  h = pad(h);
   // Linear j of the stack: on its tile copy where it has one and the batch is small enough
   // (a linear without one pads its own input, as packed_linear does).
   auto linear = [&](const at::Tensor& x, size_t j) {
@@ -104,8 +127,10 @@ std::vector<at::Tensor> decoder_layers(
     return packed_linear(x, weights[j], biases[j]);
   };
   // The attention output, one buffer for every layer: its padding rows are never written.
-  at::Tensor o_rows = rows != T ? at::zeros({rows, H * D}, h.options())
-                                : at::empty({rows, H * D}, h.options());
+  auto attention_buffer = [&] {
+    return rows != T ? at::zeros({rows, H * D}, h.options()) : at::empty({rows, H * D}, h.options());
+  };
+  at::Tensor o_rows = attention_buffer();
   at::Tensor o = o_rows.narrow(0, 0, T).view({T, H, D});
   at::Tensor residual;
   for (size_t i = 0; i < L; ++i) {
@@ -122,8 +147,24 @@ std::vector<at::Tensor> decoder_layers(
     at::Tensor k = qkv.narrow(1, H * D, Hkv * D).view({T, Hkv, D});
     const at::Tensor v = qkv.narrow(1, (H + Hkv) * D, Hkv * D).view({T, Hkv, D});
     rope(q, k, positions, cos, sin);
-    paged_attention(o, q, k, v, k_caches[i], v_caches[i], slots, cu_q, ctx_lens,
-                    block_tables, scale, min_long_run);
+    if (keep && i + 1 == L) {
+      // The last layer of a batch whose outputs are needed for a few rows only (the sampled
+      // ones: every row of a prefill chunk but its last feeds nothing after this layer's
+      // keys and values): every row's keys and values are written, then attention, the
+      // output projection and the MLP run on the kept rows.
+      const at::Tensor kept_q = q.index_select(0, *keep);
+      residual = residual.narrow(0, 0, T).index_select(0, *keep);
+      shape_for(keep->size(0));
+      residual = pad(residual);
+      o_rows = attention_buffer();
+      o = o_rows.narrow(0, 0, T).view({T, H, D});
+      paged_attention(o, kept_q, k, v, k_caches[i], v_caches[i], slots, *keep_cu_q,
+                      *keep_ctx_lens, *keep_block_tables, scale, min_long_run);
+      if (T == 0) return {at::empty({0, h.size(1)}, h.options()), residual};
+    } else {
+      paged_attention(o, q, k, v, k_caches[i], v_caches[i], slots, cu_q, ctx_lens,
+                      block_tables, scale, min_long_run);
+    }
     h = linear(o_rows, 4 * i + 1);
     fused_add_rms_norm(h, residual, norms[2 * i + 1], eps);
     const size_t j = 4 * i + 2;  // gate/up: fused with SiLU-and-mul where the panels can

@@ -14,8 +14,12 @@ import torch
 from fluidserve.kernels import build_error, cpu_flags, cpu_ops
 from fluidserve.model import attention as A
 
-from .attention_cases import (batch, check_elementwise_ops,
-                              check_last_layer_on_sampled_rows, reference)
+from .attention_cases import (
+    batch,
+    check_elementwise_ops,
+    check_last_layer_on_sampled_rows,
+    reference,
+)
 
 ops = cpu_ops()
 pytestmark = pytest.mark.skipif(ops is None, reason=f"no compiled kernels: {build_error()}")

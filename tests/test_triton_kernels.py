@@ -13,8 +13,13 @@ import torch
 
 from fluidserve.model import attention as A
 
-from .attention_cases import (RUNS, batch, check_elementwise_ops,
-                              check_last_layer_on_sampled_rows, reference)
+from .attention_cases import (
+    RUNS,
+    batch,
+    check_elementwise_ops,
+    check_last_layer_on_sampled_rows,
+    reference,
+)
 
 triton_ops = pytest.importorskip("fluidserve.kernels.triton_ops")
 CUDA = torch.cuda.is_available()

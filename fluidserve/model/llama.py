@@ -14,8 +14,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from fluidserve.model.arch import ArchConfig
-from fluidserve.model.attention import (AttentionMetadata, min_long_run, paged_attention,
-                                        sampled_rows_metadata)
+from fluidserve.model.attention import (
+    AttentionMetadata,
+    min_long_run,
+    paged_attention,
+    sampled_rows_metadata,
+)
 
 
 class RMSNorm(nn.Module):
@@ -318,7 +322,6 @@ class LlamaForCausalLM(nn.Module):
         attn = self.layers[-1].self_attn
         return SampledRows(logits_idx, sampled_rows_metadata(meta, logits_idx,
                                                              attn.h // attn.hkv, attn.hkv))
-
 
     def _collect_fused_args(self) -> tuple | tuple[()]:
         from fluidserve.model.linear import PackedLinear

@@ -26,8 +26,9 @@ class SimConfig:
     device: str = knob("a100", "GPU for the gpu cost model: a100, h100, a40.")
     cpu_profile: str | None = knob(
         None, "profile.json (`fluidserve profile`) for the cpu cost model, or a shipped one"
-        " of the 250M bf16 model: epyc-zen3 (2-core AMD EPYC, AVX2) or xeon-emr (2-core Xeon,"
-        " AVX-512 without AMX). Default: the shipped one nearest this CPU.")
+        " of the 250M bf16 model: epyc-zen3 (2-core AMD EPYC, AVX2), epyc-zen4 (2-core AMD"
+        " EPYC, AVX-512 BF16) or xeon-emr (2-core Xeon, AVX-512 without AMX). Default: the"
+        " shipped one nearest this CPU.")
     cpu_calibration: str | None = knob(
         None, "Comma-separated engine telemetry files (`fluidserve serve --telemetry-file`)"
         " to refit the cpu cost model on served iterations.")

@@ -49,15 +49,26 @@ _cache: dict[str, ModuleType | None] = {}
 _errors: dict[str, str] = {}
 
 
-def cpu_flags() -> str:
-    """This CPU's instruction-set flags (/proc/cpuinfo), space-separated."""
+def _cpuinfo(field: str) -> str | None:
+    """The first value of ``field`` in /proc/cpuinfo, or None."""
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("flags"):
+            if line.startswith(field):
                 return line.split(":", 1)[1].strip()
     except OSError:
         pass
-    return platform.processor()
+    return None
+
+
+def cpu_flags() -> str:
+    """This CPU's instruction-set flags (/proc/cpuinfo), space-separated."""
+    flags = _cpuinfo("flags")
+    return flags if flags is not None else platform.processor()
+
+
+def cpu_vendor() -> str:
+    """This CPU's vendor id (/proc/cpuinfo: AuthenticAMD, GenuineIntel, ...), or ''."""
+    return _cpuinfo("vendor_id") or ""
 
 
 def _build_key(sources: list[Path], march: str) -> str:

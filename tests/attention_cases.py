@@ -103,6 +103,21 @@ def check_elementwise_ops(ops, dtype, exact_norm: bool, device: str = "cpu") -> 
         torch.testing.assert_close(out, F.silu(gate) * up, **close)
 
 
+def record_results(monkeypatch, cls, name: str) -> list[bool]:
+    """Wrap method ``name`` of ``cls``; the list records, call by call, whether it returned
+    something other than None."""
+    calls: list[bool] = []
+    real = getattr(cls, name)
+
+    def spy(self, *args):
+        out = real(self, *args)
+        calls.append(out is not None)
+        return out
+
+    monkeypatch.setattr(cls, name, spy)
+    return calls
+
+
 def check_last_layer_on_sampled_rows(make_executor, monkeypatch, atol: float, rtol: float
                                      ) -> None:
     """Steps whose last decoder layer computes past its keys and values only for the rows
@@ -132,15 +147,7 @@ def check_last_layer_on_sampled_rows(make_executor, monkeypatch, atol: float, rt
              ([chunk("d", 0, 100), chunk("a", 72, 1), chunk("c", 6, 1)], True),  # 102 rows
              ([chunk("a", 73, 1), chunk("b", 61, 1), chunk("c", 7, 1), chunk("d", 100, 1)],
               False)]
-    took = []
-    real = llama.LlamaForCausalLM._sampled_rows
-
-    def spy(self, *args):
-        keep = real(self, *args)
-        took.append(keep is not None)
-        return keep
-
-    monkeypatch.setattr(llama.LlamaForCausalLM, "_sampled_rows", spy)
+    took = record_results(monkeypatch, llama.LlamaForCausalLM, "_sampled_rows")
     with torch.inference_mode():
         for i, (plan, _) in enumerate(plans):
             monkeypatch.setattr(llama, "SAMPLED_ROWS_ONLY", False)

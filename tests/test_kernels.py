@@ -18,6 +18,7 @@ from .attention_cases import (
     batch,
     check_elementwise_ops,
     check_last_layer_on_sampled_rows,
+    record_results,
     reference,
 )
 
@@ -258,15 +259,7 @@ def test_decoder_layers_in_one_call_equal_the_per_layer_path(tiny_model_dir, mon
              [chunk("c", 3, 13), chunk("a", 16, 1), chunk("b", 10, 1)],
              [chunk("d", 0, 70), chunk("a", 17, 1), chunk("c", 16, 20)],  # 91 rows, padded
              [chunk("d", 70, 30), chunk("a", 18, 1)]]
-    used = []
-    real = llama.LlamaForCausalLM._fused_layers
-
-    def spy(self, *args):
-        out = real(self, *args)
-        used.append(out is not None)
-        return out
-
-    monkeypatch.setattr(llama.LlamaForCausalLM, "_fused_layers", spy)
+    used = record_results(monkeypatch, llama.LlamaForCausalLM, "_fused_layers")
     with torch.inference_mode():
         for i, plan in enumerate(plans):
             # The same plan twice rewrites the same cache slots with the same values.

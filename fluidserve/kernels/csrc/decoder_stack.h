@@ -128,7 +128,8 @@ std::vector<at::Tensor> decoder_layers(
   };
   // The attention output, one buffer for every layer: its padding rows are never written.
   auto attention_buffer = [&] {
-    return rows != T ? at::zeros({rows, H * D}, h.options()) : at::empty({rows, H * D}, h.options());
+    return rows != T ? at::zeros({rows, H * D}, h.options())
+                     : at::empty({rows, H * D}, h.options());
   };
   at::Tensor o_rows = attention_buffer();
   at::Tensor o = o_rows.narrow(0, 0, T).view({T, H, D});

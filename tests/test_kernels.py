@@ -271,21 +271,25 @@ def test_decoder_layers_in_one_call_equal_the_per_layer_path(tiny_model_dir, mon
     assert used == [True, False] * len(plans)  # the one-call path ran, then the layered one
 
 
+@pytest.mark.parametrize("linear", ["auto", "packed"])
 @pytest.mark.parametrize("fused", [True, False], ids=["one-call", "per-layer"])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_the_last_layer_on_the_sampled_rows_gives_the_full_batchs_logits(
-        tiny_model_dir, monkeypatch, dtype, fused):
+        tiny_model_dir, monkeypatch, dtype, fused, linear):
     """The last layer runs past its keys and values for the sampled rows only, in the one-call
-    stack and in the per-layer path: the logits of every step equal those of the whole batch
-    within rounding (a sampled row's attention then runs as a single query, not in its
-    prefill run's tiles), and so do the next steps', which read the keys and values it wrote."""
+    stack and in the per-layer path, on this CPU's linears and on oneDNN's (whose batches
+    the stack pads, the kept rows to a count of their own): the logits of every step equal
+    those of the whole batch within rounding (a sampled row's attention then runs as a single
+    query, not in its prefill run's tiles), and so do the next steps', which read the keys and
+    values it wrote."""
     from fluidserve.model import llama
     from fluidserve.model.runner import ModelExecutor
 
     monkeypatch.setattr(llama, "FUSED_MAX_ROWS", None if fused else 0)
     tol = 1e-4 if dtype == "float32" else 2e-2
     check_last_layer_on_sampled_rows(
-        lambda: ModelExecutor(str(tiny_model_dir), dtype=dtype, num_blocks=64, block_size=16),
+        lambda: ModelExecutor(str(tiny_model_dir), dtype=dtype, num_blocks=64, block_size=16,
+                              linear_backend=linear),
         monkeypatch, atol=tol, rtol=tol)
 
 

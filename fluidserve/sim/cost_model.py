@@ -242,11 +242,15 @@ class CPUCostModel(CostModel):
     streams the server feeds while it computes): with ``jitter`` set, every simulated
     iteration is scaled by a residual drawn at random from its group (``reseed``), so the
     simulated tails include the served machine's iteration-to-iteration variability.
+    Stretches of iterations far slower than fitted (a machine transient, ``_transients``)
+    are left out of both.
     """
 
     KNOTS = (0, 16, 64, 128, 256, 512, 1024, 2048)
     REQUEST_GROUPS = (3, 6, 12)  # residual groups: <3, 3-5, 6-11, >=12 requests in the batch
     MIN_GROUP = 20  # smaller groups draw from all residuals
+    TRANSIENT_WINDOW = 25  # iterations whose median served/fitted time ...
+    TRANSIENT_SLOWDOWN = 1.5  # ... this many times the run's marks a machine transient
     jitter = False
     residuals: dict[tuple[bool, int] | None, np.ndarray] | None = None
     _rng: np.random.Generator | None = None
@@ -298,8 +302,9 @@ class CPUCostModel(CostModel):
     def calibrate(self, runs: list[list[dict]]) -> int:
         """Refit on engine telemetry (one list of iteration records per served run); the
         target is the time from one iteration's start to the next one's."""
-        rows, ys, groups = [], [], []
-        for a, b in (p for its in runs for p in zip(its, its[1:], strict=False)):
+        rows, ys, groups, run_of = [], [], [], []
+        for run, (a, b) in ((r, p) for r, its in enumerate(runs)
+                            for p in zip(its, its[1:], strict=False)):
             gap = b["start"] - a["start"]
             if gap > 1.5 * a["duration"] + 0.02:  # the engine idled in between: not a target
                 continue
@@ -312,11 +317,24 @@ class CPUCostModel(CostModel):
             ys.append(gap)
             groups.append(self._group(a["num_requests"] > a.get("num_single", 0),
                                       a["num_requests"]))
+            run_of.append(run)
         need = 2 * len(self.coef)
         if len(rows) < need:
             raise ValueError(f"calibration needs at least {need} busy iterations, got {len(rows)}")
         x, y = np.array(rows), np.array(ys)
         self._fit(x, y)
+        # A stretch of consecutive iterations all far slower than their fitted price is the
+        # machine (another tenant, a frequency drop), not the engine: drawn at random into a
+        # simulation it slows every part of the run, and in the mean it raised every price
+        # (one such stretch, 10% of a Zen 4 run's iterations at 1.5-13x, priced the next
+        # run's iterations 17-22% high). Such stretches are left out and the rest refit.
+        slow = self._transients(y / (x @ self.coef), np.array(run_of))
+        if (~slow).sum() < need:  # too little left to fit: a slow machine, not a transient
+            slow[:] = False
+        if slow.any():
+            x, y = x[~slow], y[~slow]
+            groups = [g for g, s in zip(groups, slow, strict=True) if not s]
+            self._fit(x, y)
         ratio = y / (x @ self.coef)
         self.coef *= ratio.mean()  # the fit is to relative error; keep the mean time unbiased
         ratio /= ratio.mean()
@@ -326,9 +344,29 @@ class CPUCostModel(CostModel):
             if len(member) >= self.MIN_GROUP:
                 self.residuals[g] = member
         p10, p90 = np.percentile(ratio, [10, 90])
-        self.note += (f"; calibrated on {len(ys)} served iterations (served/fitted time:"
+        self.note += (f"; calibrated on {len(y)} served iterations (served/fitted time:"
                       f" p10 {p10:.2f}, p90 {p90:.2f})")
-        return len(ys)
+        if slow.any():
+            self.note += (f"; left out {int(slow.sum())} iterations in stretches"
+                          f" {self.TRANSIENT_SLOWDOWN}x slower than fitted (over"
+                          f" {self.TRANSIENT_WINDOW} iterations)")
+        return len(y)
+
+    @classmethod
+    def _transients(cls, ratio: np.ndarray, run_of: np.ndarray) -> np.ndarray:
+        """Which iterations lie in a machine transient: where the median served/fitted ratio
+        of the TRANSIENT_WINDOW consecutive iterations around one is TRANSIENT_SLOWDOWN times
+        its run's median or more. A single slow iteration is the engine's own variability and
+        stays (the jitter replays it); so do runs slow throughout (their median moves)."""
+        from scipy.ndimage import median_filter
+
+        out = np.zeros(len(ratio), bool)
+        for run in np.unique(run_of):
+            sel = run_of == run
+            r = ratio[sel]
+            rolling = median_filter(r, size=cls.TRANSIENT_WINDOW, mode="reflect")
+            out[sel] = rolling >= cls.TRANSIENT_SLOWDOWN * np.median(r)
+        return out
 
     def reseed(self, seed: int) -> None:
         use = self.jitter and self.residuals is not None

@@ -148,8 +148,8 @@ def report(result: dict, out: Path, commands: list[str]) -> str:
         "",
         *_repeats_line(v, f),
         *(["### Capacity", "", *cap_rows, ""] if cap_rows else []),
-        "![ITL distribution under Poisson load](img/race-itl-cdf.png)",
-        "",
+        *(["![ITL distribution under Poisson load](img/race-itl-cdf.png)", ""]
+          if _has_poisson(result) else []),
     ]
     return "\n".join(lines)
 
@@ -229,6 +229,15 @@ def write_doc(doc: Path, text: str, out: Path, begin: str = BEGIN, end: str = EN
         shutil.copy(out / "race-itl-cdf.png", img / "race-itl-cdf.png")
 
 
+def _poisson_itls(engine: dict) -> list[float]:
+    """Every inter-token latency of an engine's Poisson runs (none: it did not run one)."""
+    return [x for per in (engine.get("poisson") or {}).get("itls") or [] for x in per]
+
+
+def _has_poisson(result: dict) -> bool:
+    return any(_poisson_itls(r) for r in result["engines"].values())
+
+
 def plot(result: dict, out: Path) -> None:
     import matplotlib
 
@@ -236,12 +245,13 @@ def plot(result: dict, out: Path) -> None:
     import matplotlib.pyplot as plt
     import numpy as np
 
+    curves = {tag: itls for tag, r in result["engines"].items() if (itls := _poisson_itls(r))}
+    if not curves:  # a race without the Poisson workload (--workloads) has nothing to draw
+        return
     fig, ax = plt.subplots(figsize=(6, 4))
-    for tag, r in result["engines"].items():
-        itls = [x for per in (r.get("poisson") or {}).get("itls") or [] for x in per]
-        if itls:
-            xs = np.sort(np.asarray(itls) * 1e3)
-            ax.plot(xs, np.arange(1, len(xs) + 1) / len(xs), label=tag)
+    for tag, itls in curves.items():
+        xs = np.sort(np.asarray(itls) * 1e3)
+        ax.plot(xs, np.arange(1, len(xs) + 1) / len(xs), label=tag)
     ax.set_xscale("log")
     ax.set_xlabel("inter-token latency (ms)")
     ax.set_ylabel("CDF")

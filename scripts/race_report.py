@@ -110,6 +110,15 @@ def report(result: dict, out: Path, commands: list[str]) -> str:
             rows.append(_row(name, "req/s", best_v[0], best_f[0], ">= 1.5x", "higher"))
         # (fluidserve's search is a lower bound the same way where it met every probe: the
         # table below says which searches converged)
+        # Beside it, what each engine served where a probe saturated it: the SLO's capacity
+        # turns on where a latency percentile lands on its bound, this throughput does not.
+        sat = {e: [m for k, c in caps.items() if k.startswith(e)
+                   for m, saturated in [_served(k, c, out)] if m is not None and saturated]
+               for e in ("vllm", "fluidserve")}
+        if sat["vllm"] and sat["fluidserve"]:
+            rows.append(_row("capacity probes: most requests served where a probe saturated"
+                             " the server (any configuration; not a target)", "req/s",
+                             max(sat["vllm"]), max(sat["fluidserve"]), "", "higher"))
     if caps:
         def flags(k: str, c: dict) -> str:
             if c.get("args"):
@@ -122,8 +131,13 @@ def report(result: dict, out: Path, commands: list[str]) -> str:
             return c.get("converged", (c.get("variants") or {}).get("endpoint", {})
                          .get("converged"))
 
-        cap_rows = ["| server | flags | capacity (req/s) | converged |", "|---|---|---|---|"] + [
-            f"| {k} | `{flags(k, c)}` | {_capacity_cell(c)} | {converged(c)} |"
+        def served(k: str, c: dict) -> str:
+            most, saturated = _served(k, c, out)
+            return "n/a" if most is None else f"{most:.3g}" + (" (saturated)" if saturated else "")
+
+        cap_rows = ["| server | flags | capacity (req/s) | most served (req/s) | converged |",
+                    "|---|---|---|---|---|"] + [
+            f"| {k} | `{flags(k, c)}` | {_capacity_cell(c)} | {served(k, c)} | {converged(c)} |"
             for k, c in caps.items()]
     lines = [
         "## Head to head with vLLM's CPU build",
@@ -157,6 +171,22 @@ def report(result: dict, out: Path, commands: list[str]) -> str:
 def _search(c: dict) -> dict:
     """The search of a capacity result (`fluidserve capacity` nests it under its variant)."""
     return (c.get("variants") or {}).get("endpoint", c)
+
+
+def _served(key: str, c: dict, out: Path) -> tuple[float | None, bool | None]:
+    """(the most requests per second a probe of this search served, whether some probe
+    saturated the server): from the search, or for races older than those figures from the
+    probes in the run directory's capacity.json."""
+    s = _search(c)
+    if "most_served_qps" not in s:
+        from fluidserve.bench.capacity import served_stats
+
+        path = out / f"{key}-capacity" / "capacity.json"
+        if not path.is_file():
+            return None, None
+        probes = json.loads(path.read_text()).get("probes") or {}
+        s = served_stats(probes.get("endpoint") or [])
+    return s["most_served_qps"], s["saturated"]
 
 
 def _upper_bound(caps: dict, prefix: str) -> float | None:

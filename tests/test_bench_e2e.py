@@ -112,6 +112,10 @@ def test_capacity_against_a_running_endpoint(srv, tmp_path, capsys):
     assert main(args) == 0
     res = last_json(capsys)
     assert res["capacity_qps"] == 4.0 and res["variants"]["endpoint"]["num_probes"] == 2
+    # What each probe served (8 Poisson arrivals: about the rate, by chance more or less).
+    endpoint = res["variants"]["endpoint"]
+    served = [p["served_qps"] for p in endpoint["curve"]]
+    assert min(served) > 0 and endpoint["most_served_qps"] == max(served)
     assert (tmp_path / "capacity_curve.png").stat().st_size > 0
     cache = json.loads((tmp_path / "probe_cache.json").read_text())
     assert len(cache) == 2

@@ -11,7 +11,7 @@ import httpx
 import numpy as np
 import pytest
 
-from fluidserve.bench.capacity import delay_stats, search_capacity, slo_check
+from fluidserve.bench.capacity import curve_point, delay_stats, search_capacity, slo_check
 from fluidserve.bench.client import Client, ClientConfig, RequestRecord, arrival_gaps
 from fluidserve.bench.fluidity import (
     deadline_counts,
@@ -110,6 +110,25 @@ def test_capacity_search_on_a_monotone_oracle():
     assert never["capacity_qps"] == 0.0 and never["num_probes"] == 6 and not never["converged"]
     capped = search_capacity(lambda r: (r <= 1000, {}), start=1.0, max_probes=5)
     assert capped["capacity_qps"] == 16.0 and capped["upper_bound_qps"] is None
+
+
+def test_capacity_reports_what_the_probes_served():
+    """A server that completes at most 1.6 req/s: below that it serves the offered rate, above
+    it saturates. The search reports the most it served and that it saturated, whatever its
+    latency SLO says (here one that holds to 2.5 req/s); a search that never pushed it to its
+    limit says so; probes without a throughput (an oracle) report none."""
+    def server(rate):
+        return rate <= 2.5, {"request_throughput": min(rate, 1.6)}
+
+    res = search_capacity(server, start=1.0, max_probes=4)
+    assert [p["rate"] for p in res["probes"]] == [1.0, 2.0, 4.0, 3.0]
+    assert res["capacity_qps"] == 2.0 and res["most_served_qps"] == 1.6 and res["saturated"]
+    light = search_capacity(server, start=0.25, max_probes=2)
+    assert light["most_served_qps"] == 0.5 and light["saturated"] is False
+    blind = search_capacity(lambda r: (r <= 2, {}), start=1.0, max_probes=3)
+    assert blind["most_served_qps"] is None and blind["saturated"] is None
+    assert curve_point(2.0, True, 0.15, {"request_throughput": 1.6}) == \
+        {"rate": 2.0, "value": 0.15, "ok": True, "served_qps": 1.6}
 
 
 def test_the_downward_search_stops_at_the_lowest_rate():

@@ -64,3 +64,24 @@ def test_itl_plot_only_where_a_poisson_run_has_gaps(race, tmp_path):
     assert race_report._poisson_itls(full["engines"]["vllm"]) == [0.02, 0.03, 0.05]
     race_report.plot(full, tmp_path)
     assert (tmp_path / "race-itl-cdf.png").stat().st_size > 0
+
+
+def test_capacity_served_figures_from_the_search_or_the_probes_on_disk(race, tmp_path):
+    """A race's capacity entry carries what its probes served; one from before those figures
+    has them computed from the probes its `fluidserve capacity` run left in the run
+    directory; without either there are none."""
+    import json
+
+    import race_report
+
+    new = {"capacity_qps": 1.25, "variants": {"endpoint": {"most_served_qps": 1.2,
+                                                           "saturated": True}}}
+    assert race_report._served("vllm-128", new, tmp_path) == (1.2, True)
+    old = {"capacity_qps": 2.0, "variants": {"endpoint": {"capacity_qps": 2.0}}}
+    assert race_report._served("fluidserve-auto", old, tmp_path) == (None, None)
+    probes = [{"rate": r, "ok": r <= 2, "summary": {"request_throughput": s}}
+              for r, s in ((1.0, 0.92), (2.0, 1.59), (4.0, 1.65))]
+    (tmp_path / "fluidserve-auto-capacity").mkdir()
+    (tmp_path / "fluidserve-auto-capacity" / "capacity.json").write_text(
+        json.dumps({"probes": {"endpoint": probes}}))
+    assert race_report._served("fluidserve-auto", old, tmp_path) == (1.65, True)

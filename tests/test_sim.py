@@ -465,6 +465,9 @@ def test_simulate_cli_run_budget_and_capacity(tmp_path, capsys):
                  "--output-dir", str(tmp_path / "cap")]) == 0
     c = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert c["capacity_qps"] > 0 and c["num_probes"] <= 6
+    # Each probe's completed requests per second ride along the latency curve.
+    assert c["most_served_qps"] == max(p["served_qps"] for p in c["curve"]) > 0
+    assert isinstance(c["saturated"], bool)
     assert (c["model_shape"], c["device"], c["pipeline_across_nodes"]) == ("mistral-7b", "a100",
                                                                            False)
     # Simulating this CPU, the summary names no GPU model or device (it once named the

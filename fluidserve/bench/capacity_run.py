@@ -13,6 +13,7 @@ from pathlib import Path
 from fluidserve.bench.capacity import (
     LaunchedServer,
     ProbeCache,
+    curve_point,
     delay_stats,
     search_capacity,
     slo_check,
@@ -82,7 +83,7 @@ def run_capacity(bcfg: BenchConfig, ccfg: CapacityConfig, launch: list[str]) -> 
             ok, value = check(summary)
             if ccfg.slo == "tbt" and summary["num_completed"]:
                 delay_metrics.add(delay_stats(ccfg, summary)[0])
-            curves[name].append({"rate": rate, "value": value, "ok": ok})
+            curves[name].append(curve_point(rate, ok, value, summary))
             return ok, {k: summary.get(k) for k in SUMMARY_KEYS}
 
         log(f"== capacity of {name}" + (f" ({' '.join(args)})" if args else f" at {bcfg.base_url}"))

@@ -7,7 +7,7 @@ import sys
 import time
 from pathlib import Path
 
-from fluidserve.bench.capacity import search_capacity, slo_check
+from fluidserve.bench.capacity import curve_point, search_capacity, slo_check
 from fluidserve.bench.report import constant_deadline, score_fluidity, summarize_run, write_run
 from fluidserve.bench.workload import build_workload
 from fluidserve.config import BenchConfig, CapacityConfig, EngineConfig, ParallelConfig, SimConfig
@@ -197,15 +197,17 @@ def _capacity(sim, eng, bench, cap, cost, out: Path) -> int:
         records, summary = run_once(sim, eng, bench, rate, cost)
         write_run(out / f"rate-{rate:.4g}", records, summary)
         ok, value = check(summary)
-        curve.append({"rate": rate, "value": value, "ok": ok})
+        curve.append(curve_point(rate, ok, value, summary))
         return ok, {k: summary[k] for k in ("tbt_s", "ttft_s", "scheduling_delay_s",
-                                             "fraction_fluid_requests", "stage_idle_fraction")
+                                             "fraction_fluid_requests", "stage_idle_fraction",
+                                             "request_throughput")
                     if k in summary}  # (a disaggregated cluster has no pipeline stages)
 
     res = search_capacity(probe, cap.start_rate, cap.granularity, cap.max_probes,
                           lambda m: print(m, file=sys.stderr), cap.min_rate)
     summary = {"capacity_qps": res["capacity_qps"], "upper_bound_qps": res["upper_bound_qps"],
                "num_probes": res["num_probes"], "converged": res["converged"],
+               "most_served_qps": res["most_served_qps"], "saturated": res["saturated"],
                "slo": dataclasses.asdict(cap),
                **({"scheduler": "tetriinfer", "token_budget": None}
                   if eng.disagg.disaggregate else

@@ -1,9 +1,18 @@
-"""The engine keeps glibc from unmapping large activations between iterations."""
+"""The engine keeps glibc from unmapping large activations between iterations, and puts the
+tensors a decode step streams through on transparent huge pages."""
 
 from __future__ import annotations
 
+import gc
 import subprocess
 import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from fluidserve.model.attention import new_kv_cache
+from fluidserve.model.host_memory import HUGE_PAGE, huge_page_empty, on_huge_pages
 
 CODE = """
 import resource, statistics, torch
@@ -35,3 +44,51 @@ def test_large_activations_are_not_faulted_in_again_at_every_iteration():
     assert ok
     assert before > 10_000  # 48 MiB of 4 KiB pages, mapped afresh on every use by default
     assert after < 500  # the freed block is reused as it is
+
+
+def _mapping_fields(ptr: int) -> dict[str, str]:
+    """The /proc/self/smaps fields of the mapping holding address ``ptr``."""
+    fields, inside = {}, False
+    for line in open("/proc/self/smaps").read().splitlines():
+        head = line.split()[0] if line.split() else ""
+        if "-" in head and all(c in "0123456789abcdef-" for c in head):
+            lo, hi = (int(x, 16) for x in head.split("-"))
+            inside = lo <= ptr < hi
+        elif inside and ":" in line:
+            key, _, value = line.partition(":")
+            fields[key] = value.strip()
+    return fields
+
+
+THP = Path("/sys/kernel/mm/transparent_hugepage/enabled")
+needs_thp = pytest.mark.skipif(not THP.is_file() or "[never]" in THP.read_text(),
+                               reason="transparent huge pages are off on this kernel")
+
+
+@needs_thp
+def test_the_kv_cache_and_tile_copies_sit_on_huge_pages():
+    """A KV cache of whole huge pages starts on one, zeroed, in a mapping the kernel may back
+    with them (THPeligible: the advice took); a tile copy is the packed weight's bytes on
+    such a mapping, and outlives every other reference to the mapping."""
+    k, v = new_kv_cache(512, 16, 4, 64, torch.bfloat16, torch.device("cpu"))
+    assert k.shape == (512, 4, 64, 16) and v.shape == (512, 4, 16, 64)
+    for t in (k, v):
+        assert t.data_ptr() % HUGE_PAGE == 0 and not t.any()
+        assert _mapping_fields(t.data_ptr())["THPeligible"] == "1"
+    w = torch.randn(3 << 20, generator=torch.Generator().manual_seed(0)).bfloat16()
+    copy = on_huge_pages(w)
+    assert copy.data_ptr() != w.data_ptr() and torch.equal(copy, w)
+    view = copy[1:]
+    del copy
+    gc.collect()
+    assert torch.equal(view, w[1:]) and _mapping_fields(view.data_ptr())["THPeligible"] == "1"
+
+
+def test_small_tensors_and_the_opt_out_keep_the_allocators_pages(monkeypatch):
+    small = torch.ones(1000)
+    assert on_huge_pages(small) is small
+    assert huge_page_empty((1000,), torch.float32).shape == (1000,)
+    monkeypatch.setenv("FLUIDSERVE_NO_HUGE_PAGES", "1")
+    big = torch.ones(4 << 20, dtype=torch.uint8)
+    assert on_huge_pages(big) is big
+    assert huge_page_empty((4 << 20,), torch.uint8).untyped_storage().nbytes() == 4 << 20

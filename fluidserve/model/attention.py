@@ -30,6 +30,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from fluidserve.model.host_memory import huge_page_empty
+
 # Runs of at least this many query tokens take the compiled kernel's prefill path (bf16 on
 # AMX tiles or the panels where the CPU has them, else ATen's flash attention): faster than
 # the per-token work items once a run has many queries (measured at 16 queries and up).
@@ -111,8 +113,13 @@ def kernel_ops(backend: str) -> ModuleType:
 
 def new_kv_cache(num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
                  dtype: torch.dtype, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    k = torch.empty(num_blocks, num_kv_heads, head_dim, block_size, dtype=dtype, device=device)
-    v = torch.empty(num_blocks, num_kv_heads, block_size, head_dim, dtype=dtype, device=device)
+    k_shape = (num_blocks, num_kv_heads, head_dim, block_size)
+    v_shape = (num_blocks, num_kv_heads, block_size, head_dim)
+    if device.type == "cpu":  # (a decode reads scattered blocks: huge pages spare the TLB)
+        k, v = huge_page_empty(k_shape, dtype), huge_page_empty(v_shape, dtype)
+    else:
+        k = torch.empty(k_shape, dtype=dtype, device=device)
+        v = torch.empty(v_shape, dtype=dtype, device=device)
     # Written, not just allocated: zeroed-on-demand pages would otherwise fault in one by one
     # on the serving path the first time each block is used (measured: 4% of an engine's
     # time under load went to page faults).

@@ -1,5 +1,7 @@
 """Host memory: the C allocator kept from handing large activations back to the kernel between
-iterations, and pinned staging for the small copies of each step's inputs to a GPU.
+iterations, the long-lived tensors a decode step streams through (the KV cache, the weights'
+tile copies) on transparent huge pages, and pinned staging for the small copies of each step's
+inputs to a GPU.
 
 glibc's malloc serves large blocks with a fresh ``mmap`` and returns them with ``munmap`` when
 freed (and trims the top of its heap once enough is free there). A forward pass allocates and
@@ -17,6 +19,8 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import logging
+import math
+import mmap
 import os
 
 import numpy as np
@@ -49,6 +53,64 @@ def keep_freed_memory(mmap_threshold: int = 1 << 30, trim_threshold: int = (1 <<
         log.debug("mallopt refused the allocator thresholds; large activations stay on mmap")
     _done = ok
     return ok
+
+
+HUGE_PAGE = 2 << 20
+THP_ENABLED = "/sys/kernel/mm/transparent_hugepage/enabled"
+
+
+def huge_pages_advisable() -> bool:
+    """Whether this process may ask for transparent huge pages: Linux with THP in ``madvise``
+    or ``always`` mode (``never``: the advice changes nothing), and no
+    ``FLUIDSERVE_NO_HUGE_PAGES`` in the environment."""
+    if os.environ.get("FLUIDSERVE_NO_HUGE_PAGES") or not hasattr(mmap, "MADV_HUGEPAGE"):
+        return False
+    try:
+        with open(THP_ENABLED) as f:
+            mode = f.read()
+    except OSError:
+        return False
+    return "[never]" not in mode
+
+
+def huge_page_empty(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """A CPU tensor on its own 2 MB-aligned anonymous mapping advised for transparent huge
+    pages (``MADV_HUGEPAGE``), zero until written; a plain ``torch.empty`` where that cannot
+    be had (``huge_pages_advisable``) or the tensor is smaller than one huge page.
+
+    Where THP is in ``madvise`` mode (the common default) nothing else in the process gets
+    huge pages, and a decode step streams every weight and its requests' KV blocks through
+    4 KB pages: one TLB miss per 4 KB, and the scattered KV blocks' misses unhidden. On a
+    2-core Zen 4 EPYC: the race model's decode attention at 40 x 290 tokens 13.4 -> 11.6 ms
+    for 16 layers, its 64 tile linears at one row 11.0 -> 10.5 ms. The mapping lives as long
+    as the tensor (or any view of it) does."""
+    raw = _huge_mapping(math.prod(shape) * dtype.itemsize)
+    return torch.empty(shape, dtype=dtype) if raw is None else raw.view(dtype).view(shape)
+
+
+def on_huge_pages(t: torch.Tensor) -> torch.Tensor:
+    """A copy of CPU tensor ``t`` on huge pages (``huge_page_empty``), or ``t`` itself where
+    none can be had."""
+    raw = _huge_mapping(t.numel() * t.element_size()) if t.device.type == "cpu" else None
+    if raw is None:
+        return t
+    return raw.view(t.dtype).view(t.shape).copy_(t)
+
+
+def _huge_mapping(n: int) -> torch.Tensor | None:
+    """``n`` bytes (uint8) at the start of a huge page of a mapping advised for them, or
+    None (too small to fill one, or not to be had here)."""
+    if n < HUGE_PAGE or not huge_pages_advisable():
+        return None
+    try:
+        m = mmap.mmap(-1, n + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        m.madvise(mmap.MADV_HUGEPAGE)
+    except OSError as e:  # (a kernel built without THP refuses the advice)
+        log.debug("no huge pages for %d bytes: %s", n, e)
+        return None
+    raw = torch.frombuffer(m, dtype=torch.uint8)  # (the tensor holds the mapping)
+    start = -raw.data_ptr() % HUGE_PAGE
+    return raw[start:start + n]
 
 
 def to_device(values: np.ndarray | list, device: torch.device, dtype: torch.dtype | None = None

@@ -52,6 +52,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from fluidserve.kernels import cpu_ops
+from fluidserve.model.host_memory import on_huge_pages
 
 
 def packed_linear_supported(dtype: torch.dtype, device: torch.device) -> bool:
@@ -180,7 +181,10 @@ class PackedLinear(nn.Module):
         if tiles and tiles_supported(weight):
             self._ops = cpu_ops()
             # (an odd in_features, where a model has one, keeps the FMA panels)
-            self.tiles = self._ops.tile_pack(weight, dot=dot and weight.shape[1] % 2 == 0)
+            # (on huge pages: a decode step streams every tile copy, 4 KB pages cost a TLB
+            # miss per 4 KB of it)
+            self.tiles = on_huge_pages(
+                self._ops.tile_pack(weight, dot=dot and weight.shape[1] % 2 == 0))
             self.tile_rows = self._ops.tile_max_rows()
         self.packed: torch.Tensor | None = None
         if self.tile_rows < ANY_ROWS:

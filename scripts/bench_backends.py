@@ -19,7 +19,7 @@ import statistics
 import time
 
 from fluidserve.core.scheduler.output import SchedulerOutput
-from fluidserve.model.builder import build_model_dir, cache_root
+from fluidserve.model.builder import race_model_dir
 from fluidserve.model.runner import ModelExecutor
 from fluidserve.profiler.run import _chunk
 
@@ -59,9 +59,7 @@ def main() -> None:
     pairs = [tuple(p.split("/")) for p in args.pairs.split(",")]
     if any(len(p) not in (2, 3) for p in pairs):
         ap.error("--pairs: ATTENTION/LINEAR[/PANEL_PRODUCT],...")
-    model = cache_root() / "models" / "race-200m-gqa-bf16"
-    if not (model / "config.json").exists():
-        build_model_dir(model, "200m-gqa", dtype="bfloat16")
+    model = race_model_dir()
     runs: dict[str, list[dict]] = {"/".join(p): [] for p in pairs}
     for _ in range(args.rounds):  # interleaved rounds: drift hits every pair alike
         for p in pairs:

@@ -77,12 +77,9 @@ def summarize(s: dict) -> dict:
 
 
 def run(args) -> dict:
-    from fluidserve.model.builder import build_model_dir, cache_root
+    from fluidserve.model.builder import race_model_dir
 
-    model = cache_root() / "models" / "race-200m-gqa-bf16"
-    if not (model / "config.json").exists():
-        log(f"building the benchmark model in {model}")
-        build_model_dir(model, "200m-gqa", dtype="bfloat16")
+    model = race_model_dir()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     res = {"started": time.strftime("%Y-%m-%d %H:%M"), "machine": machine(),

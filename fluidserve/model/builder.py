@@ -230,6 +230,18 @@ def default_model_dir() -> Path:
     return path
 
 
+def race_model_dir(shape: str = "200m-gqa") -> Path:
+    """The model of the race against vLLM's CPU build and of the benchmarks beside it
+    (``race-{shape}-bf16`` in the user cache: random bf16 weights, seed 0), built once."""
+    target = cache_root() / "models" / f"race-{shape}-bf16"
+    if not (target / "config.json").is_file():
+        tmp = target.with_suffix(".tmp")
+        shutil.rmtree(tmp, ignore_errors=True)
+        build_model_dir(tmp, shape, dtype="bfloat16")
+        tmp.rename(target)
+    return target
+
+
 def cached_model_dir(shape: str = DEFAULT_SHAPE, dtype: str = "float32", seed: int = 0) -> Path:
     """The model directory for (shape, dtype, seed), built once into the user cache."""
     key = json.dumps([BUILDER_VERSION, asdict(SHAPES[shape]), dtype, seed, corpus_text()])

@@ -92,3 +92,28 @@ def test_small_tensors_and_the_opt_out_keep_the_allocators_pages(monkeypatch):
     big = torch.ones(4 << 20, dtype=torch.uint8)
     assert on_huge_pages(big) is big
     assert huge_page_empty((4 << 20,), torch.uint8).untyped_storage().nbytes() == 4 << 20
+
+
+RELEASE = """
+import torch
+from fluidserve.model.host_memory import keep_freed_memory, release_freed_memory
+
+def rss_mb():
+    return int(next(l for l in open("/proc/self/status") if l.startswith("VmRSS")).split()[1]) >> 10
+
+assert keep_freed_memory()
+x = torch.empty(200 << 20, dtype=torch.uint8)
+x.fill_(1)
+del x  # kept by the allocator for the next iteration
+kept = rss_mb()
+release_freed_memory()
+print(kept, rss_mb())
+"""
+
+
+def test_what_loading_left_behind_is_handed_back_once():
+    """Freed memory stays with the allocator (for the next iteration's activations) until the
+    engine, its model in place, hands it back."""
+    kept, released = (int(x) for x in subprocess.run(
+        [sys.executable, "-c", RELEASE], capture_output=True, text=True, check=True).stdout.split())
+    assert kept - released > 150

@@ -26,7 +26,7 @@ from fluidserve.model.attention import (
     new_kv_cache,
     triton_unsupported,
 )
-from fluidserve.model.host_memory import keep_freed_memory, to_device
+from fluidserve.model.host_memory import keep_freed_memory, release_freed_memory, to_device
 from fluidserve.model.inputs import StepInputs
 from fluidserve.model.linear import (
     PANEL_KINDS,
@@ -159,6 +159,8 @@ class Worker:
         # One (key, value) pair of caches per layer of this stage (layouts: model/attention.py).
         self.kv_caches = [new_kv_cache(spec.num_blocks, spec.block_size, hkv, self.arch.head_dim,
                                        dtype, self.device) for _ in self.model.layers]
+        if self.device.type == "cpu":
+            release_freed_memory()  # what loading and packing left behind
         self.attention = choose_attention(spec.attention_backend, spec.block_size,
                                           self.arch.head_dim, self.device)
         self.prefill_dot = self._choose_prefill_product(dtype)

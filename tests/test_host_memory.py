@@ -117,3 +117,55 @@ def test_what_loading_left_behind_is_handed_back_once():
     kept, released = (int(x) for x in subprocess.run(
         [sys.executable, "-c", RELEASE], capture_output=True, text=True, check=True).stdout.split())
     assert kept - released > 150
+
+
+def _built(opt_out: bool, monkeypatch, build):
+    """``build()`` with huge pages, or with the opt-out set (the 4 KB-page fallback)."""
+    with monkeypatch.context() as m:
+        if opt_out:
+            m.setenv("FLUIDSERVE_NO_HUGE_PAGES", "1")
+        else:
+            m.delenv("FLUIDSERVE_NO_HUGE_PAGES", raising=False)
+        return build()
+
+
+@needs_thp
+def test_the_huge_page_path_computes_what_the_fallback_does(monkeypatch, tiny_model_dir):
+    """The same engine step (prefill, then decodes reading the cache) gives the same logits,
+    bit for bit, with the KV cache on huge pages and on the allocator's pages; so does a
+    linear's tile copy on either."""
+    from fluidserve.core.scheduler.output import SchedulerOutput
+    from fluidserve.model.runner import ModelExecutor
+    from fluidserve.profiler.run import _chunk
+
+    def logits(ex) -> list[torch.Tensor]:
+        out = [ex.logits(SchedulerOutput(0, [_chunk("a", 0, 40, 16, 0),
+                                             _chunk("b", 0, 7, 16, 8)]))]
+        for step in range(3):
+            out.append(ex.logits(SchedulerOutput(0, [_chunk("a", 40 + step, 1, 16, 0),
+                                                     _chunk("b", 7 + step, 1, 16, 8)])))
+        return out
+
+    runs = {}
+    for opt_out in (False, True):
+        ex = _built(opt_out, monkeypatch,
+                    lambda: ModelExecutor(tiny_model_dir, num_blocks=2048, max_model_len=512))
+        on_huge = ex.kv_caches[0][0].data_ptr() % HUGE_PAGE == 0 and \
+            _mapping_fields(ex.kv_caches[0][0].data_ptr()).get("THPeligible") == "1"
+        assert on_huge != opt_out
+        runs[opt_out] = logits(ex)
+        ex.shutdown()
+    for a, b in zip(runs[False], runs[True], strict=True):
+        assert torch.equal(a, b)
+
+    from fluidserve.model.linear import PackedLinear, tiles_supported
+
+    torch.manual_seed(0)
+    linear = torch.nn.Linear(1024, 2048, bias=False).to(torch.bfloat16)
+    if not tiles_supported(linear.weight):
+        return  # (no tile kernel on this CPU: the KV cache above is the whole change here)
+    x = torch.randn(5, 1024).bfloat16()
+    packed = {o: _built(o, monkeypatch, lambda: PackedLinear(linear, tiles=True))
+              for o in (False, True)}
+    assert packed[False].tiles.data_ptr() % HUGE_PAGE == 0
+    assert torch.equal(packed[False](x), packed[True](x))

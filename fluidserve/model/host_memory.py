@@ -41,11 +41,8 @@ def keep_freed_memory(mmap_threshold: int = 1 << 30, trim_threshold: int = (1 <<
         return True
     if os.environ.get("FLUIDSERVE_NO_MALLOPT"):
         return False
-    name = ctypes.util.find_library("c")
-    try:
-        libc = ctypes.CDLL(name or "libc.so.6")
-        mallopt = libc.mallopt
-    except (OSError, AttributeError):
+    mallopt = _glibc("mallopt")
+    if mallopt is None:
         return False  # not glibc (musl, macOS): nothing to tune
     ok = mallopt(M_MMAP_THRESHOLD, mmap_threshold) == 1 and mallopt(
         M_TRIM_THRESHOLD, trim_threshold) == 1
@@ -120,11 +117,17 @@ def release_freed_memory() -> None:
     activations, and so also what loading a model leaves behind: its weights as read, the
     packed copies replaced by their huge-page ones (the race model: ~470 MB of 2.9 GB
     resident, 37 ms to return). Called once the model is in place."""
-    name = ctypes.util.find_library("c")
+    malloc_trim = _glibc("malloc_trim")
+    if malloc_trim is not None:  # (not glibc: nothing held to hand back this way)
+        malloc_trim(0)
+
+
+def _glibc(function: str):
+    """The C library's ``function``, or None where the C library has none (not glibc)."""
     try:
-        ctypes.CDLL(name or "libc.so.6").malloc_trim(0)
+        return getattr(ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6"), function)
     except (OSError, AttributeError):
-        pass  # not glibc
+        return None
 
 
 def to_device(values: np.ndarray | list, device: torch.device, dtype: torch.dtype | None = None

@@ -4,7 +4,12 @@ The race model's attention shape (16 query heads, 4 kv heads, head_dim 64, bf16,
 16), sixteen layers each with its own cache so that a step reads its KV from memory as the
 engine's does (one cache reused would sit in the CPU's caches and flatter the kernel):
 
-  decode   N requests of one query token over C tokens of context, blocks scattered
+  decode   N requests of one query token over C tokens of context, on block tables of
+           ``--tables``: ``random`` (every block anywhere, the default), ``contiguous``
+           (each request's blocks one after the other, as a fresh engine hands out a
+           prompt's), or ``churned`` (the tables the engine's own BlockManager leaves after
+           3000 decode steps of requests arriving and finishing: at 40 x 290, 29% of the
+           blocks follow the one before them in memory)
   prefill  S runs of P tokens (``SxP``), each attending causally to itself, or the last P
            tokens of S prompts of C + P tokens over the C cached before them (``SxP@C``:
            a prompt's later chunk); the prefill kernel's path where the CPU has one
@@ -25,30 +30,67 @@ Prints JSON lines.
     python scripts/bench_attention.py --march x86-64-v3 --against /tmp/a/cpu_kernels.cpp \
         --against /tmp/b/cpu_kernels.cpp
     python scripts/bench_attention.py --prefill 4x8@512 --min-long-run 2 1000000000
+    python scripts/bench_attention.py --tables churned --against /tmp/a/cpu_kernels.cpp
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import random
 import statistics
 import time
 from pathlib import Path
 
 import torch
 
+from fluidserve.core.block_manager import BlockManager
 from fluidserve.kernels import build_error, cpu_ops, variant_label, variant_ops
 from fluidserve.model.attention import min_long_run
 
 H, HKV, D, BS, LAYERS = 16, 4, 64, 16, 16
 
 
-def decode_case(n: int, ctx: int, gen: torch.Generator) -> tuple:
+def churned_tables(n: int, ctx: int, num_blocks: int, steps: int = 3000,
+                   seed: int = 0) -> torch.Tensor:
+    """[n, ctx / BS] block tables as a server's BlockManager leaves them: n requests
+    running, each growing a token a step, each replaced when done by one of 200-520 prompt
+    tokens and 16-127 outputs; then each table's first ctx / BS blocks."""
     per = -(-ctx // BS)
-    blocks = n * per + 1
+    rng = random.Random(seed)
+    bm, goal, count = BlockManager(num_blocks, BS), {}, 0
+
+    def admit() -> None:
+        nonlocal count
+        rid, prompt = f"r{count}", rng.randrange(max(200, ctx), max(520, ctx + 1))
+        count += 1
+        assert bm.allocate(rid, prompt), "the cache is too small for the churn"
+        goal[rid] = [prompt, prompt + rng.randrange(16, 128)]
+
+    for _ in range(n):
+        admit()
+    for _ in range(steps):
+        for rid in list(goal):
+            goal[rid][0] += 1
+            assert bm.allocate(rid, goal[rid][0]), "the cache is too small for the churn"
+            if goal[rid][0] >= goal[rid][1]:
+                bm.free(rid)
+                del goal[rid]
+                admit()
+    return torch.tensor([bm.table(rid)[:per] for rid in sorted(goal)], dtype=torch.int32)
+
+
+def decode_case(n: int, ctx: int, gen: torch.Generator, tables: str = "random") -> tuple:
+    per = -(-ctx // BS)
+    blocks = n * per + 1 if tables != "churned" else 4 * n * -(-(max(520, ctx) + 128) // BS)
     caches = [(torch.randn(blocks, HKV, D, BS, generator=gen).bfloat16(),
                torch.randn(blocks, HKV, BS, D, generator=gen).bfloat16()) for _ in range(LAYERS)]
-    tables = (torch.randperm(blocks - 1, generator=gen)[: n * per].int() + 1).view(n, per)
+    if tables == "churned":
+        tables = churned_tables(n, ctx, blocks)
+    elif tables == "contiguous":
+        tables = (torch.arange(n * per, dtype=torch.int32) + 1).view(n, per)
+    else:
+        tables = (torch.randperm(blocks - 1, generator=gen)[: n * per].int() + 1).view(n, per)
     slots = (tables[:, (ctx - 1) // BS].long() * BS + (ctx - 1) % BS).contiguous()
     meta = (slots, torch.arange(n + 1, dtype=torch.int32), torch.full((n,), ctx, dtype=torch.int32),
             tables.contiguous())
@@ -76,6 +118,8 @@ def main() -> None:
     ap.add_argument("--decode", default="40x290", help="requests x context (default 40x290)")
     ap.add_argument("--prefill", default="8x256",
                     help="runs x tokens[@cached context] (default 8x256)")
+    ap.add_argument("--tables", choices=("random", "contiguous", "churned"), default="random",
+                    help="the decode batch's block tables (default random)")
     ap.add_argument("--threads", type=int, nargs="*", default=[2, 1])
     ap.add_argument("--rounds", type=int, default=9)
     ap.add_argument("--against", type=Path, action="append", default=[], metavar="FILE",
@@ -99,7 +143,7 @@ def main() -> None:
     dn, dc = (int(x) for x in args.decode.split("x"))
     runs, _, cached = args.prefill.partition("@")
     pn, pp = (int(x) for x in runs.split("x"))
-    cases = {"decode": decode_case(dn, dc, gen),
+    cases = {"decode": decode_case(dn, dc, gen, args.tables),
              "prefill": prefill_case(pn, pp, gen, int(cached or 0))}
     thresholds = args.min_long_run or [min_long_run(ops, torch.bfloat16)]
     variants = {(f"{label}@{t}" if len(thresholds) > 1 else label): (mod, t)
@@ -119,6 +163,7 @@ def main() -> None:
                     times[label].append(time.perf_counter() - t0)
                     outs[label] = out
             row = {"case": name, "shape": args.decode if name == "decode" else args.prefill,
+                   **({"tables": args.tables} if name == "decode" else {}),
                    "threads": threads, "layers": LAYERS}
             for label, ts in times.items():
                 t = statistics.median(ts[1:])

@@ -118,9 +118,9 @@ void attend(const WorkItem& w, const Batch& b, const T* q, T* out, const T* k_ca
 
 // A decode item: one query token, query heads head0 .. head0 + heads - 1 (whole groups of
 // kv heads). Blocks are visited once, all the item's kv heads together (contiguous in the
-// cache), with the blocks kAhead ahead prefetched (the first ones before the pass starts, and
-// the value pass's first ones during the score pass's last blocks); the score and value
-// passes are the ones of ``attend``.
+// cache), with the blocks kAhead ahead prefetched into L2 (the first ones before the pass
+// starts, and the value pass's first ones during the score pass's last blocks); the score
+// and value passes are the ones of ``attend``.
 template <typename T, int BS>
 void attend_decode(const WorkItem& w, const Batch& b, const T* q, T* out, const T* k_cache,
                    const T* v_cache, std::vector<float>& scores) {
@@ -158,14 +158,14 @@ void attend_decode(const WorkItem& w, const Batch& b, const T* q, T* out, const 
   scores.resize(static_cast<size_t>(R) * width);
   float* sc = scores.data();
   for (int blk = 0; blk < std::min(kAhead, num_blocks); ++blk)
-    prefetch(k_cache + table[blk] * kv_stride + off, span);
+    prefetch_l2(k_cache + table[blk] * kv_stride + off, span);
   for (int blk = 0; blk < num_blocks; ++blk) {  // pass 1: scores
     const T* ahead = blk + kAhead < num_blocks
                          ? k_cache + table[blk + kAhead] * kv_stride + off
                      : blk + kAhead - num_blocks < num_blocks  // the value pass's first blocks
                          ? v_cache + table[blk + kAhead - num_blocks] * kv_stride + off
                          : nullptr;
-    if (ahead && !spread) prefetch(ahead, span);
+    if (ahead && !spread) prefetch_l2(ahead, span);
     const T* kb = k_cache + table[blk] * kv_stride + off;
     for (int k = 0; k < nkv; ++k) {
       const T* kt = kb + k * BS * D;  // [D, BS]
@@ -190,7 +190,7 @@ void attend_decode(const WorkItem& w, const Batch& b, const T* q, T* out, const 
               for (int c = 0; c < NV; ++c) {
                 const int at = (d + e) * BS + 16 * c;
                 if (lead && at * static_cast<int>(sizeof(T)) % 64 == 0)
-                  __builtin_prefetch(lead + at);
+                  prefetch_line_l2(lead + at);
                 const v16f kv = load16(kt + at);
                 for (int rr = 0; rr < 4; ++rr) s[e][rr][c] += qf[r0 + rr][d + e] * kv;
               }
@@ -215,7 +215,7 @@ void attend_decode(const WorkItem& w, const Batch& b, const T* q, T* out, const 
   for (int blk = 0; blk < num_blocks; ++blk) {  // pass 3: probability-weighted values
     const T* ahead =
         blk + kAhead < num_blocks ? v_cache + table[blk + kAhead] * kv_stride + off : nullptr;
-    if (ahead && !spread_values) prefetch(ahead, span);
+    if (ahead && !spread_values) prefetch_l2(ahead, span);
     const T* vb = v_cache + table[blk] * kv_stride + off;
     const int nj = std::min(BS, ctx - blk * BS);
     for (int k = 0; k < nkv; ++k) {
@@ -238,7 +238,7 @@ void attend_decode(const WorkItem& w, const Batch& b, const T* q, T* out, const 
             for (int j = 0; j < nj; ++j) {
               if (lead && d0 == 0)  // row j of the block ahead
                 for (int by = 0; by < D * static_cast<int>(sizeof(T)); by += 64)
-                  __builtin_prefetch(reinterpret_cast<const char*>(lead + j * D) + by);
+                  prefetch_line_l2(reinterpret_cast<const char*>(lead + j * D) + by);
               v16f v[kValueChunks];
               for (int c = 0; c < kValueChunks; ++c) v[c] = load16(vh + j * D + d0 + 16 * c);
               for (int rr = 0; rr < 4; ++rr) {

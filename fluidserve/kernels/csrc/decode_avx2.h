@@ -73,7 +73,7 @@ inline void scores16(const float* qf, const c10::BFloat16* kt, int D, float* sc,
   __m256 s0a = _mm256_setzero_ps(), s0b = s0a, s1a = s0a, s1b = s0a, s2a = s0a, s2b = s0a,
          s3a = s0a, s3b = s0a;
   for (int d = 0; d < D; ++d) {
-    if (pf && d % 2 == 0) __builtin_prefetch(pf + d * 16);
+    if (pf && d % 2 == 0) prefetch_line_l2(pf + d * 16);
     __m256 lo, hi;
     bf16x16(kt + d * 16, lo, hi);
     fma_row<0, NR>(qf + d, lo, hi, s0a, s0b);
@@ -108,7 +108,7 @@ inline void values16(const float* p, int width, const c10::BFloat16* vh, int nj,
     for (int j = 0; j < nj; ++j) {
       if (pf && d0 == 0)
         for (int by = 0; by < D * 2; by += 64)
-          __builtin_prefetch(reinterpret_cast<const char*>(pf + j * D) + by);
+          prefetch_line_l2(reinterpret_cast<const char*>(pf + j * D) + by);
       __m256 lo, hi;
       bf16x16(vh + j * D + d0, lo, hi);
       fma_row<0, NR>(p + j, lo, hi, a0a, a0b);

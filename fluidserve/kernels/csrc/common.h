@@ -160,8 +160,12 @@ inline float softmax_row(float* row, int visible, int width) {
 
 // How many blocks ahead a decode item prefetches its keys and values. A decode spends ~150
 // cycles on a block (16 keys of a kv-head group), far less than a scattered block takes to
-// arrive from memory: two blocks ahead left the loads exposed.
-constexpr int kAhead = 8;
+// arrive from memory: two blocks ahead left the loads exposed when the prefetches went to
+// L1. Into L2 (prefetch_l2), four beat eight, and three about equals four: 40 decodes of 290
+// tokens on a Zen 4 EPYC, two cores, alternated: 11.45 (8) / 10.81 (4) / 10.76 (3) / 12.22
+// (12) ms on churned block tables, 11.46 / 10.81 / 10.64 / 12.06 ms on random ones. Four
+// blocks of a 4-kv-head group are ~2400 cycles of work, several memory latencies ahead.
+constexpr int kAhead = 4;
 // 16-float chunks of a value row that the decode value pass keeps in registers for four
 // rows at a time: 4 x 4 accumulators fill half of AVX-512's 32 registers, but 4 x 4 x 2 of
 // AVX2's 16 would spill to the stack on every multiply-add.

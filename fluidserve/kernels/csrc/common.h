@@ -174,18 +174,14 @@ constexpr int kValueChunks = 4;
 #else
 constexpr int kValueChunks = 1;
 #endif
-inline void prefetch(const void* p, int bytes) {
-  const char* c = static_cast<const char*>(p);
-  for (int i = 0; i < bytes; i += 64) __builtin_prefetch(c + i);
-}
-// The decode items' prefetches, kAhead blocks ahead: into L2 (PREFETCHT1), as the panels'
-// far prefetches. A prefetch into L1 holds one of the core's few L1 miss buffers until its
-// line arrives from memory, so those buffers, not the memory, bounded the decode pass (one
-// core read 7 GB/s of KV where a plain sum streams 25); a prefetch into L2 does not, and the
-// load then takes the line from L2. 40 decodes of 290 tokens over 16 layers on scattered
-// blocks (``scripts/bench_attention.py --against`` the L1 version, outputs identical), two
-// cores of a Zen 4 EPYC: 13.6 -> 10.4 ms, the AVX2 build 16.5 -> 11.4 ms; 8 decodes of 1800
-// tokens 15.9 -> 10.8 ms.
+// The attention items' prefetches (the decode items' kAhead blocks ahead, the others' one
+// block): into L2 (PREFETCHT1), as the panels' far prefetches. A prefetch into L1 holds one
+// of the core's few L1 miss buffers until its line arrives from memory, so those buffers, not
+// the memory, bounded the decode pass (one core read 7 GB/s of KV where a plain sum streams
+// 25); a prefetch into L2 does not, and the load then takes the line from L2. 40 decodes of
+// 290 tokens over 16 layers on scattered blocks (``scripts/bench_attention.py --against``
+// the L1 version, outputs identical), two cores of a Zen 4 EPYC: 13.6 -> 10.4 ms, the AVX2
+// build 16.5 -> 11.4 ms; 8 decodes of 1800 tokens 15.9 -> 10.8 ms.
 inline void prefetch_line_l2(const void* p) { __builtin_prefetch(p, 0, 2); }
 inline void prefetch_l2(const void* p, int bytes) {
   const char* c = static_cast<const char*>(p);

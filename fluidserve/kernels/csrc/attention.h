@@ -65,7 +65,8 @@ void attend(const WorkItem& w, const Batch& b, const T* q, T* out, const T* k_ca
   const int block_bytes = BS * D * sizeof(T);
   for (int blk = 0; blk < num_blocks; ++blk) {
     const T* kt = k_cache + table[blk] * kv_stride + head_off;
-    if (blk + 1 < num_blocks) prefetch_l2(k_cache + table[blk + 1] * kv_stride + head_off, block_bytes);
+    if (blk + 1 < num_blocks)
+      prefetch_l2(k_cache + table[blk + 1] * kv_stride + head_off, block_bytes);
     for (int r0 = 0; r0 < R; r0 += 4) {
       const int nr = std::min(4, R - r0);
       v16f s[4][NV] = {};

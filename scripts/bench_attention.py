@@ -54,8 +54,9 @@ H, HKV, D, BS, LAYERS = 16, 4, 64, 16, 16
 def churned_tables(n: int, ctx: int, num_blocks: int, steps: int = 3000,
                    seed: int = 0) -> torch.Tensor:
     """[n, ctx / BS] block tables as a server's BlockManager leaves them: n requests
-    running, each growing a token a step, each replaced when done by one of 200-520 prompt
-    tokens and 16-127 outputs; then each table's first ctx / BS blocks."""
+    running, each growing a token a step, each replaced when done by one of max(200, ctx)
+    to max(520, ctx + 1) prompt tokens and 16-127 outputs; then each table's first ctx / BS
+    blocks (every prompt has at least ctx tokens)."""
     per = -(-ctx // BS)
     rng = random.Random(seed)
     bm, goal, count = BlockManager(num_blocks, BS), {}, 0

@@ -81,14 +81,15 @@ def churned_tables(n: int, ctx: int, num_blocks: int, steps: int = 3000,
     return torch.tensor([bm.table(rid)[:per] for rid in sorted(goal)], dtype=torch.int32)
 
 
-def decode_case(n: int, ctx: int, gen: torch.Generator, tables: str = "random") -> tuple:
+def decode_case(n: int, ctx: int, gen: torch.Generator, layout: str = "random") -> tuple:
     per = -(-ctx // BS)
-    blocks = n * per + 1 if tables != "churned" else 4 * n * -(-(max(520, ctx) + 128) // BS)
+    # (churned: a pool four times what n of the longest requests can hold, room to churn in)
+    blocks = n * per + 1 if layout != "churned" else 4 * n * -(-(max(520, ctx) + 128) // BS)
     caches = [(torch.randn(blocks, HKV, D, BS, generator=gen).bfloat16(),
                torch.randn(blocks, HKV, BS, D, generator=gen).bfloat16()) for _ in range(LAYERS)]
-    if tables == "churned":
+    if layout == "churned":
         tables = churned_tables(n, ctx, blocks)
-    elif tables == "contiguous":
+    elif layout == "contiguous":
         tables = (torch.arange(n * per, dtype=torch.int32) + 1).view(n, per)
     else:
         tables = (torch.randperm(blocks - 1, generator=gen)[: n * per].int() + 1).view(n, per)

@@ -79,7 +79,7 @@ def summarize(s: dict) -> dict:
 def run(args) -> dict:
     from fluidserve.model.builder import race_model_dir
 
-    model = race_model_dir()
+    model = race_model_dir(log=log)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     res = {"started": time.strftime("%Y-%m-%d %H:%M"), "machine": machine(),

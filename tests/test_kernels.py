@@ -232,6 +232,55 @@ def test_fused_elementwise_kernels_match_the_eager_layers(dtype):
     check_elementwise_ops(ops, dtype, exact_norm=True)
 
 
+def test_row_wise_kernels_give_the_same_bits_in_the_avx512_and_the_avx2_build():
+    """The AVX-512 build loads, rounds, stores and exponentiates with AVX-512's own instructions
+    (VPMOVZXWD, VPMOVDW, VRNDSCALEPS, VSCALEFPS) where the AVX2 build runs the portable vector
+    code or its eight-lane loops: the same arithmetic, so every output bit must agree, on
+    random values and on those where the paths could part (zeros of both signs, infinities,
+    NaN, denormals, the exponential's clamps at -87 and 88 and beyond, the largest floats)."""
+    if kind_built_here() not in ("avx512", "amx"):
+        pytest.skip("this CPU's build has no AVX-512 paths")
+    avx2 = cpu_ops(AVX2_MARCH)
+    assert avx2 is not None, build_error(AVX2_MARCH)
+    g = torch.Generator().manual_seed(11)
+    special = torch.tensor([0.0, -0.0, float("inf"), float("-inf"), float("nan"), 1e-39, -1e-39,
+                            -86.9, -87.0, -87.5, -88.5, 87.9, 88.0, 88.5, -120.0, 120.0, 3e38,
+                            -3e38, 1e-30, 0.5, -0.5])
+
+    def values(rows: int, cols: int) -> torch.Tensor:
+        x = torch.randn(rows * cols, generator=g) * 4
+        idx = torch.randperm(rows * cols, generator=g)[:special.numel() * 6]
+        x[idx] = special.repeat(6)
+        return x.view(rows, cols).bfloat16()
+
+    def same(a: torch.Tensor, b: torch.Tensor) -> bool:
+        return torch.equal(a.view(torch.int16), b.view(torch.int16))
+
+    # 208 = 6 x 32 + 16: the two-vector loop and a single vector. (A scalar tail, which the
+    # builds cut at 16 and 8 lanes, takes libm's exp: no clamp at 88.)
+    gu = values(37, 2 * 208)
+    outs = [gu.new_empty(37, 208) for _ in range(2)]
+    for mod, out in zip((ops, avx2), outs):
+        mod.silu_and_mul(out, gu)
+    assert same(*outs)
+    x, res = values(37, 200), values(37, 200)
+    w = (torch.rand(200, generator=g) + 0.5).bfloat16()
+    normed = [torch.empty_like(x) for _ in range(2)]
+    added = [(x.clone(), res.clone()) for _ in range(2)]
+    for mod, out, (h, r) in zip((ops, avx2), normed, added):
+        mod.rms_norm(out, x, w, 1e-5)
+        mod.fused_add_rms_norm(h, r, w, 1e-5)
+    assert same(*normed)
+    assert same(added[0][0], added[1][0]) and same(added[0][1], added[1][1])
+    qkv = values(9, (6 + 2 + 2) * 32)
+    cos, sin = torch.randn(64, 32, generator=g), torch.randn(64, 32, generator=g)
+    pos = torch.tensor([3, 0, 63, 17, 5, 5, 40, 1, 2])
+    rotated = [qkv.clone() for _ in range(2)]
+    for mod, t in zip((ops, avx2), rotated):
+        mod.rope(t[:, :192].view(9, 6, 32), t[:, 192:256].view(9, 2, 32), pos, cos, sin)
+    assert same(*rotated)
+
+
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_decoder_layers_in_one_call_equal_the_per_layer_path(tiny_model_dir, monkeypatch, dtype):
     """Batches run the whole stack of decoder layers in one compiled call: the same kernels in
@@ -291,6 +340,23 @@ def test_the_last_layer_on_the_sampled_rows_gives_the_full_batchs_logits(
         lambda: ModelExecutor(str(tiny_model_dir), dtype=dtype, num_blocks=64, block_size=16,
                               linear_backend=linear),
         monkeypatch, atol=tol, rtol=tol)
+
+
+def test_row_wise_benchmark_reports_each_kernel_per_row_count():
+    """scripts/bench_rowwise.py at toy sizes: one JSON line per kernel, row count and thread
+    count, with its time per element (the numbers themselves are not checked: a benchmark)."""
+    script = os.path.join(os.path.dirname(__file__), "..", "scripts", "bench_rowwise.py")
+    out = subprocess.run([sys.executable, script, "--rows", "3", "5", "--threads", "1",
+                          "--rounds", "1"], capture_output=True, text=True, check=True,
+                         timeout=300)
+    rows = [json.loads(line) for line in out.stdout.splitlines()]
+    assert [(r["kernel"], r["rows"]) for r in rows] == [
+        (k, n) for k in ("silu_and_mul", "rms_norm", "fused_add_rms_norm", "rope") for n in (3, 5)]
+    assert all(r["kernel_ms"] > 0 and r["kernel_ns_per_element"] > 0 for r in rows)
+    assert not any("identical" in r or "variant_ms" in r for r in rows)
+    bad = subprocess.run([sys.executable, script, "--rows", "0"], capture_output=True,
+                         text=True, timeout=300)
+    assert bad.returncode != 0 and "--rows and --rounds must be positive" in bad.stderr
 
 
 def test_attention_benchmark_reports_both_cases_per_thread_count():

@@ -91,10 +91,17 @@ inline v16f load16(const float* p) {
   std::memcpy(&v, p, sizeof(v));
   return v;
 }
+// bf16 widened to float32. On AVX-512 in one VPMOVZXWD from memory and a shift: GCC lowers
+// the vector extension's convert to two halves widened and reinserted.
 inline v16f load16(const c10::BFloat16* p) {
+#ifdef __AVX512F__
+  return (v16f)_mm512_slli_epi32(
+      _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16);
+#else
   v16u16 h;
   std::memcpy(&h, p, sizeof(h));
   return (v16f)(__builtin_convertvector(h, v16u32) << 16);
+#endif
 }
 inline v16f load16(const c10::Half* p) {
   v16f v;
@@ -109,12 +116,26 @@ inline v16f splat(float x) { return (v16f){} + x; }
 // Taylor polynomial (relative error ~2e-7, like expf). Inputs below -87 give exactly 0, which
 // is what masked (-inf) scores need.
 inline v16f vexp(v16f x) {
+#ifdef __AVX512F__
+  // The same arithmetic in AVX-512's own instructions, so the same bits: the clamps as
+  // max/min (a NaN stays), the floor in one rounding, and the power of two applied by
+  // scalef, exact here as the multiply below is (n in [-126, 127], the polynomial in
+  // [0.7, 1.5]). Eight instructions fewer, which counts where the exponential is most of a
+  // loop: SiLU-and-mul, the softmax rows.
+  const __m512 xi = (__m512)x;
+  const __mmask16 keep = _mm512_cmp_ps_mask(xi, _mm512_set1_ps(-87.0f), _CMP_NLT_UQ);
+  x = (v16f)_mm512_min_ps(_mm512_set1_ps(88.0f), _mm512_max_ps(_mm512_set1_ps(-87.0f), xi));
+  const v16f t = x * 1.44269504088896341f + 0.5f;
+  const v16f n =
+      (v16f)_mm512_roundscale_ps((__m512)t, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+#else
   const v16i underflow = x < -87.0f;
   x = x < -87.0f ? splat(-87.0f) : x;
   x = x > 88.0f ? splat(88.0f) : x;
   const v16f t = x * 1.44269504088896341f + 0.5f;
   v16f n = __builtin_convertvector(__builtin_convertvector(t, v16i), v16f);  // trunc
   n = n > t ? n - 1.0f : n;                                                   // floor
+#endif
   const v16f r = x - n * 0.693145751953125f - n * 1.428606765330187e-06f;
   v16f y = splat(1.0f / 720.0f);
   y = y * r + 1.0f / 120.0f;
@@ -123,9 +144,13 @@ inline v16f vexp(v16f x) {
   y = y * r + 0.5f;
   y = y * r + 1.0f;
   y = y * r + 1.0f;
+#ifdef __AVX512F__
+  return (v16f)_mm512_maskz_scalef_ps(keep, (__m512)y, (__m512)n);
+#else
   const v16i e = (__builtin_convertvector(n, v16i) + 127) << 23;
   y = y * (v16f)e;
   return underflow ? splat(0.0f) : y;
+#endif
 }
 
 inline float hmax(v16f v) {

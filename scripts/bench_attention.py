@@ -115,23 +115,18 @@ def prefill_case(s: int, p: int, gen: torch.Generator, cached: int = 0) -> tuple
     return caches, meta, qkv, 0
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--decode", default="40x290", help="requests x context (default 40x290)")
-    ap.add_argument("--prefill", default="8x256",
-                    help="runs x tokens[@cached context] (default 8x256)")
-    ap.add_argument("--tables", choices=("random", "contiguous", "churned"), default="random",
-                    help="the decode batch's block tables (default random)")
-    ap.add_argument("--threads", type=int, nargs="*", default=[2, 1])
-    ap.add_argument("--rounds", type=int, default=9)
+def add_variant_arguments(ap: argparse.ArgumentParser) -> None:
+    """The kernel benchmarks' ``--against FILE`` (repeatable) and ``--march``."""
     ap.add_argument("--against", type=Path, action="append", default=[], metavar="FILE",
                     help="a variant of the kernel source to time beside it; repeat for several")
     ap.add_argument("--march", default="native",
-                    help="build the kernel and its variants for this -march (x86-64-v3: the"
+                    help="build the kernels and their variants for this -march (x86-64-v3: the"
                     " AVX2 paths on a CPU that has wider ones)")
-    ap.add_argument("--min-long-run", type=int, nargs="*",
-                    help="thresholds (query tokens) of the prefill path to time side by side")
-    args = ap.parse_args()
+
+
+def kernel_variants(args: argparse.Namespace) -> dict:
+    """The package's kernels built for ``args.march`` ("kernel"), then each ``--against``
+    source built beside them ("variant", or each one's ``variant_label`` where several)."""
     ops = cpu_ops(args.march)
     if ops is None:
         raise SystemExit(f"no compiled kernels: {build_error(args.march)}")
@@ -141,6 +136,24 @@ def main() -> None:
         if label in kernels:
             raise SystemExit(f"--against: two variants named {label!r}")
         kernels[label] = variant_ops(path, i, args.march)
+    return kernels
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--decode", default="40x290", help="requests x context (default 40x290)")
+    ap.add_argument("--prefill", default="8x256",
+                    help="runs x tokens[@cached context] (default 8x256)")
+    ap.add_argument("--tables", choices=("random", "contiguous", "churned"), default="random",
+                    help="the decode batch's block tables (default random)")
+    ap.add_argument("--threads", type=int, nargs="*", default=[2, 1])
+    ap.add_argument("--rounds", type=int, default=9)
+    add_variant_arguments(ap)
+    ap.add_argument("--min-long-run", type=int, nargs="*",
+                    help="thresholds (query tokens) of the prefill path to time side by side")
+    args = ap.parse_args()
+    kernels = kernel_variants(args)
+    ops = kernels["kernel"]
     gen = torch.Generator().manual_seed(0)
     dn, dc = (int(x) for x in args.decode.split("x"))
     runs, _, cached = args.prefill.partition("@")

@@ -23,7 +23,7 @@ import random
 import statistics
 import time
 
-from engine_ab import ENGINE_ARGS, chunk, with_decodes
+from engine_ab import ENGINE_ARGS, chunk, step_times_ms, with_decodes
 
 import fluidserve
 from fluidserve.core.scheduler.output import SchedulerOutput
@@ -46,13 +46,7 @@ def main() -> None:
     decodes = with_decodes(ex)
 
     def median_ms(plan: SchedulerOutput) -> float:
-        ex.execute(plan)
-        times = []
-        for _ in range(args.rounds):
-            t = time.perf_counter()
-            ex.execute(plan)
-            times.append((time.perf_counter() - t) * 1e3)
-        return round(statistics.median(times), 2)
+        return round(statistics.median(step_times_ms(ex, plan, args.rounds)), 2)
 
     row = {"checkout": fluidserve.__file__,
            "decode_40_ms": median_ms(SchedulerOutput(1, decodes)),

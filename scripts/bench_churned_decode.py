@@ -20,10 +20,9 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import time
 
 from bench_attention import churned_tables
-from engine_ab import ENGINE_ARGS
+from engine_ab import ENGINE_ARGS, step_times_ms
 
 import fluidserve
 from fluidserve.core.scheduler.output import ScheduledChunk, SchedulerOutput
@@ -43,12 +42,7 @@ def main() -> None:
     plan = SchedulerOutput(0, [
         ScheduledChunk(f"r{i}", ctx - 1, (5,), tuple(t.tolist()), True, GREEDY, 0, 0,
                        is_decode=True) for i, t in enumerate(tables)])
-    ex.execute(plan)
-    times = []
-    for _ in range(args.rounds):
-        t = time.perf_counter()
-        ex.execute(plan)
-        times.append((time.perf_counter() - t) * 1e3)
+    times = step_times_ms(ex, plan, args.rounds)
     ex.shutdown()
     adjacent = (tables[:, 1:] == tables[:, :-1] + 1).float().mean().item()
     print(json.dumps({"decode": args.decode, "checkout": str(fluidserve.__file__),

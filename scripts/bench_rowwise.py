@@ -23,11 +23,9 @@ import argparse
 import json
 import statistics
 import time
-from pathlib import Path
 
 import torch
-
-from fluidserve.kernels import build_error, cpu_ops, variant_label, variant_ops
+from bench_attention import add_variant_arguments, kernel_variants
 
 HIDDEN, INTER, H, HKV, D, LAYERS, CTX = 1024, 2816, 16, 4, 64, 16, 4096
 KERNELS = ("silu_and_mul", "rms_norm", "fused_add_rms_norm", "rope")
@@ -120,7 +118,8 @@ def elements(kernel: str, rows: int) -> int:
 
 
 def same_bits(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
-    return all(torch.equal(x.view(torch.int16), y.view(torch.int16)) for x, y in zip(a, b))
+    return all(torch.equal(x.view(torch.int16), y.view(torch.int16))
+               for x, y in zip(a, b, strict=True))
 
 
 def main() -> None:
@@ -130,23 +129,12 @@ def main() -> None:
                     help="tokens of a step (default 40 2048)")
     ap.add_argument("--threads", type=int, nargs="*", default=[2, 1])
     ap.add_argument("--rounds", type=int, default=9)
-    ap.add_argument("--against", type=Path, action="append", default=[], metavar="FILE",
-                    help="a variant of the kernel source to time beside it; repeat for several")
-    ap.add_argument("--march", default="native",
-                    help="build the kernels and their variants for this -march (x86-64-v3: the"
-                    " AVX2 paths on a CPU that has wider ones)")
+    add_variant_arguments(ap)
     args = ap.parse_args()
     if min(args.rows, default=1) < 1 or args.rounds < 1:
         raise SystemExit("--rows and --rounds must be positive")
-    ops = cpu_ops(args.march)
-    if ops is None:
-        raise SystemExit(f"no compiled kernels: {build_error(args.march)}")
-    kernels = {"kernel": ops}
-    for i, path in enumerate(args.against):
-        label = "variant" if len(args.against) == 1 else variant_label(path)
-        if label in kernels:
-            raise SystemExit(f"--against: two variants named {label!r}")
-        kernels[label] = variant_ops(path, i, args.march)
+    kernels = kernel_variants(args)
+    ops = kernels["kernel"]
     tables = rope_tables()
     gen = torch.Generator().manual_seed(0)
     for kernel in args.kernels:
@@ -175,11 +163,11 @@ def main() -> None:
                     row["identical"] = all(
                         same_bits(first, o)
                         and same_bits(firsts, run(m, kernel, fresh(kernel, special), tables))
-                        for o, m in zip(others, list(kernels.values())[1:]))
+                        for o, m in zip(others, list(kernels.values())[1:], strict=True))
                     if not row["identical"]:
                         row["max_abs_diff"] = max(
                             (a.float() - b.float()).nan_to_num().abs().max().item()
-                            for o in others for a, b in zip(first, o))
+                            for o in others for a, b in zip(first, o, strict=True))
                 print(json.dumps(row), flush=True)
 
 

@@ -59,6 +59,18 @@ def chunk(n: int, block_size: int, name: str = "p", base: int = 1000) -> Schedul
     return _chunk(name, 0, n, block_size, base)
 
 
+def step_times_ms(ex, plan: SchedulerOutput, rounds: int) -> list[float]:
+    """``rounds`` timed executions of ``plan`` on executor ``ex``, after one untimed (the same
+    slots rewritten with the same values each time), in milliseconds."""
+    ex.execute(plan)
+    times = []
+    for _ in range(rounds):
+        t = time.perf_counter()
+        ex.execute(plan)
+        times.append((time.perf_counter() - t) * 1e3)
+    return times
+
+
 def time_steps(case: str, plan: SchedulerOutput, rounds: int, sides: tuple[str, str], run,
                reps: int = 1) -> None:
     """``run(side, plan)`` executes the plan on that side; each timed run is ``reps``

@@ -260,14 +260,14 @@ def test_row_wise_kernels_give_the_same_bits_in_the_avx512_and_the_avx2_build():
     # builds cut at 16 and 8 lanes, takes libm's exp: no clamp at 88.)
     gu = values(37, 2 * 208)
     outs = [gu.new_empty(37, 208) for _ in range(2)]
-    for mod, out in zip((ops, avx2), outs):
+    for mod, out in zip((ops, avx2), outs, strict=True):
         mod.silu_and_mul(out, gu)
     assert same(*outs)
     x, res = values(37, 200), values(37, 200)
     w = (torch.rand(200, generator=g) + 0.5).bfloat16()
     normed = [torch.empty_like(x) for _ in range(2)]
     added = [(x.clone(), res.clone()) for _ in range(2)]
-    for mod, out, (h, r) in zip((ops, avx2), normed, added):
+    for mod, out, (h, r) in zip((ops, avx2), normed, added, strict=True):
         mod.rms_norm(out, x, w, 1e-5)
         mod.fused_add_rms_norm(h, r, w, 1e-5)
     assert same(*normed)
@@ -276,7 +276,7 @@ def test_row_wise_kernels_give_the_same_bits_in_the_avx512_and_the_avx2_build():
     cos, sin = torch.randn(64, 32, generator=g), torch.randn(64, 32, generator=g)
     pos = torch.tensor([3, 0, 63, 17, 5, 5, 40, 1, 2])
     rotated = [qkv.clone() for _ in range(2)]
-    for mod, t in zip((ops, avx2), rotated):
+    for mod, t in zip((ops, avx2), rotated, strict=True):
         mod.rope(t[:, :192].view(9, 6, 32), t[:, 192:256].view(9, 2, 32), pos, cos, sin)
     assert same(*rotated)
 

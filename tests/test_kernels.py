@@ -228,8 +228,10 @@ def test_kernels_can_be_disabled_and_the_engine_falls_back():
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_fused_elementwise_kernels_match_the_eager_layers(dtype):
-    check_elementwise_ops(ops, dtype, exact_norm=True)
+def test_fused_elementwise_kernels_match_the_eager_layers(kernels, dtype):
+    """The row-wise kernels of this CPU's build and of the AVX2 build against the eager
+    layers."""
+    check_elementwise_ops(kernels, dtype, exact_norm=True)
 
 
 def test_row_wise_kernels_give_the_same_bits_in_the_avx512_and_the_avx2_build():

@@ -667,6 +667,15 @@ def test_metrics_values_after_known_traffic(tiny_model_dir):
         assert metric(m, "fluidserve_num_requests_waiting") == 0
         assert metric(m, "fluidserve_kv_cache_usage") == 0
 
+        # A chat request without max_tokens gets the rest of the 2048-token window only as
+        # far as the 96-token cache can hold it (as vLLM's does; it refuses so small a cache).
+        chat = httpx.post(s.url + "/v1/chat/completions", timeout=120, json={
+            "messages": [{"role": "user", "content": "Hi"}], "ignore_eos": True})
+        assert chat.status_code == 200, chat.text
+        usage = chat.json()["usage"]
+        assert usage["prompt_tokens"] + usage["completion_tokens"] - 1 == 12 * 8
+        assert chat.json()["choices"][0]["finish_reason"] == "length"
+
 
 def test_drain_timeout_fails_what_is_still_running(tiny_model_dir, tmp_path):
     port = free_port()

@@ -26,6 +26,12 @@ def cache_blocks(per_token_bytes: int, block_size: int, memory_gb: float,
     return blocks
 
 
+def cache_room(num_prompt_tokens: int, block_size: int, num_admissible_blocks: int) -> int:
+    """The most output tokens the cache can ever hold for this prompt (the last output token
+    is sampled, never stored); below 1 when the prompt alone does not fit."""
+    return num_admissible_blocks * block_size - num_prompt_tokens + 1
+
+
 def admission_error(num_prompt_tokens: int, max_tokens: int, max_model_len: int,
                     block_size: int, num_admissible_blocks: int) -> str | None:
     """Why a request of this size can never run, or None if it can."""

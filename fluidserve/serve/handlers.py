@@ -17,7 +17,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from fluidserve.config import ServerConfig
-from fluidserve.core.admission import admissible_blocks, admission_error
+from fluidserve.core.admission import admissible_blocks, admission_error, cache_room
 from fluidserve.serve import responses as R
 from fluidserve.serve.async_engine import AsyncEngine
 from fluidserve.serve.inputs import PromptTokenizer, too_long
@@ -129,8 +129,15 @@ def admit(state: ServerState, body, ids: list[int], chat: bool):
         raise ApiError(400, f"the prompt has {len(ids)} tokens; the context window is {max_len}"
                        " tokens, prompt and completion together", param="messages" if chat
                        else "prompt", code=CONTEXT_LENGTH_EXCEEDED)
+    info = state.engine.info
+    admissible = admissible_blocks(info.num_kv_blocks, state.engine.config.cache.watermark)
     requested = body.max_new_tokens if chat else body.max_tokens
-    max_tokens = requested if requested is not None else (room if chat else min(16, room))
+    if requested is not None:
+        max_tokens = requested
+    elif chat:  # the rest of the window, or as much of it as the KV cache can ever hold
+        max_tokens = max(1, min(room, cache_room(len(ids), info.block_size, admissible)))
+    else:
+        max_tokens = min(16, room)
     if len(ids) + max_tokens > max_len:
         raise ApiError(400, f"this model's context window is {max_len} tokens; the prompt has"
                        f" {len(ids)} and max_tokens is {max_tokens}", param="max_tokens",
@@ -139,10 +146,7 @@ def admit(state: ServerState, body, ids: list[int], chat: bool):
         default = "" if requested is not None else " (the default: no max_tokens was given)"
         raise ApiError(400, f"min_tokens must be at most max_tokens, which is {max_tokens}"
                        f"{default}; got min_tokens={body.min_tokens}", param="min_tokens")
-    info = state.engine.info
-    why = admission_error(len(ids), max_tokens, max_len, info.block_size,
-                          admissible_blocks(info.num_kv_blocks,
-                                            state.engine.config.cache.watermark))
+    why = admission_error(len(ids), max_tokens, max_len, info.block_size, admissible)
     if why is not None:
         raise ApiError(400, why, code=CONTEXT_LENGTH_EXCEEDED)
     params = body.sampling_params(max_tokens, body.num_logprobs if chat else body.logprobs)

@@ -23,6 +23,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from fluidserve import __version__
 from fluidserve.config import ConfigError, EngineConfig, ServerConfig
+from fluidserve.core.admission import admissible_blocks
 from fluidserve.engine.core_proc import freeze_startup_heap
 from fluidserve.model.builder import default_model_dir
 from fluidserve.model.tokenizer import Tokenizer, check_tokenizer_files
@@ -252,6 +253,11 @@ def run_server(engine_config: EngineConfig, config: ServerConfig) -> int:
         engine_config.scheduler.token_budget,
         ", asynchronous scheduling" if engine_config.uses_async_scheduling() else "",
     )
+    held = admissible_blocks(info.num_kv_blocks, engine_config.cache.watermark) * info.block_size
+    if held < info.max_model_len:
+        log.warning("the KV cache holds %d tokens of one request, less than the %d-token context"
+                    " window: longer requests are refused (400), and a chat request without"
+                    " max_tokens gets at most what the cache holds", held, info.max_model_len)
     uv = uvicorn.Config(
         app,
         host=config.host,

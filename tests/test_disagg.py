@@ -353,6 +353,50 @@ def test_a_load_reported_before_a_flip_does_not_outlive_it():
     assert isinstance(cp.instances[0].sent[-1], DecodeLoads)
 
 
+def test_no_instance_flips_while_kv_of_a_request_that_ended_is_still_under_way():
+    """A request aborted after its decode instance posted receives: the prefill instance still
+    fills them (with zeros), and only their confirmation frees both ends to flip; a flip
+    before would drop the receives (their shared-memory segments, in the decode role)."""
+    from fluidserve.disagg.messages import KVReceived, ReadyToReceive, SendKV, SetRole
+    from fluidserve.engine.messages import EngineCoreOutputs
+
+    cp, _ = control_plane("prefill", "prefill", "decode", "decode")
+    cp._where["r"] = {0}
+    cp._relay(0, handoff("r", 2))
+    cp._on_instance_outputs(2, EngineCoreOutputs([], events=[
+        ReadyToReceive("r", 0, 2, (1026, 2050), 2, 1)]))
+    assert isinstance(cp.instances[0].sent[-1], SendKV)
+    cp.abort(["r"])
+    cp._draining.update({0, 2})
+    cp._balance(1.0)
+    assert cp.roles == ["prefill", "prefill", "decode", "decode"]
+    assert not any(isinstance(m, SetRole) for x in cp.instances for m in x.sent)
+    cp._on_instance_outputs(2, EngineCoreOutputs([], events=[KVReceived("r", 0)]))
+    cp._balance(2.0)
+    assert cp.roles == ["decode", "prefill", "prefill", "decode"]
+    assert cp.instances[2].sent[-1] == SetRole("prefill")
+
+
+def test_a_decode_role_after_two_flips_does_not_reuse_a_transfer_tag():
+    """Tags name shared-memory segments: a new role continues its instance's counter."""
+    from types import SimpleNamespace
+
+    from fluidserve.core.block_manager import BlockManager
+    from fluidserve.core.scheduler.base import SchedulerLimits
+    from fluidserve.core.scheduler.disagg import role_scheduler_factory
+    from fluidserve.disagg.instance import Instance, InstanceSpec
+    from fluidserve.disagg.messages import SetRole
+
+    config = EngineConfig.create(disaggregate=True)
+    limits, bm = SchedulerLimits(512, 8, 256), BlockManager(64, 16)
+    core = SimpleNamespace(scheduler=role_scheduler_factory(config, "decode")(limits, bm),
+                           block_manager=bm, notify=lambda: None)
+    inst = Instance(core, InstanceSpec(2, "decode", 3, "", "s"), None, config, limits)
+    first = {inst.role._tag() for _ in range(3)}
+    assert inst.handle(SetRole("prefill")) and inst.handle(SetRole("decode"))
+    assert type(inst.role).__name__ == "DecodeRole" and inst.role._tag() not in first
+
+
 def test_a_dying_instance_neither_blocks_later_flips_nor_takes_a_roles_last_one():
     from fluidserve.disagg.messages import SetRole
 

@@ -16,7 +16,8 @@ processes), and sees each instance's outputs and its death:
   error on one instance is dropped on the others;
 - with ``--instance-flip``, ``_balance`` runs the flip policy (``FlipPolicy``, shared with the
   simulated cluster): it drains an instance and, once no request is held there, tells it its
-  new role; a role never loses its last instance (a drain is called off when the other
+  new role (a KV transfer under way, even of a request that ended meanwhile, counts as
+  held at both ends); a role never loses its last instance (a drain is called off when the other
   instance of its role dies).
 
 An instance that dies fails the requests it held (with an error the client sees); the others
@@ -75,6 +76,10 @@ class ControlPlane:
         self._where: dict[str, set[int]] = {}  # request id -> instances that may hold it
         self._decoder: dict[str, int] = {}  # early hand-off -> its decode instance, until the
         # end of its prefill is relayed
+        # request id -> (prefill, decode instance) of a KV transfer under way, from the
+        # receives posted to their confirmation; kept when the request ends meanwhile (its
+        # sender fills the posted receives with zeros): neither end may flip until it is done
+        self._transfers: dict[str, tuple[int, int]] = {}
         self.early_handoffs = 0  # requests handed off before their prefill ended
         self._queued = [0] * len(roles)  # prompt tokens to compute, as each last reported
         self._unread: list[deque[int]] = [deque() for _ in roles]  # the prompt tokens of the
@@ -193,10 +198,12 @@ class ControlPlane:
             if dst is not None and dst in self._alive:  # else redispatched (or gone)
                 self.instances[dst].send(Prefilled(e.request))
         elif isinstance(e, ReadyToReceive):
+            self._transfers[e.request_id] = (e.src, e.dst)
             if e.src in self._alive:
                 self.instances[e.src].send(SendKV(e.request_id, e.dst, e.tags, e.num_blocks,
                                                   e.piece_blocks))
         elif isinstance(e, KVReceived):
+            self._transfers.pop(e.request_id, None)
             if e.request_id in self._where:
                 self._where[e.request_id].discard(e.src)
             if e.src in self._alive:
@@ -236,6 +243,8 @@ class ControlPlane:
             self._stats.pop(i, None)
             self._undispatched.pop(i, None)
             self._draining.discard(i)  # else no other instance could ever drain
+            for rid in [r for r, ends in self._transfers.items() if i in ends]:
+                del self._transfers[rid]  # the other end fails it or times out
             what = f"{self.roles[i]} instance {i}: {message}"
             log.error("%s", what)
             for j in list(self._draining):  # the last of its role now: it stays
@@ -273,7 +282,7 @@ class ControlPlane:
             if self.dead is not None:
                 return
             held = dict.fromkeys(self._alive, 0)
-            for where in self._where.values():
+            for where in [*self._where.values(), *self._transfers.values()]:
                 for i in where:
                     if i in held:
                         held[i] += 1

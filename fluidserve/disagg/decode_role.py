@@ -11,14 +11,13 @@ which the sender frees its blocks). A transfer that fails or makes no progress f
 
 from __future__ import annotations
 
-import itertools
 import time
 from dataclasses import dataclass
 
 from fluidserve.config import EngineConfig
 from fluidserve.disagg.dispatch import DecodeLoad
 from fluidserve.disagg.messages import KVReceived, Migrate, Prefilled, ReadyToReceive
-from fluidserve.disagg.role import TRANSFER_POLL_S, Role
+from fluidserve.disagg.role import Role
 from fluidserve.disagg.transfer import (
     Transfer,
     num_pieces,
@@ -42,16 +41,16 @@ class _Receipt:
 
 
 class DecodeRole(Role):
-    def __init__(self, core, index: int, transport, config: EngineConfig) -> None:
-        super().__init__(core, index, transport, config)
+    def __init__(self, core, index: int, transport, config: EngineConfig,
+                 tags=None) -> None:
+        super().__init__(core, index, transport, config, tags)
         self.src: dict[str, int] = {}  # request id -> prefill instance holding its KV
         self.unprefilled: set[str] = set()  # taken early: waiting for ``Prefilled``
         self.receiving: dict[str, _Receipt] = {}
         self.waiting_since: dict[str, float] = {}  # KV landed, ``Prefilled`` not yet
-        self._tags = itertools.count(1)
 
-    def poll_interval(self, idle: float) -> float:
-        return TRANSFER_POLL_S if self.receiving else idle
+    def in_flight(self) -> int:
+        return len(self.receiving)
 
     def handle(self, msg) -> bool:
         sched = self.core.scheduler
@@ -73,7 +72,7 @@ class DecodeRole(Role):
     def _tag(self) -> int:
         # Unique per receiver and, for shared-memory names, across the deployment;
         # torch.distributed tags are 32-bit.
-        return (next(self._tags) % 2_000_000) * 1024 + self.index
+        return (next(self.tags) % 2_000_000) * 1024 + self.index
 
     def poll(self) -> list[RequestDelta]:
         now = time.monotonic()

@@ -93,6 +93,9 @@ class Instance:
         core.scheduler = role_scheduler_factory(self.config, to)(self.base_limits,
                                                                  core.block_manager)
         core.notify()
-        self.role = ROLES[to](core, self.index, self.transport, self.config)
+        busy = old.in_flight()
+        if busy:  # the control plane waits for their confirmation: never expected here
+            log.error("flipping to %s with %d KV transfers under way", to, busy)
+        self.role = ROLES[to](core, self.index, self.transport, self.config, old.tags)
         self.role.events, self.role.deltas, self.role.changed = old.events, old.deltas, True
         log.info("instance %d is now a %s instance", self.index, to)

@@ -30,7 +30,7 @@ from fluidserve.disagg.messages import (
     SendKV,
 )
 from fluidserve.disagg.predictor import make_predictor, predict_length
-from fluidserve.disagg.role import TRANSFER_POLL_S, Role
+from fluidserve.disagg.role import Role
 from fluidserve.disagg.transfer import (
     Transfer,
     gather_blocks,
@@ -55,8 +55,9 @@ class _Stream:
 
 
 class PrefillRole(Role):
-    def __init__(self, core, index: int, transport, config: EngineConfig) -> None:
-        super().__init__(core, index, transport, config)
+    def __init__(self, core, index: int, transport, config: EngineConfig,
+                 tags=None) -> None:
+        super().__init__(core, index, transport, config, tags)
         d = self.d
         self.predictor = make_predictor(d.length_predictor, d.predictor_granularity,
                                         d.predictor_accuracy, config.model.seed,
@@ -69,8 +70,8 @@ class PrefillRole(Role):
         self.streams: dict[str, _Stream] = {}
         self.sending: list[Transfer] = []  # kept until landed: their tensors must live
 
-    def poll_interval(self, idle: float) -> float:
-        return TRANSFER_POLL_S if self.sending or self.streams else idle
+    def in_flight(self) -> int:
+        return len(self.streams) + len(self.sending)
 
     def handle(self, msg) -> bool:
         sched = self.core.scheduler

@@ -9,7 +9,9 @@ the role took it), ``poll`` (transfers that progressed, and the requests the rol
 
 from __future__ import annotations
 
+import itertools
 import logging
+from collections.abc import Iterator
 
 from fluidserve.config import EngineConfig
 from fluidserve.engine.messages import EngineCoreOutputs, RequestDelta
@@ -24,8 +26,12 @@ class Role:
     """An instance's part in the hand-off, between the core's iterations. ``events``: what
     it tells the front end next; ``deltas``: the requests it failed, returned by ``poll``."""
 
-    def __init__(self, core, index: int, transport, config: EngineConfig) -> None:
+    def __init__(self, core, index: int, transport, config: EngineConfig,
+                 tags: Iterator[int] | None = None) -> None:
         self.core, self.index, self.transport = core, index, transport
+        # the instance's transfer tags: one counter for all its roles, so that a tag (a
+        # shared-memory segment's name) is never used twice across flips
+        self.tags = tags if tags is not None else itertools.count(1)
         self.d = config.disagg
         self.events: list = []
         self.deltas: list[RequestDelta] = []  # requests this role failed
@@ -34,7 +40,11 @@ class Role:
 
     def poll_interval(self, idle: float) -> float:
         """How long the loop may wait for work (``idle`` when nothing is in transfer)."""
-        return idle
+        return TRANSFER_POLL_S if self.in_flight() else idle
+
+    def in_flight(self) -> int:
+        """KV transfers under way here."""
+        return 0
 
     def poll(self) -> list[RequestDelta]:
         """Progress the transfers; return the requests failed since the last call."""

@@ -557,6 +557,57 @@ def test_a_request_aborted_in_transit_is_not_resurrected_and_frees_its_blocks():
         assert inst.core.block_manager.num_free_blocks == inst.core.block_manager.num_blocks
 
 
+def test_a_monitor_interval_over_a_minute_is_slow_but_not_a_stall():
+    # A request no decode instance can take yet waits for the next broadcast: a minute of
+    # nothing happening is a stall only once a broadcast has come and changed nothing.
+    work = [WorkloadRequest(i, 0.01 * i, 1500, 300) for i in range(4)]
+    records, res = simulate(work, num_kv_blocks=300, monitor_interval=100.0,
+                            length_predictor="oracle")
+    assert [r.num_output_tokens for r in records] == [300] * 4 and res.makespan > 100
+
+
+@pytest.mark.parametrize("flip", ["decode_instance_first", "source_flips_in_transit"])
+def test_a_request_aborted_in_transit_around_a_flip_frees_its_blocks_everywhere(flip):
+    """The instances share one Request: a decode instance listed before the prefill instance
+    (after a flip) ends it first, and the prefill side must still free its blocks; a source
+    that flips once the abort has emptied it must not be asked to release the request."""
+    from fluidserve.disagg.cluster import Cluster
+    from fluidserve.engine.messages import AddRequest
+    from fluidserve.sim.run import make_cost_model, make_executor
+
+    sim = SimConfig(model_shape="mistral-7b", device="a100")
+    eng = EngineConfig.create(disaggregate=True, num_prefill_instances=2, instance_flip=True,
+                              dispatcher="round_robin", kv_transfer_bandwidth_gbps=0.01)
+
+    def executor(clock):
+        ex = make_executor(sim, eng, make_cost_model(sim, eng.parallel))
+        ex.clock = clock
+        return ex
+
+    cluster = Cluster(eng, executor, 131072, bandwidth_gbps=0.01)  # ~13 s per 1000 tokens
+    if flip == "decode_instance_first":
+        cluster.instances[0].draining = True  # idle: a decode instance at the first tick
+    transfer, aborted = cluster._transfer, []
+
+    def transfer_then_abort(rid, t):
+        transfer(rid, t)
+        if rid == "0":
+            if flip == "source_flips_in_transit":
+                cluster.owner[rid].draining = True
+            cluster.abort(rid, t)
+            aborted.append(t)
+
+    cluster._transfer = transfer_then_abort
+    arrivals = [(0.5 + 0.1 * i, AddRequest(str(i), [1] * 1000, SamplingParams(
+        max_tokens=20, ignore_eos=True)), 20) for i in range(2)]
+    res = cluster.run(arrivals)
+    assert aborted and res.flips
+    assert len(res.requests["1"].output_token_ids) == 20
+    for inst in res.instances:
+        assert inst.core.block_manager.num_free_blocks == inst.core.block_manager.num_blocks
+        assert not inst.sched.requests
+
+
 @pytest.mark.parametrize("admission", ["greedy", "reserve_static", "reserve_dynamic"])
 def test_a_small_kv_cache_slows_the_cluster_down_but_never_stalls_it(admission):
     # Prefill instances fill their cache with finished prefills waiting for the decode side,

@@ -187,7 +187,8 @@ class Cluster:
             if t == math.inf:
                 if self.undispatched or any(getattr(i.sched, "incoming", None) or i.blocked
                                             for i in self.instances):
-                    if next_tick > self._now_max() + 60:
+                    # a minute past the last event, and at least one broadcast
+                    if next_tick > self._now_max() + 60 + self.d.monitor_interval:
                         raise RuntimeError("cluster stalled: requests wait for KV blocks that"
                                            " no instance can free")
                     self._tick(next_tick)
@@ -357,6 +358,8 @@ class Cluster:
         self._push(arrive, "kv_arrived", src, dst, rid)
 
     def _on_kv_arrived(self, t: float, src: Instance, dst: Instance, rid: str) -> None:
+        if self.owner.get(rid) is not src:  # it ended in transit: both ends freed it then,
+            return  # and either may have changed role since
         src.sched.release(rid)
         self._wake(src, t)  # its blocks are free again
         self.owner.pop(rid, None)

@@ -114,15 +114,17 @@ class Scheduler(ABC):
         self.waiting.push(req)
 
     def finish(self, req: Request, status: RequestStatus, now: float | None = None) -> None:
-        if req.status.finished:
-            return
-        _drop_in_flight(req)  # sampled in flight after it stopped
+        """End ``req`` and release whatever this scheduler holds of it. A request that has
+        already ended keeps its status: in the simulated cluster the instances share one
+        ``Request``, and the first to end it is not always the last to hold it."""
+        if not req.status.finished:
+            _drop_in_flight(req)  # sampled in flight after it stopped
+            req.status = status
+            req.finish_time = now
         self.waiting.remove(req.request_id)
         if req in self.running:
             self.running.remove(req)
         self.bm.free(req.request_id)
-        req.status = status
-        req.finish_time = now
         self.requests.pop(req.request_id, None)
 
     def find(self, request_id: str) -> Request | None:

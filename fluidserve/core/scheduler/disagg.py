@@ -229,12 +229,6 @@ class DecodeOnlyScheduler(Scheduler):
         self.receiving.pop(rid, None)
         self.predicted.pop(rid, None)
         self.withdraw(rid)
-        if req.status.finished:
-            self.bm.free(rid)
-            self.requests.pop(rid, None)
-            if req in self.running:
-                self.running.remove(req)
-            return
         super().finish(req, status, now)
 
     # ------------------------------------------------------------------ the iteration

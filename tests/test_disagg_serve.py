@@ -234,6 +234,8 @@ def children(pid: int) -> list[int]:
 def test_what_a_served_deployment_does_not_support_is_a_clear_error():
     with pytest.raises(ConfigError, match="one process"):
         check_served(EngineConfig.create(disaggregate=True, tensor_parallel_size=2))
+    with pytest.raises(ConfigError, match="runs on the CPU"):
+        check_served(EngineConfig.create(disaggregate=True, device="cuda"))
 
 
 def test_the_offline_engine_refuses_a_disaggregated_config_instead_of_ignoring_it():

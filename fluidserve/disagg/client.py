@@ -52,6 +52,10 @@ def check_served(config: EngineConfig) -> None:
     if par.world_size > 1:
         raise ConfigError("--disaggregate runs each instance in one process: tensor and"
                           " pipeline parallelism within an instance are not supported")
+    if config.model.device != "cpu":
+        raise ConfigError("a served --disaggregate deployment runs on the CPU (its KV moves"
+                          " between host caches); GPU deployments: fluidserve simulate"
+                          " --disaggregate")
 
 
 class DisaggClient(ControlPlane):

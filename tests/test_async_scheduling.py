@@ -257,6 +257,48 @@ def test_a_newer_request_in_flight_is_preempted_for_an_older_decode():
     assert bm.num_free_blocks == 6
 
 
+def test_a_chunk_from_before_a_preemption_is_not_applied_to_the_request_admitted_again():
+    """Q preempts itself while its first two batches are in flight; an abort frees blocks and
+    the next schedule admits Q again before those batches are applied. Their tokens belong to
+    the admission before: applied, they duplicated a streamed token or (the recompute not
+    sampling yet) wrote past the end of the outputs and took the engine core down."""
+    bm = BlockManager(3, 4)
+    s = make_scheduler("sarathi", SchedulerLimits(64, 8, 64), bm)
+    s.async_scheduling = True
+    S = Request("S", [5] * 7, SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True),
+                0.0)
+    Q = Request("Q", [5] * 3, SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True),
+                0.0)
+    s.add_request(S)
+    s.add_request(Q)
+
+    def busy(*plans) -> frozenset[str]:
+        return frozenset(c.request_id for p in plans for c in p.chunks)
+
+    def tokens(plan, base: int) -> RunnerOutput:
+        return RunnerOutput({c.request_id: base + c.output_index for c in plan.chunks
+                             if c.samples}, 0.0)
+
+    p1 = s.schedule(0.0)  # both prompts: the cache is full
+    p2 = s.schedule(0.0, busy(p1))  # both decode
+    assert s.schedule(0.0, busy(p1, p2)).is_empty and Q.num_preemptions == 1
+    s.abort("S", 0.0)
+    p4 = s.schedule(0.0, busy(p1, p2))
+    assert [(c.request_id, c.start) for c in p4.chunks] == [("Q", 0)]  # admitted again
+    assert s.update(p1, tokens(p1, 10), 1.0) == []
+    assert s.update(p2, tokens(p2, 10), 2.0) == []
+    flight, t = [p4], 2.0
+    while s.has_unfinished():
+        nxt = s.schedule(t, busy(*flight))
+        if not nxt.is_empty:
+            flight.append(nxt)
+        t += 1.0
+        p = flight.pop(0)
+        s.update(p, tokens(p, 20), t)
+    assert Q.output_token_ids == [20, 21, 22, 23] and Q.token_times == [3.0, 4.0, 5.0, 6.0]
+    assert bm.num_free_blocks == 3
+
+
 def test_async_scheduling_needs_one_model_process():
     with pytest.raises(ConfigError, match="one process"):
         EngineConfig.create(async_scheduling=True, pipeline_parallel_size=2)

@@ -65,10 +65,11 @@ class Batch:
         banned = req.stop_token_ids if len(out) < req.params.min_tokens else ()
         if is_decode:  # the one uncomputed token is the last one sampled
             return ScheduledChunk(req.request_id, start, (out[-1],), table, True,
-                                  req.params, req.seed, len(out), True, banned)
+                                  req.params, req.seed, len(out), True, banned,
+                                  req.num_preemptions)
         return ScheduledChunk(req.request_id, start, tuple(req.token_slice(start, start + n)),
                               table, start + n == req.num_tokens, req.params, req.seed,
-                              len(out), False, banned)
+                              len(out), False, banned, req.num_preemptions)
 
 
 class Scheduler(ABC):
@@ -178,8 +179,8 @@ class Scheduler(ABC):
         advance = not self.async_scheduling  # (else ``schedule`` advanced them)
         for chunk in output.chunks:
             req = requests.get(chunk.request_id)
-            if req is None or req.status is not running:
-                continue  # aborted while the iteration ran
+            if req is None or req.status is not running or chunk.epoch != req.num_preemptions:
+                continue  # aborted (or preempted, and admitted again) while the iteration ran
             if advance:
                 req.num_computed_tokens += len(chunk.token_ids)
             if not chunk.samples:

@@ -29,6 +29,9 @@ class ScheduledChunk:
     output_index: int  # index of the token this chunk samples, if it samples
     is_decode: bool = False
     banned: tuple[int, ...] = ()  # tokens it may not sample (stop tokens, within min_tokens)
+    # the request's preemptions when it was scheduled: a chunk of an earlier admission, still
+    # in flight when an asynchronous schedule preempted and re-admitted it, is not applied
+    epoch: int = 0
 
     @property
     def num_tokens(self) -> int:

@@ -81,6 +81,8 @@ def test_zero_length_outputs():
     assert math.isnan(rate) and math.isnan(d)
     s = summarize_run([RequestRecord(0, 10, 5, 0.0, 0.0, error="boom")], 0.2, 1.0)
     assert s["num_failed"] == 1 and s["num_completed"] == 0 and s["errors"] == {"boom": 1}
+    s = summarize_run([RequestRecord(0, 10, 5, 0.0, 0.0, error="boom")], 0.2)
+    assert s["request_throughput"] == s["output_token_throughput"] == 0.0  # served nothing
 
 
 def test_min_tbt_deadline_is_the_smallest_fluid_deadline():
@@ -91,6 +93,26 @@ def test_min_tbt_deadline_is_the_smallest_fluid_deadline():
     # Steady 50 ms tokens: fluid at 50 ms, so the rate is 20 tokens/s.
     rate, d2 = fluid_token_rate([[0.1] + [0.05] * 20] * 5)
     assert d2 == pytest.approx(0.05, rel=1e-3) and rate == pytest.approx(20, rel=1e-3)
+
+
+def test_the_fluid_rate_is_the_deadline_at_which_99_percent_of_requests_are_fluid():
+    smooth, slow = [0.1] + [0.05] * 20, [0.1] + [0.2] * 20
+    # Ten requests: 99% of them is all ten, so the slow one sets the deadline (an
+    # interpolated quantile gave 0.1865 s, at which only nine were fluid).
+    assert fluid_token_rate([smooth] * 9 + [slow]) == pytest.approx((5.0, 0.2), rel=1e-3)
+    # 100 requests: one may miss.
+    assert fluid_token_rate([smooth] * 99 + [slow])[1] == pytest.approx(0.05, rel=1e-3)
+    # A failed request is fluid at no deadline: one in 100 is allowed, two are not.
+    assert fluid_token_rate([smooth] * 99, num_failed=1)[1] == pytest.approx(0.05, rel=1e-3)
+    assert fluid_token_rate([smooth] * 98, num_failed=2) == (0.0, math.inf)
+    records = [RequestRecord(i, 10, 20, 0.0, 0.0) for i in range(98)]
+    for r in records:
+        r.gaps = list(smooth)
+    records += [RequestRecord(98 + i, 10, 20, 0.0, 0.0, error="timed out") for i in range(2)]
+    s = summarize_run(records, 0.2, 10.0)
+    assert s["num_failed"] == 2 and s["fluid_token_generation_rate"] == 0.0
+    # Every token bundled into the first chunk: fluid at any deadline, found at once.
+    assert min_tbt_deadline([0.3] + [0.0] * 1000) == 0.0
 
 
 def test_capacity_search_on_a_monotone_oracle():
@@ -125,6 +147,10 @@ def test_capacity_reports_what_the_probes_served():
     assert res["capacity_qps"] == 2.0 and res["most_served_qps"] == 1.6 and res["saturated"]
     light = search_capacity(server, start=0.25, max_probes=2)
     assert light["most_served_qps"] == 0.5 and light["saturated"] is False
+    # A probe where every request failed served nothing (its throughput NaN in old runs).
+    failed = search_capacity(lambda r: (r < 8, {"request_throughput": math.nan if r >= 8
+                                                else min(r, 3.3)}), start=8.0, max_probes=3)
+    assert failed["most_served_qps"] == 3.3 and failed["saturated"]
     blind = search_capacity(lambda r: (r <= 2, {}), start=1.0, max_probes=3)
     assert blind["most_served_qps"] is None and blind["saturated"] is None
     assert curve_point(2.0, True, 0.15, {"request_throughput": 1.6}) == \

@@ -80,8 +80,10 @@ def test_summarize_run_on_known_records():
     # Of five requests one is fluid: a failed request is not.
     assert s["fraction_fluid_requests"] == pytest.approx(1 / 5)
     assert s["tbt_deadline_s"] == 0.25
+    # Two of five failed: no deadline makes 99% of the requests fluid.
+    assert (s["fluid_token_generation_rate"], s["fluid_tbt_deadline_s"]) == (0.0, math.inf)
     rate, d = fluid_token_rate([r.gaps for r in recs[:3]])
-    assert (s["fluid_token_generation_rate"], s["fluid_tbt_deadline_s"]) == (rate, d)
+    assert summarize_run(recs[:3], 0.25)["fluid_token_generation_rate"] == rate > 0
     assert s["tpot_based_token_rate"] == 1 / 0.375
     assert s["p99_tbt_based_token_rate"] == pytest.approx(
         1 / np.quantile([0.25, 0.25, 0.5, 1.5], 0.99))
@@ -102,9 +104,11 @@ def test_summarize_run_with_a_given_duration_and_with_nothing_completed():
     failed = summarize_run([RequestRecord(0, 5, 5, 0.0, sent=0.0, error="boom")], 0.1)
     assert failed["duration_s"] == 0.0 and failed["errors"] == {"boom": 1}
     assert failed["fraction_fluid_requests"] == 0.0  # none of the requests was fluid
-    for key in ("request_throughput", "output_token_throughput", "tpot_based_token_rate",
-                "p99_tbt_based_token_rate", "fluid_token_generation_rate"):
-        assert math.isnan(failed[key]), key
+    for key in ("tpot_based_token_rate", "p99_tbt_based_token_rate"):
+        assert math.isnan(failed[key]), key  # no interval to measure
+    # It served nothing, and no deadline made its requests fluid.
+    for key in ("request_throughput", "output_token_throughput", "fluid_token_generation_rate"):
+        assert failed[key] == 0.0, key
     assert failed["scheduling_delay_s"] is None and failed["ttft_s"]["count"] == 0
 
 

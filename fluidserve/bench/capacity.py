@@ -87,8 +87,8 @@ def served_stats(probes: list[dict]) -> dict:
     rate), which makes that figure the throughput it sustains on this workload. A capacity
     set by a latency SLO moves with a few percent of machine speed where the metric sits on
     the bound; this figure does not."""
-    served = [(p["summary"].get("request_throughput"), p["rate"]) for p in probes
-              if (p.get("summary") or {}).get("request_throughput") is not None]
+    served = [(qps if not math.isnan(qps) else 0.0, p["rate"]) for p in probes
+              if (qps := (p.get("summary") or {}).get("request_throughput")) is not None]
     if not served:
         return {"most_served_qps": None, "saturated": None}
     return {"most_served_qps": max(qps for qps, _ in served),

@@ -9,7 +9,10 @@ about ten misses, whether it happens early or late in the stream), and the slack
     fluidity-index = 1 - missed deadlines / all deadlines
 
 The fluid token generation rate is the inverse of the smallest ``D_d`` at which 99% of the
-requests keep fluidity-index >= 0.9 (first token excluded).
+requests keep fluidity-index >= 0.9 (first token excluded): an order statistic, the
+``ceil(0.99 n)``-th smallest of the requests' own smallest fluid deadlines (Etalon's code
+interpolates between the two largest, which below 100 requests gives a deadline at which
+fewer than 99% are fluid). A request that failed is fluid at no deadline.
 """
 
 from __future__ import annotations
@@ -54,7 +57,7 @@ def min_tbt_deadline(gaps: Sequence[float], target: float = TARGET_FLUIDITY,
                      rel_tol: float = 1e-4) -> float:
     """Smallest D_d whose fluidity-index (first token excluded) reaches ``target``."""
     decode = list(gaps[1:])
-    if not decode:
+    if not decode or max(decode) <= 0:  # (every token bundled into the first chunk)
         return 0.0
     lo, hi = 0.0, max(max(decode), 1e-9)  # at D_d = max gap nothing misses
 
@@ -71,21 +74,23 @@ def min_tbt_deadline(gaps: Sequence[float], target: float = TARGET_FLUIDITY,
 FLUID_RATE_MAX_REQUESTS = 1000
 
 
-def fluid_token_rate(all_gaps: Sequence[Sequence[float]],
+def fluid_token_rate(all_gaps: Sequence[Sequence[float]], num_failed: int = 0,
                      max_requests: int = FLUID_RATE_MAX_REQUESTS) -> tuple[float, float]:
-    """(tokens/s, the D_d behind it): 1 / P99 over requests of their min_tbt_deadline.
+    """(tokens/s, the D_d behind it): 1 / the P99 (an order statistic) over requests of
+    their min_tbt_deadline; ``num_failed`` requests besides, fluid at no deadline (with more
+    than 1% of them failed, no deadline makes 99% fluid: 0 tokens/s at D_d = inf).
 
     Above ``max_requests`` requests an evenly spaced subset of that size is used (the
     per-request search is the costly part; a P99 over 1000 requests is stable to ~1%).
     """
-    streams = [g for g in all_gaps if len(g) > 1]
+    streams: list = [g for g in all_gaps if len(g) > 1] + [None] * num_failed
     if len(streams) > max_requests:
         step = len(streams) / max_requests
         streams = [streams[int(i * step)] for i in range(max_requests)]
-    ds = [min_tbt_deadline(g) for g in streams]
+    ds = sorted(math.inf if g is None else min_tbt_deadline(g) for g in streams)
     if not ds:
         return math.nan, math.nan
-    d = float(np.quantile(ds, TARGET_QUANTILE))
+    d = ds[max(math.ceil(TARGET_QUANTILE * len(ds) - 1e-9), 1) - 1]
     return (1.0 / d if d > 0 else math.inf), d
 
 

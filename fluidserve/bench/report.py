@@ -37,8 +37,9 @@ def score_fluidity(records: Sequence[RequestRecord], ttft_deadline: Deadline, tb
 def summarize_run(records: Sequence[RequestRecord], tbt_deadline: float, duration: float | None
                   = None) -> dict:
     """Aggregate metrics of a run. Failed requests are counted, never silently dropped: they
-    count as not fluid in ``fraction_fluid_requests`` and the gaps of the part of their stream
-    that arrived count in ``tbt_s``; the other latencies are those of completed requests."""
+    count as not fluid in ``fraction_fluid_requests`` and the fluid token generation rate,
+    the gaps of the part of their stream that arrived count in ``tbt_s``, and a run that
+    completed none served 0 requests/s; the other latencies are those of completed requests."""
     ok = [r for r in records if r.ok and r.gaps]
     ttft = [r.gaps[0] for r in ok]
     tbt = [g for r in records for g in r.gaps[1:]]
@@ -52,7 +53,7 @@ def summarize_run(records: Sequence[RequestRecord], tbt_deadline: float, duratio
         starts = [r.sent for r in records if r.sent is not None]
         duration = (max(ends) - min(starts)) if ends and starts else 0.0
     out_tokens = sum(r.num_output_tokens for r in ok)
-    fluid_rate, fluid_d = fluid_token_rate([r.gaps for r in ok])
+    fluid_rate, fluid_d = fluid_token_rate([r.gaps for r in ok], len(records) - len(ok))
     mean_tpot = float(np.mean(tpot)) if tpot else math.nan
     p99_tbt = float(np.quantile(tbt, 0.99)) if tbt else math.nan
     errors: dict[str, int] = {}
@@ -65,8 +66,9 @@ def summarize_run(records: Sequence[RequestRecord], tbt_deadline: float, duratio
         "num_failed": len(records) - len(ok),
         "errors": errors,
         "duration_s": duration,
-        "request_throughput": len(ok) / duration if duration else math.nan,
-        "output_token_throughput": out_tokens / duration if duration else math.nan,
+        "request_throughput": len(ok) / duration if duration else 0.0 if not ok else math.nan,
+        "output_token_throughput": out_tokens / duration if duration
+        else 0.0 if not ok else math.nan,
         "total_output_tokens": out_tokens,
         "total_prompt_tokens": sum(r.prompt_len for r in ok),
         "ttft_s": summarize(ttft),

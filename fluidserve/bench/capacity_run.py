@@ -96,7 +96,16 @@ def run_capacity(bcfg: BenchConfig, ccfg: CapacityConfig, launch: list[str]) -> 
                 log(f"{name}: --max-scheduling-delay bounded the median TTFT (the server"
                     " reports no scheduling delay)")
         results[name] = res
-        log(f"{name}: capacity {res['capacity_qps']:.4g} req/s after {res['num_probes']} probes")
+        if res["upper_bound_qps"] is None:
+            how = ": a lower bound, every rate probed met the SLO"
+        elif res["capacity_qps"] == 0:
+            how = f": the SLO was missed down to {res['upper_bound_qps']:.4g} req/s"
+        elif not res["converged"]:
+            how = f", not converged (it fails at {res['upper_bound_qps']:.4g} req/s)"
+        else:
+            how = ""
+        log(f"{name}: capacity {res['capacity_qps']:.4g} req/s after {res['num_probes']} probes"
+            + how)
 
     metric = {"tbt": "P99 TBT (s)", "fluidity": "fraction of requests with fluidity >= 0.9",
               "ttft": f"P{ccfg.slo_percentile:g} TTFT (s)",

@@ -201,6 +201,79 @@ def test_a_batch_submitted_as_a_rank_dies_fails_instead_of_waiting_for_ever(monk
     assert not ex._pending
 
 
+def test_an_interrupted_send_leaves_the_executor_dead_not_out_of_step(monkeypatch):
+    # Ctrl-C while a step's bytes go to the ranks: some may have it and others not, and the
+    # next step would wait for ever on a rank that never got the last one.
+    import threading
+    from collections import deque
+
+    from fluidserve.engine import distributed
+    from fluidserve.engine.core import ExecutorDead
+
+    class Pipe:
+        def __init__(self, fails: bool) -> None:
+            self.fails = fails
+
+        def send_bytes(self, data) -> None:
+            if self.fails:
+                raise KeyboardInterrupt
+
+    ex = distributed.MultiprocExecutor.__new__(distributed.MultiprocExecutor)
+    ex.dead, ex._closing, ex._lock, ex._pending = None, False, threading.Lock(), deque()
+    ex.block_size, ex.inboxes = 16, [Pipe(False), Pipe(True)]
+    ex._kill = lambda: None
+    with pytest.raises(KeyboardInterrupt):
+        ex.submit(bad_plan())
+    assert "interrupted" in ex.dead and not ex._pending
+    with pytest.raises(ExecutorDead, match="interrupted"):
+        ex.submit(bad_plan())
+
+
+def test_cuda_ranks_need_a_device_each(monkeypatch):
+    import torch
+
+    from fluidserve.engine.distributed import check_cuda_ranks
+
+    check_cuda_ranks("cpu", 4)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(ValueError, match="sees no CUDA device"):  # was a ZeroDivisionError
+        check_cuda_ranks("cuda", 2)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    check_cuda_ranks("cuda", 2)
+    with pytest.raises(ValueError, match="needs 4 CUDA devices"):
+        check_cuda_ranks("cuda", 4)
+
+
+def test_a_closed_or_dropped_engine_fails_its_batches_and_leaves_no_rank(tiny_model_dir):
+    """close() from another thread fails the generate under way, a generate after close()
+    fails at once (both used to wait for ever), and an LLM dropped without close() stops its
+    ranks when it is collected."""
+    import gc
+    import threading
+
+    from fluidserve.engine.core import ExecutorDead
+    from fluidserve.engine.core_proc import wait_exit
+
+    llm = LLM(**knobs(tiny_model_dir, pipeline_parallel_size=2))
+    procs = list(llm.engine.executor.procs)
+    params = SamplingParams(max_tokens=400, temperature=0.0, ignore_eos=True)
+    threading.Timer(0.5, llm.close).start()
+    t0 = time.monotonic()
+    with pytest.raises(ExecutorDead, match="shut down"):
+        llm.generate([PROMPTS[0]] * 4, params)
+    assert time.monotonic() - t0 < 30
+    with pytest.raises(ExecutorDead, match="shut down"):
+        llm.generate([PROMPTS[0]], greedy(0))
+    assert all(wait_exit(p, 15) is not None for p in procs)
+
+    dropped = LLM(**knobs(tiny_model_dir, pipeline_parallel_size=2))
+    procs = list(dropped.engine.executor.procs)
+    del dropped
+    gc.collect()
+    assert all(wait_exit(p, 15) is not None for p in procs)
+
+
 def test_a_rank_error_is_one_line_naming_its_cause():
     from fluidserve.engine.ray_executor import describe
 

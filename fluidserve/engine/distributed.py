@@ -48,6 +48,21 @@ def rank_threads(parallel: ParallelConfig, num_threads: int | None) -> int:
     return num_threads or max(1, (os.cpu_count() or 1) // parallel.world_size)
 
 
+def check_cuda_ranks(device: str, world_size: int) -> None:
+    """Ranks on CUDA take one device each (rank r: device r): enough must be visible, or the
+    error is the ranks' own (a division by zero, NCCL refusing a device used twice)."""
+    if not device.startswith("cuda"):
+        return
+    import torch
+
+    seen = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if seen == 0:
+        raise ValueError("device 'cuda' requested but torch sees no CUDA device")
+    if world_size > seen:
+        raise ValueError(f"tensor x pipeline parallelism needs {world_size} CUDA devices, one"
+                         f" per rank; torch sees {seen}")
+
+
 class RankRunner:
     """One rank: joins the process group, loads its shard, runs steps, counts busy time."""
 
@@ -163,11 +178,25 @@ class FailsInFlightOnDeath:
             self.dead = message
             pending, self._pending = list(self._pending), deque()
         log.error("%s: failing %d batches in flight", message, len(pending))
+        self._fail(pending, message)
+        self._kill()
+
+    def _close_down(self) -> None:
+        """At shutdown: later batches are refused, and those still in flight (a close from
+        another thread, or after an interrupted step) fail, rather than wait for ever."""
+        with self._lock:
+            self._closing = True
+            if self.dead is None:
+                self.dead = "the executor was shut down"
+            pending, self._pending = list(self._pending), deque()
+        self._fail(pending, self.dead)
+
+    @staticmethod
+    def _fail(pending: list, message: str) -> None:
         for item in pending:
             fut = item[0] if isinstance(item, tuple) else item
             if not fut.done():
                 fut.set_exception(ExecutorDead(message))
-        self._kill()
 
     def _kill(self) -> None:
         raise NotImplementedError
@@ -189,29 +218,37 @@ class MultiprocExecutor(FailsInFlightOnDeath):
         self._store = local_store(world)
         init = f"{DRIVER_STORE}127.0.0.1:{self._store.port}"
         threads = rank_threads(parallel, num_threads)
+        check_cuda_ranks(spec.device, world)
         self.procs, self.inboxes, self.outboxes = [], [], []
-        for rank in range(world):
-            in_r, in_w = ctx.Pipe(duplex=False)
-            out_r, out_w = ctx.Pipe(duplex=False)
-            p = ctx.Process(target=rank_main, name=f"fluidserve-rank-{rank}", daemon=True,
-                            args=(rank, parallel, spec, init, threads, in_r, out_w,
-                                  os.getpid()))
-            process_owner().submit(p.start).result()  # see die_with_parent
-            in_r.close()
-            out_w.close()
-            self.procs.append(p)
-            self.inboxes.append(in_w)
-            self.outboxes.append(out_r)
         self.dead: str | None = None
         self._closing = False
         self._pending: deque[tuple[Future, list[str]]] = deque()
         self._stats: deque = deque()  # (call, statistics) from the sampling rank
         self._stats_calls = 0
         self._lock = threading.Lock()
-        try:
+        try:  # an error or an interrupt at any point leaves no rank behind
+            for rank in range(world):
+                in_r, in_w = ctx.Pipe(duplex=False)
+                out_r, out_w = ctx.Pipe(duplex=False)
+                p = ctx.Process(target=rank_main, name=f"fluidserve-rank-{rank}", daemon=True,
+                                args=(rank, parallel, spec, init, threads, in_r, out_w,
+                                      os.getpid()))
+                started = process_owner().submit(p.start)  # see die_with_parent
+                try:
+                    started.result()
+                except BaseException:  # (an interrupt) a start under way is waited for
+                    if not started.cancel() and started.exception() is None:
+                        self.procs.append(p)  # it started: killed below
+                    raise
+                in_r.close()
+                out_w.close()
+                self.procs.append(p)
+                self.inboxes.append(in_w)
+                self.outboxes.append(out_r)
             self._wait_ready(startup_timeout)
         except BaseException:
             self._kill()
+            self._store = None
             raise
         # The ranks ignore SIGTERM and multiprocessing joins them at exit: a driver that
         # never calls shutdown (an LLM not closed) would wait for them for ever.
@@ -257,6 +294,9 @@ class MultiprocExecutor(FailsInFlightOnDeath):
                 conn.send_bytes(payload)
         except OSError:
             self._die("a worker rank's pipe closed")
+        except BaseException:  # (an interrupt) some ranks may have the step and others not:
+            self._die("interrupted while sending a batch to the worker ranks")  # out of step
+            raise
         return fut
 
     def stats(self, timeout: float = 30.0) -> list[dict]:
@@ -306,16 +346,19 @@ class MultiprocExecutor(FailsInFlightOnDeath):
         atexit.unregister(self.shutdown)
         if self._closing:
             return
-        self._closing = True
+        self._close_down()
         msg = pickle.dumps(("shutdown", None))
         for conn in self.inboxes:
             try:
                 conn.send_bytes(msg)
             except OSError:
                 pass
-        for p in self.procs:
-            wait_exit(p, 10)
-        self._kill()
+        try:
+            for p in self.procs:
+                wait_exit(p, 10)
+        finally:
+            self._kill()
+            self._store = None  # the rendezvous store stops listening
 
     def _kill(self) -> None:
         # The reader thread may be waiting on the same ranks: wait_exit, not join/is_alive.
@@ -351,6 +394,8 @@ class MultiprocExecutor(FailsInFlightOnDeath):
                 if kind == "result":
                     (tokens, logprobs), seconds = body
                     with self._lock:
+                        if not self._pending:  # shut down meanwhile: the batch has failed
+                            continue
                         fut, rids = self._pending.popleft()
                     fut.set_result(runner_output(rids, tokens, logprobs, seconds))
                     continue

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -40,10 +41,13 @@ class LLM:
         self.engine = LLMEngine(config)
         self.tokenizer = self.engine.tokenizer
         self._counter = 0
+        # An LLM dropped without close() stops its worker processes when it is collected.
+        self._close = weakref.finalize(self, self.engine.shutdown)
 
     def close(self) -> None:
-        """Stop worker processes (tensor/pipeline parallelism); also on leaving a ``with``."""
-        self.engine.shutdown()
+        """Stop worker processes (tensor/pipeline parallelism); also on leaving a ``with``,
+        or when the LLM is garbage-collected."""
+        self._close()
 
     def __enter__(self) -> LLM:
         return self

@@ -181,7 +181,7 @@ class RayExecutor(FailsInFlightOnDeath):
             raise RuntimeError(self.dead or f"worker rank statistics: {describe(e)}") from None
 
     def shutdown(self) -> None:
-        self._closing = True
+        self._close_down()
         try:
             self.ray.get([a.close.remote() for a in self.actors], timeout=30)
         except Exception:  # dying ranks: they are killed below

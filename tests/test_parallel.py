@@ -334,6 +334,20 @@ def test_server_greedy_matches_and_a_dead_rank_fails_requests_visibly(tiny_model
         assert r.status_code == 503
 
 
+def test_a_rank_that_dies_while_the_server_is_idle_makes_it_unhealthy_at_once(tiny_model_dir):
+    # Found only by the next request's submit before: /health said ok meanwhile.
+    eng = knobs(tiny_model_dir, pipeline_parallel_size=2)
+    eng.pop("model")
+    with InProcessServer(tiny_model_dir, engine_kw=eng) as s:
+        ranks = children(s.engine.client.proc.pid)
+        assert len(ranks) == 2 and httpx.get(s.url + "/health").status_code == 200
+        os.kill(ranks[-1], signal.SIGKILL)
+        deadline = time.monotonic() + 30
+        while httpx.get(s.url + "/health").status_code != 503:
+            assert time.monotonic() < deadline, "the server still says it is healthy"
+            time.sleep(0.1)
+
+
 def listening(pid: int) -> list[str]:
     """The local addresses (hex, as /proc/net prints them) of the TCP sockets ``pid``
     listens on."""

@@ -26,6 +26,7 @@ from multiprocessing.connection import Connection
 from multiprocessing.connection import wait as wait_ready_objects
 
 from fluidserve.config import ConfigError, EngineConfig, is_config_error
+from fluidserve.engine.core import ExecutorDead
 from fluidserve.engine.messages import (
     AbortRequests,
     AddRequest,
@@ -213,6 +214,8 @@ def _busy_loop(core, inbox: Connection, outbox: Connection, role=None) -> None:
             elif isinstance(msg, InjectFault):
                 core.faults[msg.point] = msg.times
         core.trip("loop")
+        if (dead := getattr(core.executor, "dead", None)) is not None:
+            raise ExecutorDead(dead)  # a worker rank died, idle or not: the server fails now
         if core.faults.get("wedge"):
             _wedge()
         if role is not None:

@@ -275,6 +275,17 @@ def test_a_dataset_path_is_the_trace_or_the_pool_of_the_classes(tmp_path):
         WorkloadSpec(dataset="fixed", dataset_path=str(path))
 
 
+def test_a_trace_with_rows_out_of_time_order_is_replayed_in_time_order(tmp_path):
+    path = tmp_path / "trace.csv"
+    rows = [(30.0, 300, 3), (10.0, 100, 1), (40.0, 400, 4), (20.0, 200, 2)]
+    path.write_text("arrived_at,num_prefill_tokens,num_decode_tokens\n" +
+                    "".join(f"{t},{p},{o}\n" for t, p, o in rows))
+    reqs, _ = build_workload(WorkloadSpec(dataset="sharegpt", dataset_path=str(path),
+                                          num_prompts=4, arrivals="trace"))
+    assert [(r.arrival, r.prompt_len, r.output_len) for r in reqs] == [
+        (0.0, 100, 1), (10.0, 200, 2), (20.0, 300, 3), (30.0, 400, 4)]
+
+
 def test_trace_standins_work_without_data_files(monkeypatch, tmp_path):
     monkeypatch.setenv("FLUIDSERVE_DATA_DIR", str(tmp_path))
     reqs, src = build_workload(WorkloadSpec(dataset="sharegpt", num_prompts=3000,

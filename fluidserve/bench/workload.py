@@ -109,6 +109,8 @@ def read_trace(path: str | Path) -> Trace:
     arrivals = None
     if "arrived_at" in rows[0]:
         arrivals = np.array([float(r["arrived_at"]) for r in rows])
+        order = np.argsort(arrivals, kind="stable")  # rows in time order, whatever the file's
+        prompt, output, arrivals = prompt[order], output[order], arrivals[order]
     return Trace(prompt, output, arrivals)
 
 

@@ -373,12 +373,19 @@ def test_streams_cut_short_or_aborted_are_failures_and_bad_chunks_fail_one_reque
             return httpx.Response(200, content=sse(chunk("a", "abort", 1)))
         if prompt == "array":  # valid JSON, not an object
             return httpx.Response(200, content=b"data: [1, 2]\n\n")
-        return httpx.Response(200, content=sse(chunk("a", n=1) | {"metrics": None},
+        if prompt == "event":  # an SSE error event whose data names no "error"
+            return httpx.Response(200, content=b'data: {"choices": [{"text": "a"}]}\n\n'
+                                  b'event: error\ndata: {"message": "overloaded"}\n\n'
+                                  b"data: [DONE]\n\n")
+        return httpx.Response(200, content=sse(chunk("a", n=1) | {"metrics": None,
+                                                                   "error": None},
                                                chunk("b", "length", 2)))
 
     client = Client(ClientConfig("http://test"), transport=httpx.MockTransport(handler))
-    work = [WorkloadRequest(i, 0.0, 3, 10) for i in range(4)]
-    cut, abort, array, ok = asyncio.run(client.run(work, ["cut", "abort", "array", "ok"]))
+    work = [WorkloadRequest(i, 0.0, 3, 10) for i in range(5)]
+    cut, abort, array, ok, event = asyncio.run(client.run(work, ["cut", "abort", "array", "ok",
+                                                                 "event"]))
+    assert event.error is not None and "overloaded" in event.error
     assert cut.error == "the stream ended before its [DONE] after 2 tokens"
     assert len(cut.gaps) == 2  # what arrived still counts in the TBT statistics
     assert abort.error == "the server ended the stream with finish_reason 'abort'"

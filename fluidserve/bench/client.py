@@ -112,9 +112,14 @@ class Client:
                 rec.error = f"HTTP {r.status_code}: {_error_message(body)}"
                 return
             chunks = seen.chunks
-            counted, done, reason = 0, False, None
+            counted, done, reason, event = 0, False, None, None
             async for line in r.aiter_lines():
+                if line.startswith("event:"):  # an SSE event's name (an "error" one too)
+                    event = line[6:].strip()
+                    continue
                 if not line.startswith("data:"):
+                    if not line:
+                        event = None  # a blank line ends the event
                     continue
                 data = line[5:].strip()
                 if data == "[DONE]":
@@ -123,7 +128,7 @@ class Client:
                 obj = json.loads(data)
                 if not isinstance(obj, dict):
                     raise ValueError(f"a stream chunk is not a JSON object: {data[:100]}")
-                if "error" in obj:
+                if obj.get("error") is not None or event == "error":
                     rec.error = f"stream error: {_error_message(json.dumps(obj))}"
                     return
                 now = time.perf_counter()

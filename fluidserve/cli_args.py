@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import math
 import types
 import typing
 from typing import Any
@@ -16,6 +17,18 @@ def _base_type(tp: Any) -> tuple[type, bool]:
         args = [a for a in typing.get_args(tp) if a is not type(None)]
         return args[0], True
     return tp, False
+
+
+def number(inf_ok: bool = False):
+    """argparse's type for a float knob: never NaN, infinite only where the knob says so."""
+    def parse(text: str) -> float:
+        value = float(text)
+        if math.isnan(value) or (math.isinf(value) and not inf_ok):
+            raise argparse.ArgumentTypeError(f"must be a finite number, got {text!r}")
+        return value
+
+    parse.__name__ = "number"  # argparse's "invalid number value" for what float() refuses
+    return parse
 
 
 def add_dataclass_args(parser: argparse.ArgumentParser, cls: type, title: str,
@@ -54,7 +67,8 @@ def add_dataclass_args(parser: argparse.ArgumentParser, cls: type, title: str,
         shown = "" if default is None else " (default: %(default)s)"
         group.add_argument(
             *flags,
-            type=f.metadata.get("parse", tp),
+            type=f.metadata.get("parse", number(f.metadata.get("inf_ok", False))
+                                if tp is float else tp),
             default=default,
             choices=choices,
             help=help_text + shown,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import subprocess
 import sys
 
@@ -117,6 +118,33 @@ def test_serve_takes_vllms_spellings_and_checks_its_port_first(capsys):
         port = taken.getsockname()[1]
         assert main(["serve", "--port", str(port), "--model", "/does/not/matter"]) == 2
     assert f"cannot listen on 127.0.0.1:{port}" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("args, why", [
+    (("serve", "--drain-timeout", "nan"), "--drain-timeout: must be a finite number"),
+    (("serve", "--drain-timeout", "inf"), "--drain-timeout: must be a finite number"),
+    (("simulate", "--disaggregate", "--kv-transfer-latency", "inf"),
+     "--kv-transfer-latency: must be a finite number"),
+    (("capacity", "--tbt-slo", "nan"), "--tbt-slo: must be a finite number"),
+    (("bench", "--prompt-scale", "nan"), "--prompt-scale: must be a finite number"),
+])
+def test_a_float_knob_refuses_nan_and_inf_where_they_mean_nothing(capsys, args, why):
+    from fluidserve.cli import main
+
+    with pytest.raises(SystemExit) as e:
+        main(list(args))
+    assert e.value.code == 2 and why in capsys.readouterr().err
+    from fluidserve.cli import build_parser
+
+    assert build_parser().parse_args(["bench", "--request-rate", "inf"]).request_rate == math.inf
+
+
+def test_a_telemetry_file_that_cannot_be_written_is_refused_before_the_model_loads(capsys):
+    # It is written at shutdown: found out then, the whole run's telemetry was lost.
+    from fluidserve.cli import main
+
+    assert main(["serve", "--telemetry-file", "/nonexistent/dir/t.jsonl"]) == 2
+    assert "telemetry_file: cannot write in /nonexistent/dir" in capsys.readouterr().err
 
 
 def test_bad_config_is_a_clear_error(tiny_model_dir, tmp_path):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from fluidserve.config.base import (
@@ -102,11 +103,12 @@ class DisaggConfig:
                               " the path is for the learned predictor only)")
         if not 0.0 <= self.predictor_accuracy <= 1.0:
             raise ConfigError("predictor_accuracy must be in [0, 1]")
-        if self.kv_transfer_bandwidth_gbps is not None and self.kv_transfer_bandwidth_gbps <= 0:
-            raise ConfigError("kv_transfer_bandwidth_gbps must be > 0")
-        if self.kv_transfer_latency < 0:
-            raise ConfigError("kv_transfer_latency must be >= 0")
-        if self.monitor_interval <= 0 or self.flip_window <= 0:
-            raise ConfigError("monitor_interval and flip_window must be > 0")
-        if self.kv_transfer_timeout <= 0:
-            raise ConfigError("kv_transfer_timeout must be > 0")
+        if self.kv_transfer_bandwidth_gbps is not None and \
+                not 0 < self.kv_transfer_bandwidth_gbps < math.inf:
+            raise ConfigError("kv_transfer_bandwidth_gbps must be > 0 and finite")
+        if not 0 <= self.kv_transfer_latency < math.inf:
+            raise ConfigError("kv_transfer_latency must be >= 0 and finite")
+        if not (0 < self.monitor_interval < math.inf and 0 < self.flip_window < math.inf):
+            raise ConfigError("monitor_interval and flip_window must be > 0 and finite")
+        if not 0 < self.kv_transfer_timeout < math.inf:
+            raise ConfigError("kv_transfer_timeout must be > 0 and finite")

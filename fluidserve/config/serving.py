@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass
+from pathlib import Path
 
 from fluidserve.config.base import (
     ConfigError,
@@ -59,8 +61,8 @@ class ServerConfig:
         if not 0 < self.port < 65536:
             raise ConfigError(f"port must be in 1..65535, got {self.port}")
         require_positive("max_waiting_requests", self.max_waiting_requests)
-        if self.drain_timeout < 0:
-            raise ConfigError(f"drain_timeout must be >= 0, got {self.drain_timeout}")
+        if not 0 <= self.drain_timeout < math.inf:
+            raise ConfigError(f"drain_timeout must be >= 0 and finite, got {self.drain_timeout}")
         if self.api_key is not None and not self.api_key:
             raise ConfigError("api_key must not be empty")
         if self.protect_metrics and self.api_key is None:
@@ -68,6 +70,11 @@ class ServerConfig:
         require_positive("max_request_bytes", self.max_request_bytes)
         if not (self.watchdog_timeout > 0 and math.isfinite(self.watchdog_timeout)):
             raise ConfigError(f"watchdog_timeout must be > 0, got {self.watchdog_timeout}")
+        if self.telemetry_file is not None:  # written at shutdown: a bad path loses the run
+            parent = Path(self.telemetry_file).expanduser().absolute().parent
+            if not parent.is_dir() or not os.access(parent, os.W_OK):
+                raise ConfigError(f"telemetry_file: cannot write in {parent} (no such"
+                                  " directory, or not writable)")
 
 
 
@@ -112,7 +119,7 @@ class BenchConfig:
     output_scale: float = knob(1.0, "Multiply trace output lengths by this.")
     max_prompt_len: int = knob(2048, "Clip prompt lengths to this.")
     max_output_len: int = knob(1024, "Clip output lengths to this.")
-    request_rate: float = knob(math.inf, "Requests/s (inf: all at once).")
+    request_rate: float = knob(math.inf, "Requests/s (inf: all at once).", inf_ok=True)
     burstiness: float = knob(1.0, "Gamma shape of inter-arrival times (1 = Poisson; CV = 1/sqrt).")
     arrivals: str = knob("rate", "rate, or trace (the trace's own timestamps).",
                          choices=("rate", "trace"))

@@ -237,44 +237,46 @@ def run_server(engine_config: EngineConfig, config: ServerConfig) -> int:
     except RuntimeError as e:
         log.error("%s", e)
         return 1
-    app = build_app(engine, config, name)
-    info = engine.info
-    log.info(
-        "model %s ready in %.1fs (engine core: %.1fs): %d KV blocks of %d tokens%s,"
-        " max_model_len %d, scheduler %s (token budget %s)%s",
-        name,
-        time.perf_counter() - t0,
-        info.load_seconds,
-        info.num_kv_blocks,
-        info.block_size,
-        " per instance" if engine_config.disagg.disaggregate else "",
-        info.max_model_len,
-        engine_config.scheduler.policy,
-        engine_config.scheduler.token_budget,
-        ", asynchronous scheduling" if engine_config.uses_async_scheduling() else "",
-    )
-    held = admissible_blocks(info.num_kv_blocks, engine_config.cache.watermark) * info.block_size
-    if held < info.max_model_len:
-        log.warning("the KV cache holds %d tokens of one request, less than the %d-token context"
-                    " window: longer requests are refused (400), and a chat request without"
-                    " max_tokens gets at most what the cache holds", held, info.max_model_len)
-    uv = uvicorn.Config(
-        app,
-        host=config.host,
-        port=config.port,
-        log_level="info",
-        access_log=config.log_requests,
-        timeout_graceful_shutdown=int(config.drain_timeout) + 5,
-    )
-    # A signal after uvicorn's run (while the engine core stops) must not cut that short.
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda *_: None)
-    host = f"[{config.host}]" if ":" in config.host else config.host
-    log.info("serving on http://%s:%d (Ctrl-C drains, twice stops)", host, config.port)
-    server = DrainingServer(uv, app.state.fluidserve)
-    holder["server"] = server
-    freeze_startup_heap()  # the front end's full collections, too, would pause every stream
-    try:
+    try:  # whatever fails from here on, the engine core stops with it
+        app = build_app(engine, config, name)
+        info = engine.info
+        log.info(
+            "model %s ready in %.1fs (engine core: %.1fs): %d KV blocks of %d tokens%s,"
+            " max_model_len %d, scheduler %s (token budget %s)%s",
+            name,
+            time.perf_counter() - t0,
+            info.load_seconds,
+            info.num_kv_blocks,
+            info.block_size,
+            " per instance" if engine_config.disagg.disaggregate else "",
+            info.max_model_len,
+            engine_config.scheduler.policy,
+            engine_config.scheduler.token_budget,
+            ", asynchronous scheduling" if engine_config.uses_async_scheduling() else "",
+        )
+        held = info.block_size * admissible_blocks(info.num_kv_blocks,
+                                                   engine_config.cache.watermark)
+        if held < info.max_model_len:
+            log.warning("the KV cache holds %d tokens of one request, less than the %d-token"
+                        " context window: longer requests are refused (400), and a chat request"
+                        " without max_tokens gets at most what the cache holds", held,
+                        info.max_model_len)
+        uv = uvicorn.Config(
+            app,
+            host=config.host,
+            port=config.port,
+            log_level="info",
+            access_log=config.log_requests,
+            timeout_graceful_shutdown=int(config.drain_timeout) + 5,
+        )
+        # A signal after uvicorn's run (while the engine core stops) must not cut that short.
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, lambda *_: None)
+        host = f"[{config.host}]" if ":" in config.host else config.host
+        log.info("serving on http://%s:%d (Ctrl-C drains, twice stops)", host, config.port)
+        server = DrainingServer(uv, app.state.fluidserve)
+        holder["server"] = server
+        freeze_startup_heap()  # the front end's full collections would pause every stream
         server.run(sockets=[sock])
     finally:
         if not engine.stopped:  # a forced exit skips the app's shutdown, which stops it

@@ -161,6 +161,24 @@ def test_corrupt_weights_and_config(model_copy):
         load_model(model_copy)
 
 
+def test_a_config_that_is_not_an_object_and_a_malformed_index_are_one_line(model_copy):
+    (model_copy / "config.json").write_text("[1, 2]")
+    with pytest.raises(ModelLoadError, match="config.json: not a JSON object"):
+        load_model(model_copy)
+
+
+def test_integer_weights_are_refused_not_cast(model_copy):
+    from safetensors.torch import load_file, save_file
+
+    path = model_copy / "model.safetensors"
+    weights = load_file(path)
+    name = next(k for k in weights if k.endswith("embed_tokens.weight"))
+    weights[name] = weights[name].to(torch.int8)
+    save_file(weights, path)
+    with pytest.raises(ModelLoadError, match="embed_tokens.weight is int8: quantized or integer"):
+        load_model(model_copy)
+
+
 def test_unsupported_rope_type(model_copy):
     edit_config(model_copy, rope_scaling={"rope_type": "yarn", "factor": 4.0})
     with pytest.raises(ModelLoadError, match="yarn"):
@@ -204,6 +222,19 @@ def test_config_fields_are_read_as_the_architectures_class_reads_them(arch, chan
     ({"num_key_value_heads": 3}, "heads do not share 3 key-value heads evenly"),
     ({"eos_token_id": "</s>"}, "eos_token_id '</s>' is not a token id"),
     ({"eos_token_id": [2, True]}, r"eos_token_id \[2, True\] is not a token id"),
+    # Values of the wrong kind: one line naming the field, not a TypeError's traceback.
+    ({"hidden_size": None}, "hidden_size must be an integer, got None"),
+    ({"num_attention_heads": "abc"}, "num_attention_heads must be an integer, got 'abc'"),
+    ({"max_position_embeddings": 1024.7}, "max_position_embeddings must be an integer"),
+    ({"rms_norm_eps": "small"}, "rms_norm_eps must be a number"),
+    ({"rope_scaling": "linear"}, "rope_scaling must be an object"),
+    ({"rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 0,
+                       "original_max_position_embeddings": 8192}},
+     "needs 0 < low_freq_factor < high_freq_factor"),
+    # What it cannot run must not run as something else.
+    ({"partial_rotary_factor": 0.5}, "partial_rotary_factor 0.5 is not supported"),
+    ({"quantization_config": {"quant_method": "awq"}}, "quantized checkpoints are not"
+     r" supported \(quantization_config: awq\)"),
 ])
 def test_a_config_the_model_cannot_run_with_is_refused_before_loading(model_copy, changes,
                                                                        why):

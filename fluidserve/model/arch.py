@@ -15,6 +15,7 @@ DEFAULT_POSITIONS = {"LlamaForCausalLM": 2048, "MistralForCausalLM": 131072,
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 ROPE_FIELDS = {"default": (), "linear": ("factor",),  # what each rope type cannot do without
                "llama3": ("factor", "original_max_position_embeddings")}
+_MISSING = object()
 
 
 def kv_bytes_per_token(layers: int, kv_heads: int, head_dim: int, dtype_bytes: int,
@@ -106,6 +107,8 @@ def _token_ids(value) -> tuple[int, ...]:
 
 
 def parse_arch(cfg: dict, where: str = "config.json") -> ArchConfig:
+    if not isinstance(cfg, dict):
+        raise ModelLoadError(f"{where}: not a JSON object")
     archs = cfg.get("architectures") or []
     arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
     if not archs:  # transformers then goes by model_type
@@ -121,15 +124,41 @@ def parse_arch(cfg: dict, where: str = "config.json") -> ArchConfig:
             raise ModelLoadError(f"{where}: missing required field {key!r}")
         return cfg[key]
 
-    hidden = int(need("hidden_size"))
-    heads = int(need("num_attention_heads"))
+    def number(key: str, kind: type = int, default=_MISSING, value=_MISSING) -> int | float:
+        """Field ``key`` as ``kind`` (``value``: what to convert, if not the field itself),
+        or one line naming it when it is not a number of that kind."""
+        if value is _MISSING:
+            value = need(key) if default is _MISSING else cfg.get(key, default)
+        what = "an integer" if kind is int else "a number"
+        try:
+            if isinstance(value, bool) or (kind is int and isinstance(value, float)
+                                           and not value.is_integer()):
+                raise TypeError
+            return kind(value)
+        except (TypeError, ValueError, OverflowError):
+            raise ModelLoadError(f"{where}: {key} must be {what}, got {value!r}") from None
+
+    # What fluidserve cannot run must not run as something else (wrong outputs, silently).
+    if quant := cfg.get("quantization_config"):
+        method = quant.get("quant_method", "?") if isinstance(quant, dict) else quant
+        raise ModelLoadError(f"{where}: quantized checkpoints are not supported"
+                             f" (quantization_config: {method})")
+    if number("partial_rotary_factor", float, 1.0) != 1.0:
+        raise ModelLoadError(f"{where}: partial_rotary_factor"
+                             f" {cfg['partial_rotary_factor']!r} is not supported (only 1)")
+    hidden = number("hidden_size")
+    heads = number("num_attention_heads")
     if heads < 1:
         raise ModelLoadError(f"{where}: num_attention_heads must be >= 1, got {heads}")
     act = cfg.get("hidden_act", "silu")
     if act not in ("silu", "swish"):
         raise ModelLoadError(f"{where}: hidden_act {act!r} is not supported (only silu)")
-    rope = dict(cfg.get("rope_parameters") or cfg.get("rope_scaling") or {})
-    theta = float(cfg.get("rope_theta", rope.get("rope_theta", 10000.0)))
+    rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
+    if not isinstance(rope, dict):
+        raise ModelLoadError(f"{where}: rope_scaling must be an object, got {rope!r}")
+    rope = dict(rope)
+    theta = number("rope_theta", float, value=cfg.get("rope_theta",
+                                                      rope.get("rope_theta", 10000.0)))
     rope_type = rope.get("rope_type", rope.get("type", "default"))
     if rope_type not in SUPPORTED_ROPE_TYPES:
         raise ModelLoadError(
@@ -142,6 +171,13 @@ def parse_arch(cfg: dict, where: str = "config.json") -> ArchConfig:
         if isinstance(value, bool) or not isinstance(value, int | float) or not value > 0:
             raise ModelLoadError(f"{where}: rope scaling {rope_type!r} needs {key} (a number"
                                  f" > 0), got {value!r}")
+    if rope_type == "llama3":  # transformers' defaults; the smoothing divides by their gap
+        low, high = (rope.get(k, d) for k, d in (("low_freq_factor", 1.0),
+                                                  ("high_freq_factor", 4.0)))
+        if not all(isinstance(v, int | float) and not isinstance(v, bool) for v in (low, high)) \
+                or not 0 < low < high:
+            raise ModelLoadError(f"{where}: rope scaling 'llama3' needs 0 < low_freq_factor <"
+                                 f" high_freq_factor, got {low!r} and {high!r}")
     try:
         eos_ids = _token_ids(cfg.get("eos_token_id"))
     except (TypeError, ValueError):
@@ -151,7 +187,7 @@ def parse_arch(cfg: dict, where: str = "config.json") -> ArchConfig:
     # window and the only optional biases; Mistral's window is 4096 unless set (null: none);
     # Qwen2's applies to the layers from max_window_layers on, and has fixed biases.
     is_qwen, is_llama = arch == "Qwen2ForCausalLM", arch == "LlamaForCausalLM"
-    layers = int(need("num_hidden_layers"))
+    layers = number("num_hidden_layers")
     window = None if is_llama else cfg.get("sliding_window", 4096 if not is_qwen else None)
     if is_qwen and (not cfg.get("use_sliding_window", False)
                     or cfg.get("max_window_layers", 28) >= layers):
@@ -159,17 +195,17 @@ def parse_arch(cfg: dict, where: str = "config.json") -> ArchConfig:
     attention_bias = is_llama and bool(cfg.get("attention_bias", False))
     out = ArchConfig(
         architecture=arch,
-        vocab_size=int(need("vocab_size")),
+        vocab_size=number("vocab_size"),
         hidden_size=hidden,
-        intermediate_size=int(need("intermediate_size")),
+        intermediate_size=number("intermediate_size"),
         num_layers=layers,
         num_heads=heads,
-        num_kv_heads=int(cfg.get("num_key_value_heads") or heads),
-        head_dim=int(cfg.get("head_dim") or hidden // heads),
-        rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+        num_kv_heads=number("num_key_value_heads", value=cfg.get("num_key_value_heads") or heads),
+        head_dim=number("head_dim", value=cfg.get("head_dim") or hidden // heads),
+        rms_norm_eps=number("rms_norm_eps", float, 1e-6),
         rope_theta=theta,
-        max_position_embeddings=int(cfg.get("max_position_embeddings",
-                                            DEFAULT_POSITIONS[arch])),
+        max_position_embeddings=number("max_position_embeddings", int,
+                                       DEFAULT_POSITIONS[arch]),
         tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
         qkv_bias=is_qwen or attention_bias,
         o_bias=attention_bias,
@@ -177,7 +213,7 @@ def parse_arch(cfg: dict, where: str = "config.json") -> ArchConfig:
         rope_scaling=rope,
         bos_token_id=cfg.get("bos_token_id"),
         eos_token_ids=eos_ids,
-        sliding_window=int(window) if window else None,
+        sliding_window=number("sliding_window", value=window) if window else None,
         dtype=cfg.get("torch_dtype") or cfg.get("dtype"),
     )
     for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",

@@ -56,9 +56,10 @@ def safetensors_files(model_dir: Path) -> list[Path]:
     if index.is_file():
         try:
             weight_map = json.loads(index.read_text())["weight_map"]
-        except (json.JSONDecodeError, KeyError) as e:
-            raise ModelLoadError(f"{index}: malformed index ({e})") from None
-        files = sorted({model_dir / f for f in weight_map.values()})
+            files = sorted({model_dir / f for f in weight_map.values()})
+        except (json.JSONDecodeError, KeyError, TypeError, AttributeError) as e:
+            raise ModelLoadError(f"{index}: malformed index, not a weight_map of tensor names"
+                                 f" to file names ({type(e).__name__}: {e})") from None
         missing = [f.name for f in files if not f.is_file()]
         if missing:
             raise ModelLoadError(f"{model_dir}: shards named in the index are missing: {missing}")
@@ -227,6 +228,9 @@ def load_model(
             f" unexpected {unexpected[:5]}{'...' if len(unexpected) > 5 else ''}"
         )
     for k, t in weights.items():
+        if not t.is_floating_point():  # cast, they would run as numbers of another meaning
+            raise ModelLoadError(f"{model_dir}: weight {k} is {str(t.dtype).removeprefix('torch.')}"
+                                 ": quantized or integer weights are not supported")
         if tuple(t.shape) != tuple(expected[k].shape):
             raise ModelLoadError(
                 f"{model_dir}: weight {k} has shape {tuple(t.shape)}, config implies"

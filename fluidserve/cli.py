@@ -8,6 +8,7 @@ import dataclasses
 import json
 import sys
 import time
+from pathlib import Path
 
 from fluidserve.cli_args import (
     ALL_SECTIONS,
@@ -91,6 +92,11 @@ def _cmd_build_model(args: argparse.Namespace) -> int:
     from fluidserve.model.builder import build_model_dir
 
     cfg = dataclass_from_args(BuildModelConfig, args)
+    out = Path(cfg.out)
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise ConfigError(f"--out {out} exists and is not an empty directory: build-model"
+                          " writes a new model there (files it does not write would stay beside"
+                          " it); remove it first")
     out = build_model_dir(cfg.out, cfg.shape, dtype=cfg.dtype, seed=cfg.seed, device=cfg.device)
     from fluidserve.model.arch import read_arch
 

@@ -92,6 +92,10 @@ def test_generate_and_build_model_knobs_are_config_fields(tmp_path, capsys):
     assert main(["build-model", "--out", str(out), "--shape", "tiny", "--dtype", "float32",
                  "--seed", "5"]) == 0
     assert read_arch(out).hidden_size == 256 and "wrote" in capsys.readouterr().out
+    weights = (out / "model.safetensors").read_bytes()
+    assert main(["build-model", "--out", str(out), "--shape", "tiny", "--seed", "6"]) == 2
+    assert "exists and is not an empty directory" in capsys.readouterr().err
+    assert (out / "model.safetensors").read_bytes() == weights  # never overwritten
 
 
 def test_serve_takes_vllms_spellings_and_checks_its_port_first(capsys):

@@ -254,6 +254,11 @@ def run_server(engine_config: EngineConfig, config: ServerConfig) -> int:
             engine_config.scheduler.token_budget,
             ", asynchronous scheduling" if engine_config.uses_async_scheduling() else "",
         )
+        tok = engine.tokenizer
+        if tok is not None and not tok.has_chat_template:
+            log.warning("the tokenizer has no chat template: /v1/chat/completions renders"
+                        " conversations as plain 'role: content' lines, which the model may"
+                        " not have been trained on")
         held = info.block_size * admissible_blocks(info.num_kv_blocks,
                                                    engine_config.cache.watermark)
         if held < info.max_model_len:

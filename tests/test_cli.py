@@ -143,6 +143,19 @@ def test_a_float_knob_refuses_nan_and_inf_where_they_mean_nothing(capsys, args, 
     assert build_parser().parse_args(["bench", "--request-rate", "inf"]).request_rate == math.inf
 
 
+@pytest.mark.parametrize("args, why", [
+    (("bench", "--input-len", "0"), "input_len must be >= 1"),  # was silently 512
+    (("bench", "--warmup-requests", "-1"), "warmup_requests must be >= 0"),  # an IndexError
+    (("bench", "--prompt-scale", "0"), "prompt_scale must be > 0"),
+    (("capacity", "--tbt-slo", "-1"), "tbt_slo must be > 0"),  # 20 probes for nothing
+])
+def test_workload_and_slo_values_that_cannot_work_are_refused(capsys, args, why):
+    from fluidserve.cli import main
+
+    assert main(list(args)) == 2
+    assert why in capsys.readouterr().err
+
+
 def test_a_telemetry_file_that_cannot_be_written_is_refused_before_the_model_loads(capsys):
     # It is written at shutdown: found out then, the whole run's telemetry was lost.
     from fluidserve.cli import main

@@ -160,6 +160,16 @@ class BenchConfig:
                 raise ConfigError(f"{name} must be > 0, got {getattr(self, name)}")
         if not self.ttft_slack >= 0:
             raise ConfigError(f"ttft_slack must be >= 0, got {self.ttft_slack}")
+        for name in ("input_len", "output_len"):
+            if getattr(self, name) is not None:
+                require_positive(name, getattr(self, name))
+        for name in ("max_prompt_len", "max_output_len"):
+            require_positive(name, getattr(self, name))
+        for name in ("prompt_scale", "output_scale"):
+            if not 0 < getattr(self, name) < math.inf:
+                raise ConfigError(f"{name} must be > 0 and finite, got {getattr(self, name)}")
+        if self.warmup_requests < 0:
+            raise ConfigError(f"warmup_requests must be >= 0, got {self.warmup_requests}")
 
 
 SLO_KINDS = ("tbt", "fluidity", "ttft", "tpot")
@@ -205,8 +215,11 @@ class CapacityConfig:
             raise ConfigError("granularity must be in (0, 1)")
         if self.delay_metric not in DELAY_METRICS:
             raise ConfigError(f"delay_metric must be one of {DELAY_METRICS}")
-        if not self.start_rate > 0:
-            raise ConfigError("start_rate must be > 0")
+        if not 0 < self.start_rate < math.inf:
+            raise ConfigError("start_rate must be > 0 and finite")
+        for name in ("tbt_slo", "max_scheduling_delay", "ttft_slo", "tpot_slo"):
+            if not 0 < getattr(self, name) < math.inf:
+                raise ConfigError(f"{name} must be > 0 and finite, got {getattr(self, name)}")
         if self.min_rate is not None and not 0 < self.min_rate <= self.start_rate:
             raise ConfigError(f"min_rate must be in (0, start_rate = {self.start_rate:g}],"
                               f" got {self.min_rate:g}")

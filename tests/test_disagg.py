@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import json
 
 import pytest
 
@@ -781,6 +782,16 @@ def test_learned_predictor_errors_are_clear(tmp_path):
         train([], granularity=200)
     with pytest.raises(ValueError, match="not a fluidserve length predictor"):
         make_predictor("learned", path=str(bad))
+    from fluidserve.disagg.learned import FORMAT
+
+    for damaged, why in (([1, 2], "not a fluidserve length predictor"),
+                         ({"format": FORMAT}, "damaged length predictor .KeyError"),
+                         ({"format": FORMAT, "granularity": 200, "hash_dims": 4, "mean": [0, 0],
+                           "std": [1, 1], "weights": [[1, 2]], "bias": [0, 0]},
+                          "do not fit together")):
+        bad.write_text(json.dumps(damaged))  # (a traceback from deep inside, before)
+        with pytest.raises(ValueError, match=why):
+            make_predictor("learned", path=str(bad))
     with pytest.raises(ConfigError, match="needs --length-predictor-path"):
         EngineConfig.create(length_predictor="learned")
 

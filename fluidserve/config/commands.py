@@ -110,6 +110,8 @@ class ProfileConfig:
 
     def __post_init__(self) -> None:
         require_positive("repeats", self.repeats)
+        if self.num_threads is not None:
+            require_positive("num_threads", self.num_threads)
         check_device(self.device)
 
 

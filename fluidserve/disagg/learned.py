@@ -178,13 +178,21 @@ class LearnedPredictor(LengthPredictor):
             m = json.loads(Path(path).read_text())
         except (OSError, ValueError) as e:
             raise ValueError(f"cannot read the length predictor {path}: {e}") from None
-        if m.get("format") != FORMAT:
+        if not isinstance(m, dict) or m.get("format") != FORMAT:
             raise ValueError(f"{path} is not a fluidserve length predictor"
                              " (write one with `fluidserve train-predictor`)")
-        super().__init__(int(m["granularity"]))
-        self.hash_dims = int(m["hash_dims"])
-        self.mean, self.std = np.asarray(m["mean"]), np.asarray(m["std"])
-        self.w, self.b = np.asarray(m["weights"]), np.asarray(m["bias"])
+        try:
+            super().__init__(int(m["granularity"]))
+            self.hash_dims = int(m["hash_dims"])
+            self.mean, self.std = np.asarray(m["mean"], float), np.asarray(m["std"], float)
+            self.w, self.b = np.asarray(m["weights"], float), np.asarray(m["bias"], float)
+            d = self.mean.shape
+            if self.w.ndim != 2 or self.std.shape != d or self.w.shape[:1] != d \
+                    or self.b.shape != self.w.shape[1:]:
+                raise ValueError("its weights, bias, mean and std do not fit together")
+        except (KeyError, TypeError, ValueError) as e:
+            raise ValueError(f"{path}: a damaged length predictor ({type(e).__name__}: {e});"
+                             " train it again with `fluidserve train-predictor`") from None
 
     def bucket(self, request_id: str, prompt_ids: Sequence[int], true_len: int) -> int:
         x = (featurize(prompt_ids, len(prompt_ids), self.hash_dims) - self.mean) / self.std

@@ -41,7 +41,7 @@ def _cmd_generate(args: argparse.Namespace) -> int:
         with open(g.prompt_file) as f:
             prompts += [line.rstrip("\n") for line in f if line.strip()]
     if not prompts:
-        print("error: give at least one --prompt or --prompt-file", file=sys.stderr)
+        print("fluidserve: error: give at least one --prompt or --prompt-file", file=sys.stderr)
         return 2
     cfg = engine_config_from_args(args)
     params = SamplingParams(

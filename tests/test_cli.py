@@ -156,6 +156,18 @@ def test_workload_and_slo_values_that_cannot_work_are_refused(capsys, args, why)
     assert why in capsys.readouterr().err
 
 
+def test_capacity_and_compare_say_what_is_wrong_in_one_line(tmp_path):
+    r = cli("capacity", "--launch", "a=--nosuch-flag", "--output-dir", str(tmp_path / "c"),
+            check=False)
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr[-2000:]
+    assert "refused to start: fluidserve serve: error: unrecognized arguments: --nosuch-flag" \
+        in r.stderr
+    (tmp_path / "summary.json").write_text("{not json")
+    r = cli("bench", "--compare", str(tmp_path), check=False)
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr[-2000:]
+    assert "summary.json: not a `fluidserve bench` result" in r.stderr
+
+
 def test_a_telemetry_file_that_cannot_be_written_is_refused_before_the_model_loads(capsys):
     # It is written at shutdown: found out then, the whole run's telemetry was lost.
     from fluidserve.cli import main

@@ -15,7 +15,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from fluidserve.bench.report import fluidity_slo_met
-from fluidserve.config import CapacityConfig
+from fluidserve.config import CapacityConfig, ConfigError
 from fluidserve.metrics import to_json
 from fluidserve.net import stop_process, wait_healthy
 
@@ -188,6 +188,14 @@ class LaunchedServer:
         except TimeoutError:
             self.__exit__()
             raise
+        except RuntimeError:  # it exited: with 2, its flags or model are bad (said once)
+            self.__exit__()
+            if self.proc.returncode != 2:
+                raise
+            lines = self.log_path.read_text(errors="replace").strip().splitlines()
+            why = next((x for x in reversed(lines) if "error:" in x), lines[-1] if lines else "")
+            raise ConfigError(f"`fluidserve serve {' '.join(self.args)}` (a server to launch)"
+                              f" refused to start: {why.strip()}") from None
         return self
 
     def __exit__(self, *exc) -> None:

@@ -131,10 +131,18 @@ def load_run(run_dir: str | Path) -> tuple[list[RequestRecord], dict]:
     if not (run_dir / "summary.json").is_file():
         raise ValueError(f"{run_dir} is not a run directory (no summary.json)")
     records = []
-    if (run_dir / "requests.jsonl").is_file():
-        with open(run_dir / "requests.jsonl") as f:
-            records = [RequestRecord(**json.loads(line)) for line in f if line.strip()]
-    return records, json.loads((run_dir / "summary.json").read_text())
+    path = run_dir / "requests.jsonl"
+    try:
+        if path.is_file():
+            with open(path) as f:
+                records = [RequestRecord(**json.loads(line)) for line in f if line.strip()]
+        path = run_dir / "summary.json"
+        summary = json.loads(path.read_text())
+    except (json.JSONDecodeError, TypeError) as e:  # (a line that is not a record)
+        raise ValueError(f"{path}: not a `fluidserve bench` result ({e})") from None
+    if not isinstance(summary, dict):
+        raise ValueError(f"{path}: not a `fluidserve bench` result")
+    return records, summary
 
 
 ROWS = [

@@ -481,11 +481,13 @@ def test_simulate_cli_run_budget_and_capacity(tmp_path, capsys):
 def test_the_cpu_cost_model_has_its_models_window():
     """The shipped CPU profiles are of a 4096-token model: simulated with a 16384-token window,
     requests its server refuses were run, priced past the profile."""
-    from fluidserve.config import SimConfig
+    from fluidserve.config import ConfigError, SimConfig
 
     assert SimConfig(cost_model="cpu").context_window() == 4096
     assert SimConfig().context_window() == 16384  # gpu
     assert SimConfig(cost_model="cpu", max_model_len=2048).context_window() == 2048
+    with pytest.raises(ConfigError, match="exceeds the 4096 positions"):
+        SimConfig(cost_model="cpu", max_model_len=100000)
 
 
 def test_a_disaggregated_capacity_search_runs(tmp_path, capsys):

@@ -67,6 +67,10 @@ class SimConfig:
         require_positive("max_budget", self.max_budget)
         if self.max_model_len is not None:
             require_positive("max_model_len", self.max_model_len)
+            if self.cost_model == "cpu" and self.max_model_len > _cpu_window():
+                raise ConfigError(f"max_model_len {self.max_model_len} exceeds the"
+                                  f" {_cpu_window()} positions of the model the cpu cost model"
+                                  " prices (its server would refuse such requests)")
         if self.budget_context < 0:
             raise ConfigError("budget_context must be >= 0")
 

@@ -229,6 +229,20 @@ def test_an_interrupted_send_leaves_the_executor_dead_not_out_of_step(monkeypatc
         ex.submit(bad_plan())
 
 
+def test_a_reply_racing_a_failure_settles_its_future_once():
+    # A rank's reply on Ray's callback thread and _die (or a shutdown) on another: the loser
+    # raised InvalidStateError on its thread.
+    from concurrent.futures import Future
+
+    from fluidserve.engine.core import ExecutorDead
+    from fluidserve.engine.distributed import settle
+
+    fut = Future()
+    settle(fut, error=ExecutorDead("worker rank 1 died"))
+    settle(fut, "a late reply")
+    assert isinstance(fut.exception(), ExecutorDead)
+
+
 def test_cuda_ranks_need_a_device_each(monkeypatch):
     import torch
 

@@ -25,7 +25,7 @@ import pickle
 import threading
 import time
 from collections import deque
-from concurrent.futures import Future
+from concurrent.futures import Future, InvalidStateError
 from multiprocessing.connection import Connection, wait
 
 from fluidserve.config import ParallelConfig
@@ -46,6 +46,17 @@ DRIVER_STORE = "store://"
 
 def rank_threads(parallel: ParallelConfig, num_threads: int | None) -> int:
     return num_threads or max(1, (os.cpu_count() or 1) // parallel.world_size)
+
+
+def settle(fut: Future, result=None, error: BaseException | None = None) -> None:
+    """Complete ``fut`` unless another thread has (a rank's reply racing its failure)."""
+    try:
+        if error is not None:
+            fut.set_exception(error)
+        else:
+            fut.set_result(result)
+    except InvalidStateError:
+        pass
 
 
 def check_cuda_ranks(device: str, world_size: int) -> None:
@@ -194,9 +205,7 @@ class FailsInFlightOnDeath:
     @staticmethod
     def _fail(pending: list, message: str) -> None:
         for item in pending:
-            fut = item[0] if isinstance(item, tuple) else item
-            if not fut.done():
-                fut.set_exception(ExecutorDead(message))
+            settle(item[0] if isinstance(item, tuple) else item, error=ExecutorDead(message))
 
     def _kill(self) -> None:
         raise NotImplementedError

@@ -24,7 +24,7 @@ from concurrent.futures import Future
 from fluidserve.config import ParallelConfig
 from fluidserve.core.scheduler.output import SchedulerOutput
 from fluidserve.engine.core import ExecutorDead
-from fluidserve.engine.distributed import FailsInFlightOnDeath, RankRunner, rank_threads
+from fluidserve.engine.distributed import FailsInFlightOnDeath, RankRunner, rank_threads, settle
 from fluidserve.model.inputs import prepare_inputs
 from fluidserve.model.worker import WorkerSpec
 from fluidserve.net import free_port, process_owner
@@ -159,12 +159,12 @@ class RayExecutor(FailsInFlightOnDeath):
                 out = runner_output(rids, tokens, logprobs, seconds)
             except Exception as e:
                 why = f"a Ray worker rank failed: {describe(e)}"
-                fut.set_exception(ExecutorDead(why))  # no longer pending: _die would not
+                settle(fut, error=ExecutorDead(why))  # no longer pending: _die would not
                 # Not on this thread (Ray's own callback thread): killing the ranks from it
                 # blocks it for good.
                 threading.Thread(target=self._die, args=(why,), daemon=True).start()
                 return
-            fut.set_result(out)
+            settle(fut, out)  # (unless _die or a shutdown failed it meanwhile)
 
         with self._lock:  # a rank may have died since the check above: _die holds this lock
             if self.dead is not None:

@@ -559,7 +559,7 @@ def test_the_cpu_simulators_cache_is_sized_per_stage_as_the_engines():
     from fluidserve.model.builder import SHAPES as MODEL_SHAPES
     from fluidserve.sim.run import make_cost_model, make_executor
 
-    def blocks(max_model_len: int = 16384, **kw) -> int:
+    def blocks(max_model_len: int = 4096, **kw) -> int:
         sim = SimConfig(cost_model="cpu", max_model_len=max_model_len)
         eng = EngineConfig.create(**kw)
         return make_executor(sim, eng, make_cost_model(sim, eng.parallel)).num_blocks

@@ -257,6 +257,10 @@ def test_cuda_ranks_need_a_device_each(monkeypatch):
     check_cuda_ranks("cuda", 2)
     with pytest.raises(ValueError, match="needs 4 CUDA devices"):
         check_cuda_ranks("cuda", 4)
+    from fluidserve.model.worker import Worker, WorkerSpec
+
+    with pytest.raises(ValueError, match="'cuda:2' requested but torch sees 2 CUDA device"):
+        Worker(WorkerSpec("/not/loaded", device="cuda:2"))  # refused before any loading
 
 
 def test_a_closed_or_dropped_engine_fails_its_batches_and_leaves_no_rank(tiny_model_dir):

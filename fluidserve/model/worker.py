@@ -138,6 +138,9 @@ class Worker:
         self.device = torch.device(spec.device)
         if self.device.type == "cuda" and not torch.cuda.is_available():
             raise ValueError("device 'cuda' requested but torch sees no CUDA device")
+        if self.device.type == "cuda" and (self.device.index or 0) >= torch.cuda.device_count():
+            raise ValueError(f"device {spec.device!r} requested but torch sees"
+                             f" {torch.cuda.device_count()} CUDA device(s)")
         if self.device.type == "cpu":
             keep_freed_memory()  # no page faults on every iteration's activations
         tp = TensorParallel(shard.tp_size, tp_group)

@@ -677,6 +677,22 @@ def test_metrics_values_after_known_traffic(tiny_model_dir):
         assert chat.json()["choices"][0]["finish_reason"] == "length"
 
 
+def test_a_tokenizer_past_the_models_vocabulary_is_a_400_not_a_500(tiny_model_dir):
+    # The embedded model's 4096-token tokenizer before the tiny model's 1334-token vocabulary:
+    # the engine core refused such prompts, and the client saw an internal error.
+    from fluidserve.model.builder import default_model_dir
+
+    with InProcessServer(tiny_model_dir, engine_kw={"tokenizer": str(default_model_dir())}) as s:
+        r = httpx.post(s.url + "/v1/completions", timeout=60, json={
+            "prompt": "Wherefore art thou, gentle Romeo? The king hath sent for thee.",
+            "max_tokens": 2})
+        assert r.status_code == 400, r.text
+        assert "outside the model's vocabulary of 1334" in r.json()["error"]["message"]
+        ok = httpx.post(s.url + "/v1/completions", timeout=60,
+                        json={"prompt": [5, 6, 7], "max_tokens": 2})
+        assert ok.status_code == 200, ok.text
+
+
 def test_drain_timeout_fails_what_is_still_running(tiny_model_dir, tmp_path):
     port = free_port()
     url = f"http://127.0.0.1:{port}"

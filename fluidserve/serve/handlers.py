@@ -124,12 +124,16 @@ def admit(state: ServerState, body, ids: list[int], chat: bool):
     max_len = state.max_model_len
     if not ids:
         raise ApiError(400, "the prompt is empty", param="prompt")
+    info = state.engine.info
+    if info.vocab_size and max(ids) >= info.vocab_size:  # (token-id prompts: the schema's)
+        raise ApiError(400, f"the prompt tokenizes to id {max(ids)}, outside the model's"
+                       f" vocabulary of {info.vocab_size}: the server's tokenizer does not match"
+                       " its model", param="messages" if chat else "prompt")
     room = max_len - len(ids)
     if room < 1:
         raise ApiError(400, f"the prompt has {len(ids)} tokens; the context window is {max_len}"
                        " tokens, prompt and completion together", param="messages" if chat
                        else "prompt", code=CONTEXT_LENGTH_EXCEEDED)
-    info = state.engine.info
     admissible = admissible_blocks(info.num_kv_blocks, state.engine.config.cache.watermark)
     requested = body.max_new_tokens if chat else body.max_tokens
     if requested is not None:

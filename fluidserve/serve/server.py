@@ -255,6 +255,10 @@ def run_server(engine_config: EngineConfig, config: ServerConfig) -> int:
             ", asynchronous scheduling" if engine_config.uses_async_scheduling() else "",
         )
         tok = engine.tokenizer
+        if tok is not None and info.vocab_size and len(tok) > info.vocab_size:
+            log.warning("the tokenizer has %d tokens, the model a vocabulary of %d: prompts"
+                        " whose text tokenizes past it are refused (400)", len(tok),
+                        info.vocab_size)
         if tok is not None and not tok.has_chat_template:
             log.warning("the tokenizer has no chat template: /v1/chat/completions renders"
                         " conversations as plain 'role: content' lines, which the model may"

@@ -488,6 +488,11 @@ def test_the_cpu_cost_model_has_its_models_window():
     assert SimConfig(cost_model="cpu", max_model_len=2048).context_window() == 2048
     with pytest.raises(ConfigError, match="exceeds the 4096 positions"):
         SimConfig(cost_model="cpu", max_model_len=100000)
+    # GPU knobs with the cpu cost model were ignored: a 70B shape gave the 250M model's run.
+    with pytest.raises(ConfigError, match="--model-shape, --device: for the gpu cost model"):
+        SimConfig(cost_model="cpu", model_shape="llama-2-70b", device="h100")
+    with pytest.raises(ConfigError, match="no budget fits the reference batch"):
+        SimConfig(find_token_budget=True, max_budget=16, budget_decodes=32)
 
 
 def test_a_disaggregated_capacity_search_runs(tmp_path, capsys):

@@ -3,6 +3,7 @@ build-model."""
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 from fluidserve.config.base import (
@@ -73,6 +74,16 @@ class SimConfig:
                                   " prices (its server would refuse such requests)")
         if self.budget_context < 0:
             raise ConfigError("budget_context must be >= 0")
+        if self.find_token_budget and self.max_budget < self.budget_decodes:
+            raise ConfigError(f"max_budget {self.max_budget} is below budget_decodes"
+                              f" {self.budget_decodes}: no budget fits the reference batch")
+        if self.cost_model == "cpu":
+            gpu_only = [f"--{f.name.replace('_', '-')}" for f in dataclasses.fields(self)
+                        if f.name in ("model_shape", "device", "gpu_memory_utilization")
+                        and getattr(self, f.name) != f.default]
+            if gpu_only:
+                raise ConfigError(f"{', '.join(gpu_only)}: for the gpu cost model only (the cpu"
+                                  " one prices the model of its --cpu-profile)")
 
 
 # The model `fluidserve profile` builds by default, which the shipped CPU profiles measured:

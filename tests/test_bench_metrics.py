@@ -275,6 +275,14 @@ def test_a_dataset_path_is_the_trace_or_the_pool_of_the_classes(tmp_path):
         WorkloadSpec(dataset="fixed", dataset_path=str(path))
 
 
+def test_a_dataset_path_that_is_missing_or_a_directory_says_which(tmp_path):
+    for path, why in ((tmp_path / "none.csv", "does not exist"),
+                      (tmp_path, "is a directory, not a CSV file")):
+        with pytest.raises(ValueError, match=why):
+            build_workload(WorkloadSpec(dataset="sharegpt", dataset_path=str(path),
+                                        num_prompts=2))
+
+
 def test_a_trace_with_rows_out_of_time_order_is_replayed_in_time_order(tmp_path):
     path = tmp_path / "trace.csv"
     rows = [(30.0, 300, 3), (10.0, 100, 1), (40.0, 400, 4), (20.0, 200, 2)]

@@ -99,7 +99,8 @@ class WorkloadSpec:
 def read_trace(path: str | Path) -> Trace:
     path = Path(path)
     if not path.is_file():
-        raise ValueError(f"trace file {path} does not exist")
+        raise ValueError(f"trace file {path} " + ("is a directory, not a CSV file"
+                                                   if path.is_dir() else "does not exist"))
     with open(path, newline="") as f:
         rows = list(csv.DictReader(f))
     if not rows or "num_prefill_tokens" not in rows[0] or "num_decode_tokens" not in rows[0]:

@@ -274,9 +274,17 @@ def test_a_closed_or_dropped_engine_fails_its_batches_and_leaves_no_rank(tiny_mo
     from fluidserve.engine.core_proc import wait_exit
 
     llm = LLM(**knobs(tiny_model_dir, pipeline_parallel_size=2))
-    procs = list(llm.engine.executor.procs)
+    ex = llm.engine.executor
+    procs, submit, submitted = list(ex.procs), ex.submit, []
+
+    def close_at_the_fifth_batch(plan):  # mid-generate, whatever the machine's speed
+        submitted.append(plan)
+        if len(submitted) == 5:
+            threading.Thread(target=llm.close).start()
+        return submit(plan)
+
+    ex.submit = close_at_the_fifth_batch
     params = SamplingParams(max_tokens=400, temperature=0.0, ignore_eos=True)
-    threading.Timer(0.5, llm.close).start()
     t0 = time.monotonic()
     with pytest.raises(ExecutorDead, match="shut down"):
         llm.generate([PROMPTS[0]] * 4, params)

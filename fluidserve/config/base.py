@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import re
 from dataclasses import field
 
@@ -46,6 +47,12 @@ def knob(default, help: str, **kw):  # noqa: A002 - "help" mirrors argparse
 def check_device(device: str) -> None:
     if not re.fullmatch(r"cpu|cuda(:\d+)?", device):
         raise ConfigError(f"device must be cpu, cuda or cuda:N, got {device!r}")
+
+
+def require_finite(name: str, value: float, zero_ok: bool = False) -> None:
+    """A float knob: finite, and above zero (at least zero with ``zero_ok``); NaN fails both."""
+    if not ((0 <= value if zero_ok else 0 < value) and value < math.inf):
+        raise ConfigError(f"{name} must be {'>=' if zero_ok else '>'} 0 and finite, got {value}")
 
 
 def require_positive(name: str, value: int) -> None:

@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 from fluidserve.config.base import (
     ConfigError,
     knob,
+    require_finite,
     require_positive,
 )
 
@@ -103,12 +103,8 @@ class DisaggConfig:
                               " the path is for the learned predictor only)")
         if not 0.0 <= self.predictor_accuracy <= 1.0:
             raise ConfigError("predictor_accuracy must be in [0, 1]")
-        if self.kv_transfer_bandwidth_gbps is not None and \
-                not 0 < self.kv_transfer_bandwidth_gbps < math.inf:
-            raise ConfigError("kv_transfer_bandwidth_gbps must be > 0 and finite")
-        if not 0 <= self.kv_transfer_latency < math.inf:
-            raise ConfigError("kv_transfer_latency must be >= 0 and finite")
-        if not (0 < self.monitor_interval < math.inf and 0 < self.flip_window < math.inf):
-            raise ConfigError("monitor_interval and flip_window must be > 0 and finite")
-        if not 0 < self.kv_transfer_timeout < math.inf:
-            raise ConfigError("kv_transfer_timeout must be > 0 and finite")
+        if self.kv_transfer_bandwidth_gbps is not None:
+            require_finite("kv_transfer_bandwidth_gbps", self.kv_transfer_bandwidth_gbps)
+        require_finite("kv_transfer_latency", self.kv_transfer_latency, zero_ok=True)
+        for name in ("monitor_interval", "flip_window", "kv_transfer_timeout"):
+            require_finite(name, getattr(self, name))

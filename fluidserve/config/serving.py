@@ -10,6 +10,7 @@ from pathlib import Path
 from fluidserve.config.base import (
     ConfigError,
     knob,
+    require_finite,
     require_positive,
 )
 
@@ -61,15 +62,13 @@ class ServerConfig:
         if not 0 < self.port < 65536:
             raise ConfigError(f"port must be in 1..65535, got {self.port}")
         require_positive("max_waiting_requests", self.max_waiting_requests)
-        if not 0 <= self.drain_timeout < math.inf:
-            raise ConfigError(f"drain_timeout must be >= 0 and finite, got {self.drain_timeout}")
+        require_finite("drain_timeout", self.drain_timeout, zero_ok=True)
         if self.api_key is not None and not self.api_key:
             raise ConfigError("api_key must not be empty")
         if self.protect_metrics and self.api_key is None:
             raise ConfigError("protect_metrics needs api_key")
         require_positive("max_request_bytes", self.max_request_bytes)
-        if not (self.watchdog_timeout > 0 and math.isfinite(self.watchdog_timeout)):
-            raise ConfigError(f"watchdog_timeout must be > 0, got {self.watchdog_timeout}")
+        require_finite("watchdog_timeout", self.watchdog_timeout)
         if self.telemetry_file is not None:  # written at shutdown: a bad path loses the run
             parent = Path(self.telemetry_file).expanduser().absolute().parent
             if not parent.is_dir() or not os.access(parent, os.W_OK):
@@ -166,8 +165,7 @@ class BenchConfig:
         for name in ("max_prompt_len", "max_output_len"):
             require_positive(name, getattr(self, name))
         for name in ("prompt_scale", "output_scale"):
-            if not 0 < getattr(self, name) < math.inf:
-                raise ConfigError(f"{name} must be > 0 and finite, got {getattr(self, name)}")
+            require_finite(name, getattr(self, name))
         if self.warmup_requests < 0:
             raise ConfigError(f"warmup_requests must be >= 0, got {self.warmup_requests}")
 
@@ -215,11 +213,8 @@ class CapacityConfig:
             raise ConfigError("granularity must be in (0, 1)")
         if self.delay_metric not in DELAY_METRICS:
             raise ConfigError(f"delay_metric must be one of {DELAY_METRICS}")
-        if not 0 < self.start_rate < math.inf:
-            raise ConfigError("start_rate must be > 0 and finite")
-        for name in ("tbt_slo", "max_scheduling_delay", "ttft_slo", "tpot_slo"):
-            if not 0 < getattr(self, name) < math.inf:
-                raise ConfigError(f"{name} must be > 0 and finite, got {getattr(self, name)}")
+        for name in ("start_rate", "tbt_slo", "max_scheduling_delay", "ttft_slo", "tpot_slo"):
+            require_finite(name, getattr(self, name))
         if self.min_rate is not None and not 0 < self.min_rate <= self.start_rate:
             raise ConfigError(f"min_rate must be in (0, start_rate = {self.start_rate:g}],"
                               f" got {self.min_rate:g}")

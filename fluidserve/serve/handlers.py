@@ -125,8 +125,8 @@ def admit(state: ServerState, body, ids: list[int], chat: bool):
     if not ids:
         raise ApiError(400, "the prompt is empty", param="prompt")
     info = state.engine.info
-    if info.vocab_size and max(ids) >= info.vocab_size:  # (token-id prompts: the schema's)
-        raise ApiError(400, f"the prompt tokenizes to id {max(ids)}, outside the model's"
+    if info.vocab_size and (top := max(ids)) >= info.vocab_size:  # (token ids: the schema's)
+        raise ApiError(400, f"the prompt tokenizes to id {top}, outside the model's"
                        f" vocabulary of {info.vocab_size}: the server's tokenizer does not match"
                        " its model", param="messages" if chat else "prompt")
     room = max_len - len(ids)

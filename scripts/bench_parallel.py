@@ -104,7 +104,7 @@ def bubbles(model: str, args) -> list[dict]:
         measured = [1 - (a["busy_s"] - b["busy_s"]) / wall for a, b in zip(after, before,
                                                                            strict=True)]
         cost = CPUCostModel(load_cpu_profile(SimConfig().cpu_profile), pp=2)
-        cost.calibrate(read_telemetry([str(tele)]))
+        cost.calibrate(read_telemetry([str(tele)]), threads=1)  # the run above's
         ex = CostModelExecutor(cost, pp.executor.num_blocks, 16, 2048)
         sim = simulate(work, cfg, ex)
         rows.append({"scheduler": policy, "token_budget": budget, "workload": source,

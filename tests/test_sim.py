@@ -478,6 +478,36 @@ def test_simulate_cli_run_budget_and_capacity(tmp_path, capsys):
     assert (c["model_shape"], c["device"]) == (None, "this cpu")
 
 
+def test_cpu_pipeline_stages_share_the_profiled_machines_cores(capsys):
+    """Pipeline stages on one CPU share its cores: on the 2-thread profile, 2 or 4 stages
+    finish a burst no sooner than one (on a 2-core EPYC, served: 11.1 s, 12.3 s, 12.4 s; the
+    stages once simulated as machines of their own, 12.1 s, 6.4 s, 3.7 s). GPU stages have
+    GPUs of their own: there a pipeline of two still shortens the burst (0.79x)."""
+    def makespan(*args: str) -> float:
+        assert main(["simulate", "--input-len", "256", "--output-len", "32", "--num-prompts",
+                     "32", "--token-budget", "512", "--no-plots", *args]) == 0
+        return json.loads(capsys.readouterr().out.strip().splitlines()[-1])["makespan_s"]
+
+    cpu = ["--cost-model", "cpu", "--cpu-profile", "epyc-zen4"]
+    one = makespan(*cpu)
+    for pp in ("2", "4"):
+        assert makespan(*cpu, "--pipeline-parallel-size", pp) >= 0.95 * one
+    gpu = ["--model-shape", "llama-2-70b", "--device", "a100", "--tensor-parallel-size", "4"]
+    assert makespan(*gpu, "--pipeline-parallel-size", "2") < 0.85 * makespan(*gpu)
+    m = CPUCostModel(load_cpu_profile("epyc-zen4"), pp=2)
+    assert (m.threads, m.stage_threads, m.contention(1), m.contention(2)) == (2, 1, 1.0, 1.0)
+    assert CPUCostModel(load_cpu_profile("epyc-zen4"), pp=4).contention(4) == 2.0
+    # Calibrated on a run with one thread, a stage of one thread runs at that run's pace
+    # (scripts/bench_parallel.py's calibration); on the profile's two, at half of it.
+    base = CPUCostModel(load_cpu_profile("epyc-zen4"))
+    shape = PlanShape(300, ((200, 0),), (400,) * 100, 101)
+    for threads, scale in ((1, 1.0), (None, 2.0)):
+        m = CPUCostModel(load_cpu_profile("epyc-zen4"), pp=2)
+        m.calibrate([_served(base)], threads=threads)
+        whole = 2 * base.stage_times(shape)[0] + 0.004 * 101  # what _served's runs took
+        assert m.stage_times(shape) == pytest.approx([whole / 2 * scale] * 2, rel=0.05)
+
+
 def test_the_cpu_cost_model_has_its_models_window():
     """The shipped CPU profiles are of a 4096-token model: simulated with a 16384-token window,
     requests its server refuses were run, priced past the profile."""

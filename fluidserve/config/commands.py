@@ -32,7 +32,8 @@ class SimConfig:
         " shipped one nearest this CPU.")
     cpu_calibration: str | None = knob(
         None, "Comma-separated engine telemetry files (`fluidserve serve --telemetry-file`)"
-        " to refit the cpu cost model on served iterations.")
+        " to refit the cpu cost model on served iterations (served, as by default, on"
+        " the profile's thread count).")
     cpu_jitter: bool = knob(True, "With --cpu-calibration: scale each simulated iteration by a"
                             " served/fitted time ratio of the calibration, drawn with --seed,"
                             " so tails include the machine's variability (--no-cpu-jitter: the"

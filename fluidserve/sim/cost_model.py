@@ -62,6 +62,11 @@ class CostModel(ABC):
     def iteration_time(self, plan: SchedulerOutput) -> float:
         return sum(self.stage_times(PlanShape.of(plan)))
 
+    def contention(self, busy_stages: int) -> float:
+        """How much slower a stage runs while ``busy_stages`` stages (itself included) compute
+        at once: 1 where every stage has hardware of its own (GPUs)."""
+        return 1.0
+
     def reseed(self, seed: int) -> None:
         """Restart the model's randomness, if it has any, so a run follows from its seed."""
         return None
@@ -256,9 +261,15 @@ class CPUCostModel(CostModel):
     _rng: np.random.Generator | None = None
 
     def __init__(self, profile: dict, pp: int = 1) -> None:
-        # With pp stages each holds 1/pp of the layers: a stage takes 1/pp of the fitted
-        # whole-model time (hidden-state hops over loopback are not modelled).
+        # With pp stages each holds 1/pp of the layers, and all of them share the profiled
+        # machine's cores (the profile's threads): each stage's process gets cores // pp
+        # threads (at least one, as `fluidserve` gives its ranks), and a stage's time is 1/pp
+        # of the fitted whole-model time, scaled linearly from the threads the prices were
+        # measured on to the stage's. Stages computing at once beyond the cores share them
+        # (``contention``). Hidden-state hops over loopback are not modelled.
         self.pp = pp
+        self.cores = self.threads = max(1, int(profile.get("threads") or 1))
+        self.stage_threads = max(1, self.cores // pp)
         rows, ys = [], []
         for p in profile["iteration_time"]:  # one fresh prompt of n tokens
             n = p["tokens"]
@@ -282,7 +293,8 @@ class CPUCostModel(CostModel):
         self._fit(np.array(rows), np.array(ys))
         self.note = f"cpu profile of {profile.get('model', '?')} ({profile.get('dtype', '?')})"
         if pp > 1:
-            self.note += f"; {pp} pipeline stages of 1/{pp} of the layers each"
+            self.note += (f"; {pp} pipeline stages of 1/{pp} of the layers each, on"
+                          f" {self.stage_threads} of the profile's {self.cores} threads each")
 
     @classmethod
     def features(cls, tokens: int, sq_work: float, prefix_work: float, single_ctx: int,
@@ -299,9 +311,12 @@ class CPUCostModel(CostModel):
         coef, _ = nnls(x / y[:, None] / scale, np.ones_like(y))
         self.coef = coef / scale
 
-    def calibrate(self, runs: list[list[dict]]) -> int:
+    def calibrate(self, runs: list[list[dict]], threads: int | None = None) -> int:
         """Refit on engine telemetry (one list of iteration records per served run); the
-        target is the time from one iteration's start to the next one's."""
+        target is the time from one iteration's start to the next one's. ``threads``: what the
+        served runs computed on (default: the profile's, as `fluidserve serve` does)."""
+        if threads is not None:
+            self.threads = threads
         rows, ys, groups, run_of = [], [], [], []
         for run, (a, b) in ((r, p) for r, its in enumerate(runs)
                             for p in zip(its, its[1:], strict=False)):
@@ -381,7 +396,10 @@ class CPUCostModel(CostModel):
             g = self._group(bool(s.prefills), len(s.prefills) + len(s.decode_ctx))
             pool = self.residuals.get(g, self.residuals[None])
             t *= pool[self._rng.integers(len(pool))]
-        return [t / self.pp] * self.pp
+        return [t / self.pp * self.threads / self.stage_threads] * self.pp
+
+    def contention(self, busy_stages: int) -> float:
+        return max(1.0, busy_stages * self.stage_threads / self.cores)
 
     @classmethod
     def _group(cls, has_chunk: bool, requests: int) -> tuple[bool, int]:

@@ -49,7 +49,11 @@ class CostModelExecutor:
         stage_times = [self.cost.iteration_time(plan)] if self.depth == 1 \
             else self.cost.stage_times(PlanShape.of(plan))
         for s, dt in enumerate(stage_times):
-            t = max(t, self.free_at[s]) + dt
+            t = max(t, self.free_at[s])
+            if self.depth > 1:  # stages that share cores slow each other down
+                busy = 1 + sum(1 for j, f in enumerate(self.free_at) if j != s and f > t)
+                dt *= self.cost.contention(busy)
+            t += dt
             self.free_at[s] = t
             self.busy[s] += dt
         fut: Future = Future()

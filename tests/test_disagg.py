@@ -309,6 +309,46 @@ def test_a_hand_off_to_a_decode_instance_that_died_is_dispatched_again():
     assert isinstance(cp.instances[1].sent[-1], Migrate) and cp._where["r"] == {0, 1}
 
 
+def test_a_decode_instance_that_dies_sends_back_what_it_had_not_received():
+    """Requests whose KV had not all arrived (waiting to be admitted, or mid-transfer) are
+    still whole at their prefill instance: they go back to it. One whose KV had arrived
+    (the prefill instance freed it) is lost with the instance: it fails."""
+    from fluidserve.disagg.messages import KVReceived, ReadyToReceive, Redispatch, SendKV
+    from fluidserve.engine.messages import EngineCoreOutputs
+
+    cp, outputs = control_plane("prefill", "decode", "decode", flip=False)
+    for rid in ("waiting", "moving", "decoding"):
+        cp._where[rid] = {0}
+        cp._relay(0, handoff(rid, 2))
+    cp._on_instance_outputs(2, EngineCoreOutputs([], events=[
+        ReadyToReceive("moving", 0, 2, (2050,), 2, 2),
+        ReadyToReceive("decoding", 0, 2, (3074,), 2, 2), KVReceived("decoding", 0)]))
+    assert isinstance(cp.instances[0].sent[-2], SendKV)
+    cp._on_instance_dead(2, "killed")
+    back = [m for m in cp.instances[0].sent if isinstance(m, Redispatch)]
+    assert back == [Redispatch("waiting"), Redispatch("moving")] and cp.redispatched == 2
+    assert cp._where == {"waiting": {0}, "moving": {0}} and not cp._transfers
+    failed = [d for o in outputs for d in o.outputs]
+    assert [(d.request_id, d.unavailable) for d in failed] == [("decoding", True)]
+    # A receive the dead instance posted, read after its death, moves nothing.
+    cp._relay(2, ReadyToReceive("moving", 0, 2, (4098,), 2, 2))
+    assert not cp._transfers and not isinstance(cp.instances[0].sent[-1], SendKV)
+
+
+def test_a_request_sent_back_mid_transfer_stops_its_kv_stream_to_the_dead_instance():
+    from types import SimpleNamespace
+
+    from fluidserve.disagg.messages import Redispatch
+    from fluidserve.disagg.prefill_role import PrefillRole, _Stream
+
+    r = prefilled("r", 40)
+    core = SimpleNamespace(scheduler=SimpleNamespace(requests={"r": r}))
+    role = PrefillRole(core, 0, None, EngineConfig.create(disaggregate=True))
+    role.streams["r"] = _Stream(2, (2050, 3074), 5, 3, next=1)  # one piece of two sent
+    assert role.handle(Redispatch("r"))
+    assert not role.streams and "r" in role.undispatched and role.in_flight() == 0
+
+
 def test_prompts_are_routed_by_the_tokens_each_prefill_instance_has_left():
     """As in the simulated cluster: a half-prefilled long prompt counts what is left of it, as
     its instance reports; a prompt routed there and not yet read counts whole until it is."""
@@ -429,7 +469,7 @@ def test_what_the_control_plane_says_itself_carries_the_requests_instances_have_
     cp, outputs = control_plane("prefill", "decode", "decode", flip=False)
     cp._on_instance_outputs(0, EngineCoreOutputs([], adds_seen=3))
     assert outputs[-1].adds_seen == 3
-    cp._where["r"] = {0, 2}
+    cp._where["r"] = {2}  # its KV there only: it fails with the instance
     cp._on_instance_dead(2, "killed")
     assert outputs[-1].outputs[0].request_id == "r" and outputs[-1].adds_seen == 3
 

@@ -183,6 +183,47 @@ def test_a_dying_decode_instance_fails_its_requests_and_the_rest_go_on(deploymen
         assert gone(c.proc.pid), f"{c.proc.name} was left running"
 
 
+def test_a_request_whose_decode_instance_dies_before_its_kv_arrives_finishes_elsewhere(
+        tiny_model_dir, reference):
+    """Its prefill instance still holds its KV: it dispatches it again, and the client gets
+    the full output, the colocated engine's, as if nothing had happened."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    spec = dict(engine_kw=BASE | dict(disaggregate=True, num_decode_instances=2,
+                                      prefill_chunk_size=16))
+    servers = start_servers(tiny_model_dir, {"redispatch": spec})
+    try:
+        s = servers["redispatch"]
+        client = s.engine.client
+        victim = client.roles.index("decode")
+        pid = client.instances[victim].proc.pid
+        os.kill(pid, signal.SIGSTOP)  # it takes requests in, and posts no receive
+
+        def held() -> bool:
+            return any(victim in where for where in list(client._where.values()))
+
+        with ThreadPoolExecutor(len(PROMPTS)) as pool:
+            sent = []
+            for i in range(len(PROMPTS)):  # one at a time, until one is dispatched there
+                sent.append(pool.submit(httpx.post, s.url + "/v1/completions", json=body(i),
+                                        timeout=60))
+                while not sent[-1].done() and not held():
+                    time.sleep(0.01)
+                if held():
+                    break
+            assert held(), "no request was dispatched to the stopped decode instance"
+            os.kill(pid, signal.SIGKILL)
+            replies = [f.result() for f in sent]
+        for i, r in enumerate(replies):
+            assert r.status_code == 200, r.text
+            assert r.json()["choices"][0]["text"] == reference[i]
+        assert client.redispatched == 1
+        assert s.kv_idle() and not client._where
+        assert httpx.get(s.url + "/health").status_code == 200
+    finally:
+        stop_servers(servers)
+
+
 def gone(pid: int, timeout: float = 10.0) -> bool:
     """Whether the process has ended (exited or a zombie) within ``timeout`` (whichever thread
     of this process reaps it)."""

@@ -20,9 +20,10 @@ processes), and sees each instance's outputs and its death:
   held at both ends); a role never loses its last instance (a drain is called off when the other
   instance of its role dies).
 
-An instance that dies fails the requests it held (with an error the client sees); the others
-go on while at least one prefill and one decode instance are alive, else the deployment is
-dead.
+An instance that dies fails the requests it held (with an error the client sees), except
+those a decode instance held whose KV had not all arrived: they are still whole at their
+prefill instance, which dispatches them again (``_redispatch``). The others go on while at
+least one prefill and one decode instance are alive, else the deployment is dead.
 """
 
 from __future__ import annotations
@@ -81,6 +82,7 @@ class ControlPlane:
         # sender fills the posted receives with zeros): neither end may flip until it is done
         self._transfers: dict[str, tuple[int, int]] = {}
         self.early_handoffs = 0  # requests handed off before their prefill ended
+        self.redispatched = 0  # requests whose decode instance died before their KV arrived
         self._queued = [0] * len(roles)  # prompt tokens to compute, as each last reported
         self._unread: list[deque[int]] = [deque() for _ in roles]  # the prompt tokens of the
         # requests routed to each instance that it had not read at its last report
@@ -198,6 +200,8 @@ class ControlPlane:
             if dst is not None and dst in self._alive:  # else redispatched (or gone)
                 self.instances[dst].send(Prefilled(e.request))
         elif isinstance(e, ReadyToReceive):
+            if e.dst not in self._alive:  # read after its death: the request went elsewhere
+                return
             self._transfers[e.request_id] = (e.src, e.dst)
             if e.src in self._alive:
                 self.instances[e.src].send(SendKV(e.request_id, e.dst, e.tags, e.num_blocks,
@@ -208,6 +212,23 @@ class ControlPlane:
                 self._where[e.request_id].discard(e.src)
             if e.src in self._alive:
                 self.instances[e.src].send(ReleaseKV(e.request_id))
+
+    def _redispatch(self, rid: str, dead: int) -> bool:
+        """A request whose decode instance died before its KV arrived there is still whole
+        at its prefill instance (which frees the blocks only once the receiver confirms):
+        that instance dispatches it again, as it does a hand-off to an instance that died
+        before the hand-off reached it. Whether it could."""
+        where = self._where[rid]
+        src = next((j for j in where if j != dead and j in self._alive
+                    and self.roles[j] == "prefill"), None)
+        if self.roles[dead] != "decode" or src is None:
+            return False
+        where.discard(dead)
+        self._decoder.pop(rid, None)
+        self.redispatched += 1
+        log.info("request %s goes back to prefill instance %d to be dispatched again", rid, src)
+        self.instances[src].send(Redispatch(rid))
+        return True
 
     def _forget(self, rid: str) -> set[int]:
         """The request has ended: the instances that may still hold it."""
@@ -258,7 +279,8 @@ class ControlPlane:
             else:
                 fatal = None
                 for rid in [r for r, where in self._where.items() if i in where]:
-                    self._fail_request(rid, what, unavailable=True)
+                    if not self._redispatch(rid, i):
+                        self._fail_request(rid, what, unavailable=True)
         if fatal is not None:
             self._die(fatal)
         else:

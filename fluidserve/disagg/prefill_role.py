@@ -85,6 +85,7 @@ class PrefillRole(Role):
             req = sched.requests.get(msg.request_id)
             if req is not None and not req.status.finished:
                 self.prefilling.discard(req.request_id)  # the next hand-off says how far
+                self.streams.pop(req.request_id, None)  # its receiver died: send no more
                 self.undispatched[req.request_id] = predict_length(
                     self.predictor, req, req.params.max_tokens)
                 self.changed = True

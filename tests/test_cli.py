@@ -148,6 +148,9 @@ def test_a_float_knob_refuses_nan_and_inf_where_they_mean_nothing(capsys, args, 
     (("bench", "--warmup-requests", "-1"), "warmup_requests must be >= 0"),  # an IndexError
     (("bench", "--prompt-scale", "0"), "prompt_scale must be > 0"),
     (("capacity", "--tbt-slo", "-1"), "tbt_slo must be > 0"),  # 20 probes for nothing
+    (("generate", "--prompt", "hi", "--num-threads", "1000000"),
+     "num_threads must be at most 1024"),  # a SIGSEGV in torch
+    (("profile", "--num-threads", "5000"), "num_threads must be at most 1024"),
 ])
 def test_workload_and_slo_values_that_cannot_work_are_refused(capsys, args, why):
     from fluidserve.cli import main

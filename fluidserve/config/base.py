@@ -58,3 +58,14 @@ def require_finite(name: str, value: float, zero_ok: bool = False) -> None:
 def require_positive(name: str, value: int) -> None:
     if value < 1:
         raise ConfigError(f"{name} must be >= 1, got {value}")
+
+
+MAX_THREADS = 1024  # OpenMP fails to create (or crashes creating) tens of thousands
+
+
+def check_threads(value: int | None) -> None:
+    if value is not None:
+        require_positive("num_threads", value)
+        if value > MAX_THREADS:
+            raise ConfigError(f"num_threads must be at most {MAX_THREADS}, got {value} (threads"
+                              f" beyond the cores only share them)")

@@ -10,6 +10,7 @@ from fluidserve.config.base import (
     DTYPES,
     ConfigError,
     check_device,
+    check_threads,
     knob,
     require_positive,
 )
@@ -126,8 +127,7 @@ class ProfileConfig:
 
     def __post_init__(self) -> None:
         require_positive("repeats", self.repeats)
-        if self.num_threads is not None:
-            require_positive("num_threads", self.num_threads)
+        check_threads(self.num_threads)
         check_device(self.device)
 
 

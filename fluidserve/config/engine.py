@@ -11,6 +11,7 @@ from fluidserve.config.base import (
     SLO_SCHEDULERS,
     ConfigError,
     check_device,
+    check_threads,
     dtype_name,
     knob,
     require_positive,
@@ -81,8 +82,7 @@ class ModelConfig:
                               f" got {self.dtype!r}")
         if self.max_model_len is not None:
             require_positive("max_model_len", self.max_model_len)
-        if self.num_threads is not None:
-            require_positive("num_threads", self.num_threads)
+        check_threads(self.num_threads)
 
 
 @dataclass(frozen=True)

@@ -45,6 +45,17 @@ class Request:
     num_preemptions: int = 0
     error: str | None = None
 
+    def shift_times(self, dt: float) -> None:
+        """Move every timestamp by ``dt`` (onto another process's clock)."""
+        if not dt:
+            return
+        self.arrival_time += dt
+        if self.first_scheduled_time is not None:
+            self.first_scheduled_time += dt
+        if self.finish_time is not None:
+            self.finish_time += dt
+        self.token_times = [t + dt for t in self.token_times]
+
     @property
     def stop_token_ids(self) -> tuple[int, ...]:
         """Every token that would stop this request: ``min_tokens`` bans them."""

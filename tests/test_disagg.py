@@ -349,6 +349,47 @@ def test_a_request_sent_back_mid_transfer_stops_its_kv_stream_to_the_dead_instan
     assert not role.streams and "r" in role.undispatched and role.in_flight() == 0
 
 
+def test_a_request_from_another_hosts_clock_is_moved_onto_the_decode_instances():
+    """Monotonic clocks of two hosts count from different boots: a request's times cross
+    over with the sender's clock and land on the receiver's, so its next token's gap is the
+    hand-off's, not the hosts' difference in uptime."""
+    import time
+    from types import SimpleNamespace
+
+    from fluidserve.core.block_manager import BlockManager
+    from fluidserve.core.scheduler.base import SchedulerLimits
+    from fluidserve.core.scheduler.disagg import role_scheduler_factory
+    from fluidserve.disagg.decode_role import DecodeRole
+    from fluidserve.disagg.messages import Migrate, Prefilled, clock_stamp
+
+    config = EngineConfig.create(disaggregate=True)
+    limits, bm = SchedulerLimits(512, 8, 256), BlockManager(64, 16)
+    core = SimpleNamespace(scheduler=role_scheduler_factory(config, "decode")(limits, bm),
+                           block_manager=bm, notify=lambda: None)
+    role = DecodeRole(core, 1, None, config)
+    ahead = 86_400.0  # the sender booted a day earlier
+    there = time.monotonic() + ahead
+
+    def sent(rid: str) -> Request:
+        r = prefilled(rid, 40)
+        r.arrival_time, r.first_scheduled_time, r.token_times = there - 0.3, there - 0.2, \
+            [there - 0.1]
+        return r
+
+    far = sent("far")
+    role.handle(Migrate(far, 8, 0, True, ("another boot", there)))
+    assert far.token_times[0] == pytest.approx(time.monotonic() - 0.1, abs=0.05)
+    assert far.token_times[0] - far.arrival_time == pytest.approx(0.2)
+    early = sent("early")
+    role.handle(Migrate(early, 8, 0, False, ("another boot", there)))
+    done = sent("early")
+    role.handle(Prefilled(done, ("another boot", there)))
+    assert done.arrival_time == pytest.approx(time.monotonic() - 0.3, abs=0.05)
+    near = sent("near")  # on this host: one clock, nothing moves
+    role.handle(Migrate(near, 8, 0, True, clock_stamp()))
+    assert near.token_times == [there - 0.1]
+
+
 def test_prompts_are_routed_by_the_tokens_each_prefill_instance_has_left():
     """As in the simulated cluster: a half-prefilled long prompt counts what is left of it, as
     its instance reports; a prompt routed there and not yet read counts whole until it is."""

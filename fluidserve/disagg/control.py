@@ -194,11 +194,12 @@ class ControlPlane:
             if not e.prefilled:  # its ``PrefillDone`` will follow
                 self._decoder[rid] = e.dst
                 self.early_handoffs += 1
-            self.instances[e.dst].send(Migrate(e.request, e.predicted_len, i, e.prefilled))
+            self.instances[e.dst].send(Migrate(e.request, e.predicted_len, i, e.prefilled,
+                                               e.stamp))
         elif isinstance(e, PrefillDone):
             dst = self._decoder.pop(e.request.request_id, None)
             if dst is not None and dst in self._alive:  # else redispatched (or gone)
-                self.instances[dst].send(Prefilled(e.request))
+                self.instances[dst].send(Prefilled(e.request, e.stamp))
         elif isinstance(e, ReadyToReceive):
             if e.dst not in self._alive:  # read after its death: the request went elsewhere
                 return

@@ -16,7 +16,13 @@ from dataclasses import dataclass
 
 from fluidserve.config import EngineConfig
 from fluidserve.disagg.dispatch import DecodeLoad
-from fluidserve.disagg.messages import KVReceived, Migrate, Prefilled, ReadyToReceive
+from fluidserve.disagg.messages import (
+    KVReceived,
+    Migrate,
+    Prefilled,
+    ReadyToReceive,
+    clock_offset,
+)
 from fluidserve.disagg.role import Role
 from fluidserve.disagg.transfer import (
     Transfer,
@@ -56,12 +62,14 @@ class DecodeRole(Role):
         sched = self.core.scheduler
         if isinstance(msg, Migrate):
             req = msg.request
+            req.shift_times(clock_offset(msg.stamp))
             self.src[req.request_id] = msg.src
             if not msg.prefilled:
                 self.unprefilled.add(req.request_id)
             sched.offer(req, msg.predicted_len)
         elif isinstance(msg, Prefilled):
             rid = msg.request.request_id
+            msg.request.shift_times(clock_offset(msg.stamp))
             if rid in self.unprefilled and sched.refresh(msg.request):
                 self.unprefilled.discard(rid)
         else:

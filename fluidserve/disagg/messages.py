@@ -27,10 +27,40 @@ and, once it holds nothing, sends it ``SetRole``.
 
 from __future__ import annotations
 
+import time
+import uuid
 from dataclasses import dataclass
+from functools import cache
 
 from fluidserve.disagg.dispatch import DecodeLoad
 from fluidserve.request import Request
+
+# A request's timestamps are its instance's monotonic clock. Instances that share a kernel
+# share that clock; on other hosts (Ray placement) it counts from another boot, so a
+# request crossing over carries its sender's clock (``ClockStamp``) and the receiver moves
+# its times onto its own clock (``clock_offset``): the hand-off's transit time is then left
+# out of the gap between its first two tokens, where the boot times would be in.
+ClockStamp = tuple[str, float]  # (kernel boot id, monotonic time when sent)
+
+
+@cache
+def _boot_id() -> str:
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            return f.read().strip()
+    except OSError:  # not Linux: a clock of this process's own
+        return uuid.uuid4().hex
+
+
+def clock_stamp() -> ClockStamp:
+    return _boot_id(), time.monotonic()
+
+
+def clock_offset(stamp: ClockStamp | None) -> float:
+    """What to add to the sender's times to put them on this process's clock."""
+    if stamp is None or stamp[0] == _boot_id():
+        return 0.0
+    return time.monotonic() - stamp[1]
 
 # ---------------------------------------------------------------- front end -> instance
 
@@ -44,6 +74,7 @@ class Migrate:
     predicted_len: int
     src: int  # the prefill instance holding its KV
     prefilled: bool = True
+    stamp: ClockStamp | None = None  # the request's clock (``Handoff.stamp``)
 
 
 @dataclass(frozen=True, slots=True)
@@ -52,6 +83,7 @@ class Prefilled:
     with its first token)."""
 
     request: Request
+    stamp: ClockStamp | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -103,6 +135,7 @@ class Handoff:
     dst: int
     predicted_len: int
     prefilled: bool = True
+    stamp: ClockStamp | None = None  # the clock of the request's times
 
 
 @dataclass(frozen=True, slots=True)
@@ -110,6 +143,7 @@ class PrefillDone:
     """A request handed off before its prefill ended has ended it."""
 
     request: Request
+    stamp: ClockStamp | None = None
 
 
 @dataclass(frozen=True, slots=True)

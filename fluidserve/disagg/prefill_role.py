@@ -28,6 +28,7 @@ from fluidserve.disagg.messages import (
     Redispatch,
     ReleaseKV,
     SendKV,
+    clock_stamp,
 )
 from fluidserve.disagg.predictor import make_predictor, predict_length
 from fluidserve.disagg.role import Role
@@ -165,7 +166,7 @@ class PrefillRole(Role):
                 self._announce(req)
             elif rid in self.prefilling:
                 self.prefilling.discard(rid)
-                self.events.append(PrefillDone(req))
+                self.events.append(PrefillDone(req, clock_stamp()))
         if len(self.announced) > len(sched.requests):  # some ended here
             self.announced &= sched.requests.keys()
             self.prefilling &= self.announced
@@ -188,5 +189,5 @@ class PrefillRole(Role):
         prefilled = req.request_id in self.core.scheduler.handoff
         if not prefilled:
             self.prefilling.add(req.request_id)
-        self.events.append(Handoff(req, dst, predicted, prefilled))
+        self.events.append(Handoff(req, dst, predicted, prefilled, clock_stamp()))
         return True

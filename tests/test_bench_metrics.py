@@ -294,6 +294,29 @@ def test_a_trace_with_rows_out_of_time_order_is_replayed_in_time_order(tmp_path)
         (0.0, 100, 1), (10.0, 200, 2), (20.0, 300, 3), (30.0, 400, 4)]
 
 
+def test_trace_arrivals_replay_a_contiguous_slice_of_the_trace(tmp_path):
+    """A burst stays a burst: rows k..k+n-1 with their own gaps (a random sample of rows
+    thinned bursts towards Poisson arrivals); past the trace's end it plays again."""
+    path = tmp_path / "trace.csv"
+    times = [0, 1, 1.1, 1.2, 1.3, 9, 20, 20.05, 20.1, 40]
+    path.write_text("arrived_at,num_prefill_tokens,num_decode_tokens\n" +
+                    "".join(f"{t},{100 + i},{i + 1}\n" for i, t in enumerate(times)))
+    starts = set()
+    for seed in range(12):
+        reqs, _ = build_workload(WorkloadSpec(dataset="sharegpt", dataset_path=str(path),
+                                              num_prompts=4, arrivals="trace", seed=seed))
+        k = reqs[0].prompt_len - 100
+        assert [r.prompt_len for r in reqs] == [100 + k + i for i in range(4)]
+        assert [r.arrival for r in reqs] == pytest.approx([t - times[k] for t in
+                                                           times[k:k + 4]])
+        starts.add(k)
+    assert len(starts) > 3  # the seed picks where the slice starts
+    reqs, _ = build_workload(WorkloadSpec(dataset="sharegpt", dataset_path=str(path),
+                                          num_prompts=12, arrivals="trace"))
+    assert [r.output_len for r in reqs] == [*range(1, 11), 1, 2]
+    assert [r.arrival for r in reqs[9:]] == pytest.approx([40, 40 + 40 / 9, 41 + 40 / 9])
+
+
 def test_trace_standins_work_without_data_files(monkeypatch, tmp_path):
     monkeypatch.setenv("FLUIDSERVE_DATA_DIR", str(tmp_path))
     reqs, src = build_workload(WorkloadSpec(dataset="sharegpt", num_prompts=3000,

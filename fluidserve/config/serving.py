@@ -120,7 +120,9 @@ class BenchConfig:
     max_output_len: int = knob(1024, "Clip output lengths to this.")
     request_rate: float = knob(math.inf, "Requests/s (inf: all at once).", inf_ok=True)
     burstiness: float = knob(1.0, "Gamma shape of inter-arrival times (1 = Poisson; CV = 1/sqrt).")
-    arrivals: str = knob("rate", "rate, or trace (the trace's own timestamps).",
+    arrivals: str = knob("rate", "rate, or trace (the trace's own timestamps: --num-prompts"
+                         " consecutive requests from a start --seed picks, scaled to a finite"
+                         " --request-rate's mean).",
                          choices=("rate", "trace"))
     max_concurrency: int | None = knob(None, "Cap on requests in flight (closed loop).")
     seed: int = knob(0, "Workload seed: same seed, same workload.")

@@ -151,6 +151,8 @@ def test_a_float_knob_refuses_nan_and_inf_where_they_mean_nothing(capsys, args, 
     (("generate", "--prompt", "hi", "--num-threads", "1000000"),
      "num_threads must be at most 1024"),  # a SIGSEGV in torch
     (("profile", "--num-threads", "5000"), "num_threads must be at most 1024"),
+    (("simulate", "--find-token-budget", "--cost-model", "cpu", "--budget-context", "5000"),
+     "budget_context 5000 is not below the 4096-token window"),  # priced past the model
 ])
 def test_workload_and_slo_values_that_cannot_work_are_refused(capsys, args, why):
     from fluidserve.cli import main

@@ -76,6 +76,10 @@ class SimConfig:
                                   " prices (its server would refuse such requests)")
         if self.budget_context < 0:
             raise ConfigError("budget_context must be >= 0")
+        if self.find_token_budget and self.budget_context >= self.context_window():
+            raise ConfigError(f"budget_context {self.budget_context} is not below the"
+                              f" {self.context_window()}-token window (--max-model-len):"
+                              " no request reaches it")
         if self.find_token_budget and self.max_budget < self.budget_decodes:
             raise ConfigError(f"max_budget {self.max_budget} is below budget_decodes"
                               f" {self.budget_decodes}: no budget fits the reference batch")

@@ -97,6 +97,10 @@ def test_no_turn_is_lent_when_the_prefill_cannot_start():
     assert sorted(c.request_id for c in plan.chunks) == [f"d{i}" for i in range(4)]
     assert all(c.is_decode and c.num_tokens == 1 for c in plan.chunks)
     assert sched.num_skipped == 0
+    # The budget it reports (telemetry, the /metrics gauge) is the plain iteration's, not
+    # the one sized for the prefill that could not start.
+    plain = setup("sarathi", [50] * 4, 3000, 0.1, predict, max_seqs=4).schedule(1.0)
+    assert plan.token_budget == sched.budget_policy.last == plain.token_budget
 
 
 def run(sched, now: float, end: float):

@@ -64,7 +64,7 @@ class SlackScheduler(StallFreeScheduler):
         decodes = [r for r, _, decode in batch.entries if decode]
         ctxs = [r.num_computed_tokens + 1 for r in decodes]
         prefix = self._next_prefix(batch)
-        budget = pol(ctxs, prefix)
+        budget = plain_budget = pol(ctxs, prefix)
         plain_time = pol.predict(ctxs, budget - len(ctxs), prefix)
         keep, skipped = decodes, []
         if pol.reachable and self._has_prefill(batch):
@@ -98,6 +98,9 @@ class SlackScheduler(StallFreeScheduler):
             # turn would only delay the decodes, and an empty batch would stall the engine.
             for r in skipped:
                 batch.add(r, 1, is_decode=True)
+            # The plain stall-free iteration after all, and reported as one.
+            batch.budget = pol.last = plain_budget
+            batch.left = plain_budget - len(batch.entries)
         else:
             self.num_skipped += len(skipped)
             self.lent.update(r.request_id for r in skipped)

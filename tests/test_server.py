@@ -726,6 +726,31 @@ def test_drain_timeout_fails_what_is_still_running(tiny_model_dir, tmp_path):
         log.close()
 
 
+def test_a_sigterm_while_the_server_starts_drains_it_once_it_has(tiny_model_dir, tmp_path):
+    """Between the start-up signal handlers and uvicorn's, a SIGTERM was ignored: the server
+    then served on for good. It is kept and drains the server as soon as it runs."""
+    code = ("import os, signal, sys\n"
+            "import fluidserve.serve.server as s\n"
+            "freeze = s.freeze_startup_heap\n"
+            "def term_then_freeze():\n"
+            "    os.kill(os.getpid(), signal.SIGTERM)\n"
+            "    freeze()\n"
+            "s.freeze_startup_heap = term_then_freeze\n"
+            "from fluidserve.cli import main\n"
+            "sys.exit(main(sys.argv[1:]))\n")
+    with open(tmp_path / "serve.log", "w") as log:
+        proc = subprocess.Popen([sys.executable, "-c", code, "serve", "--port",
+                                 str(free_port()), "--model", str(tiny_model_dir)],
+                                stdout=log, stderr=subprocess.STDOUT)
+        try:
+            assert proc.wait(120) == 0
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+    out = (tmp_path / "serve.log").read_text()
+    assert "draining 0 in-flight requests" in out, out[-3000:]
+
+
 def test_a_broken_tokenizer_stops_the_engine_core_it_loaded_beside(tiny_model_dir, tmp_path):
     """The server starts its engine core first and loads the tokenizer while the core loads
     the model; a tokenizer that cannot be loaded is a clear error and leaves no core behind.

@@ -278,13 +278,23 @@ def run_server(engine_config: EngineConfig, config: ServerConfig) -> int:
             access_log=config.log_requests,
             timeout_graceful_shutdown=int(config.drain_timeout) + 5,
         )
-        # A signal after uvicorn's run (while the engine core stops) must not cut that short.
+        # Outside uvicorn's run a signal goes to the same drain: one before it (while the
+        # server starts) is kept for it, one after (while the engine core stops) must not cut
+        # that short.
+        def on_signal(sig, frame) -> None:
+            if "server" in holder:
+                holder["server"].handle_exit(sig, frame)
+            else:
+                holder.setdefault("signals", []).append(sig)
+
         for sig in (signal.SIGTERM, signal.SIGINT):
-            signal.signal(sig, lambda *_: None)
+            signal.signal(sig, on_signal)
         host = f"[{config.host}]" if ":" in config.host else config.host
         log.info("serving on http://%s:%d (Ctrl-C drains, twice stops)", host, config.port)
         server = DrainingServer(uv, app.state.fluidserve)
         holder["server"] = server
+        for sig in holder.pop("signals", []):
+            server.handle_exit(sig, None)
         freeze_startup_heap()  # the front end's full collections would pause every stream
         server.run(sockets=[sock])
     finally:

@@ -777,3 +777,30 @@ def test_a_broken_tokenizer_stops_the_engine_core_it_loaded_beside(tiny_model_di
     with pytest.raises(ModelLoadError, match="no tokenizer files"):
         start_engine(config, ServerConfig(port=free_port()))
     assert not set(cores()) - before
+
+
+def test_connections_to_the_servers_socket_send_small_writes_at_once():
+    """`fluidserve serve` hands uvicorn the socket it bound: asyncio turns Nagle's algorithm off
+    on the connections it accepts only when that socket is a TCP one by protocol. With it on,
+    a stream's first event reached the client ~40 ms late and tokens came in bursts."""
+    from fluidserve.serve.server import listen_socket
+
+    async def nodelay() -> int:
+        sock = listen_socket("127.0.0.1", free_port())
+        accepted = asyncio.get_running_loop().create_future()
+
+        class Probe(asyncio.Protocol):
+            def connection_made(self, transport) -> None:
+                s = transport.get_extra_info("socket")
+                accepted.set_result(s.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY))
+
+        server = await asyncio.get_running_loop().create_server(Probe, sock=sock)
+        try:
+            _, writer = await asyncio.open_connection(*sock.getsockname()[:2])
+            value = await asyncio.wait_for(accepted, 10)
+            writer.close()
+            return value
+        finally:
+            server.close()
+
+    assert asyncio.run(nodelay()) != 0

@@ -208,8 +208,12 @@ def start_engine(engine_config: EngineConfig, config: ServerConfig,
 
 
 def listen_socket(host: str, port: int) -> socket.socket:
-    """The server's socket, bound: a port in use is an error before anything loads."""
-    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
+    """The server's socket, bound: a port in use is an error before anything loads. A TCP
+    socket by protocol too: asyncio turns Nagle's algorithm off (TCP_NODELAY) only on
+    connections whose socket says so, and with it on, each small SSE write waited for the
+    client's delayed ACK (~40 ms to the first event of a stream, later tokens in bursts)."""
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET,
+                         socket.SOCK_STREAM, socket.IPPROTO_TCP)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:
         sock.bind((host, port))

@@ -201,6 +201,13 @@ def test_unsupported_rope_type(model_copy):
      (True, False, False)),
     ("Qwen2ForCausalLM", {"use_sliding_window": True, "sliding_window": 64,
                           "max_window_layers": 1}, 64, 32768, (True, False, False)),
+    # ...or on the layers its layer_types says, where it has them (transformers 5).
+    ("Qwen2ForCausalLM", {"use_sliding_window": True, "sliding_window": 64,
+                          "layer_types": ["sliding_attention", "full_attention"]}, 64, 32768,
+     (True, False, False)),
+    ("Qwen2ForCausalLM", {"use_sliding_window": True, "sliding_window": 64, "max_window_layers": 1,
+                          "layer_types": ["full_attention"] * 2}, None, 32768,
+     (True, False, False)),
 ])
 def test_config_fields_are_read_as_the_architectures_class_reads_them(arch, changes, window,
                                                                         positions, biases):
@@ -211,6 +218,30 @@ def test_config_fields_are_read_as_the_architectures_class_reads_them(arch, chan
                       "num_attention_heads": 2} | changes)
     assert cfg.sliding_window == window and cfg.max_position_embeddings == positions
     assert (cfg.qkv_bias, cfg.o_bias, cfg.mlp_bias) == biases
+
+
+@pytest.mark.parametrize("changes, theta, scaling", [
+    # Where a config says it twice, the value transformers reads: a legacy rope_scaling over
+    # rope_parameters, rope_parameters' theta over a top-level one, and for llama3 a
+    # top-level original_max_position_embeddings over the one in the scaling.
+    ({"rope_theta": 1e4, "rope_parameters": {"rope_type": "default", "rope_theta": 5e5}},
+     5e5, {"rope_type": "default"}),
+    ({"rope_parameters": {"rope_type": "default", "rope_theta": 5e5},
+      "rope_scaling": {"type": "linear", "factor": 4.0}}, 1e4,
+     {"rope_type": "linear", "factor": 4.0}),
+    ({"original_max_position_embeddings": 512,
+      "rope_scaling": {"rope_type": "llama3", "factor": 8.0,
+                       "original_max_position_embeddings": 64}}, 1e4,
+     {"rope_type": "llama3", "original_max_position_embeddings": 512}),
+])
+def test_rope_fields_given_twice_are_read_as_transformers_reads_them(changes, theta, scaling):
+    from fluidserve.model.arch import parse_arch
+
+    cfg = parse_arch({"architectures": ["LlamaForCausalLM"], "vocab_size": 10,
+                      "hidden_size": 8, "intermediate_size": 16, "num_hidden_layers": 2,
+                      "num_attention_heads": 2} | changes)
+    assert cfg.rope_theta == theta
+    assert cfg.rope_scaling.items() >= scaling.items(), cfg.rope_scaling
 
 
 @pytest.mark.parametrize("changes, why", [
@@ -233,6 +264,11 @@ def test_config_fields_are_read_as_the_architectures_class_reads_them(arch, chan
      "needs 0 < low_freq_factor < high_freq_factor"),
     # What it cannot run must not run as something else.
     ({"partial_rotary_factor": 0.5}, "partial_rotary_factor 0.5 is not supported"),
+    ({"model_type": "mistral"}, "architectures names LlamaForCausalLM but model_type"
+     " 'mistral' is MistralForCausalLM"),
+    ({"rope_parameters": {"full_attention": {"rope_type": "default"},
+                          "sliding_attention": {"rope_type": "default"}}},
+     "RoPE parameters per layer type"),
     ({"quantization_config": {"quant_method": "awq"}}, "quantized checkpoints are not"
      r" supported \(quantization_config: awq\)"),
 ])

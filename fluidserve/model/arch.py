@@ -111,8 +111,14 @@ def parse_arch(cfg: dict, where: str = "config.json") -> ArchConfig:
         raise ModelLoadError(f"{where}: not a JSON object")
     archs = cfg.get("architectures") or []
     arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
+    typed = MODEL_TYPES.get(cfg.get("model_type"))
     if not archs:  # transformers then goes by model_type
-        arch = MODEL_TYPES.get(cfg.get("model_type"))
+        arch = typed
+    elif arch is not None and typed is not None and typed != arch:
+        # vLLM builds the architecture, transformers the model type: two different models
+        # (a Mistral's window, a Qwen2's biases), and no telling which one was trained.
+        raise ModelLoadError(f"{where}: architectures names {arch} but model_type"
+                             f" {cfg['model_type']!r} is {typed}")
     if arch is None:
         raise ModelLoadError(
             f"{where}: architecture {archs or cfg.get('model_type')!r} is not supported;"
@@ -153,13 +159,21 @@ def parse_arch(cfg: dict, where: str = "config.json") -> ArchConfig:
     act = cfg.get("hidden_act", "silu")
     if act not in ("silu", "swish"):
         raise ModelLoadError(f"{where}: hidden_act {act!r} is not supported (only silu)")
-    rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
+    # As transformers reads them: a legacy rope_scaling wins over rope_parameters, and
+    # rope_parameters' own rope_theta over a top-level one.
+    rope = cfg.get("rope_scaling") or cfg.get("rope_parameters") or {}
     if not isinstance(rope, dict):
         raise ModelLoadError(f"{where}: rope_scaling must be an object, got {rope!r}")
+    if any(isinstance(v, dict) for v in rope.values()):
+        raise ModelLoadError(f"{where}: RoPE parameters per layer type ({', '.join(rope)}) are"
+                             " not supported")
     rope = dict(rope)
-    theta = number("rope_theta", float, value=cfg.get("rope_theta",
-                                                      rope.get("rope_theta", 10000.0)))
+    theta = number("rope_theta", float, value=rope.get("rope_theta",
+                                                       cfg.get("rope_theta", 10000.0)))
     rope_type = rope.get("rope_type", rope.get("type", "default"))
+    if rope_type == "llama3" and "original_max_position_embeddings" in cfg:
+        # (transformers: the top-level field, where a checkpoint has one, wins)
+        rope["original_max_position_embeddings"] = cfg["original_max_position_embeddings"]
     if rope_type not in SUPPORTED_ROPE_TYPES:
         raise ModelLoadError(
             f"{where}: rope type {rope_type!r} is not supported;"
@@ -189,9 +203,12 @@ def parse_arch(cfg: dict, where: str = "config.json") -> ArchConfig:
     is_qwen, is_llama = arch == "Qwen2ForCausalLM", arch == "LlamaForCausalLM"
     layers = number("num_hidden_layers")
     window = None if is_llama else cfg.get("sliding_window", 4096 if not is_qwen else None)
-    if is_qwen and (not cfg.get("use_sliding_window", False)
-                    or cfg.get("max_window_layers", 28) >= layers):
-        window = None  # (some layers windowed: the context is capped at the window, below)
+    if is_qwen:  # windowed layers: those layer_types says, else max_window_layers onwards
+        kinds = cfg.get("layer_types")
+        windowed = any(k == "sliding_attention" for k in kinds) if isinstance(kinds, list) \
+            else cfg.get("max_window_layers", 28) < layers
+        if not (cfg.get("use_sliding_window", False) and windowed):
+            window = None  # (some layers windowed: the context is capped at the window, below)
     attention_bias = is_llama and bool(cfg.get("attention_bias", False))
     out = ArchConfig(
         architecture=arch,

@@ -143,6 +143,33 @@ def test_an_error_speaks_of_the_form_the_value_has(srv):
     assert "valid string" in err["message"]
 
 
+@pytest.mark.parametrize("body, param, says", [
+    # Several prompts in one request: said as such, not as a prompt too long for the window
+    # (the code clients answer by cutting the prompt).
+    ({"prompt": ["Hello", "World"]}, "prompt", "a list of 2 prompts; one prompt per request"),
+    ({"prompt": [[1, 2], [3, 4]]}, "prompt", "a list of 2 prompts"),
+    # Ids that are not integers: the id at fault.
+    ({"prompt": [1.5, 2, 3]}, "prompt.0", "valid integer"),
+    ({"prompt": [1, None]}, "prompt.1", "valid integer"),
+    ({"prompt": [True, 2]}, "prompt.0", "valid integer"),
+    # The bound nearest the value, of a field's alternatives.
+    ({"prompt": "x", "top_k": 3_000_000_000}, "top_k", "less than or equal to 2147483647"),
+    ({"prompt": "x", "top_k": -5}, "top_k", "greater than or equal to -1"),
+])
+def test_a_malformed_prompt_or_bound_is_told_as_what_it_is(srv, body, param, says):
+    err = assert_error(post(srv, "/v1/completions", body), 400)
+    assert err["param"] == param and says in err["message"], err
+    assert err["code"] != "context_length_exceeded"
+
+
+def test_a_field_that_must_be_empty_says_it_is_not_supported(srv):
+    history = [{"role": "assistant", "content": "x", "tool_calls": [{"id": "1"}]},
+               {"role": "user", "content": "hi"}]
+    err = assert_error(post(srv, "/v1/chat/completions", {"messages": history}), 400)
+    assert err["param"] == "messages.0.tool_calls" and "not supported" in err["message"], err
+    assert err["code"] != "context_length_exceeded"
+
+
 def test_a_parts_type_is_what_its_error_names(srv):
     err = assert_error(post(srv, "/v1/chat/completions", {"messages": [{"role": "user", "content": [
         {"type": "text", "text": "a"}, {"type": "image_url", "image_url": {"url": "x"}}]}]}), 400)
@@ -179,6 +206,17 @@ def test_a_rule_between_fields_names_the_field_at_fault(srv, schema):
              "stream_options")):
         err = assert_error(post(srv, path, body), 400, schema)
         assert err["param"] == param, err
+    # What asks for nothing is accepted, as vLLM accepts it (clients that send each field
+    # at its default send these), and the schema's rules say so.
+    for path, body in (("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}],
+                                                 "top_logprobs": 0, "max_tokens": 2}),
+                       ("/v1/completions", {"prompt": "hi", "stream_options": {},
+                                            "max_tokens": 2})):
+        assert post(srv, path, body).status_code == 200
+    rules = [r["if"]["properties"] for r in
+             schema["components"]["schemas"]["ChatCompletionRequest"]["allOf"]]
+    assert {"top_logprobs": {"type": "integer", "minimum": 1}} in rules
+    assert {"stream_options": {"type": "object", "minProperties": 1}} in rules
 
 
 @pytest.mark.parametrize("field,value,says", [

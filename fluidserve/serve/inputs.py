@@ -51,19 +51,48 @@ def parse_body(raw: bytes, model: type[BaseModel]) -> BaseModel:
 
 
 def validation_error(errors: list) -> ApiError:
+    # A list of several prompts fails the one-prompt bound of the list alternatives: that is
+    # what is wrong with it; a list of ids that fails it is told by its bad ids instead.
+    batch = [e for e in errors if _one_prompt_bound(e)]
+    if batch and all(isinstance(x, str | list) for x in batch[0]["input"]):
+        return ApiError(400, f"prompt: a list of {len(batch[0]['input'])} prompts; one prompt"
+                        " per request is served (send each in a request of its own)",
+                        param="prompt")
+    errors = [e for e in errors if not _one_prompt_bound(e)] or errors
     # A part's wrong "type" tag says what is wrong ("image_url": only text parts), whatever
     # else that part lacks. Else, of a union's alternatives, the one whose type the value has
     # says best (17 stop strings: "at most 16 items", not "should be a valid string"), then
-    # the one that got furthest into the value.
+    # the one that got furthest into the value, then the bound nearest the value (top_k
+    # 3e9: "at most 2147483647", not "at most 0").
     first = max(errors, key=lambda e: (_type_tag(e), not _wrong_type(e),
-                                       len(e.get("loc", ()))), default={})
+                                       len(e.get("loc", ())), -_bound_distance(e)), default={})
     loc = [str(x) for x in first.get("loc", ()) if not _union_tag(x)]
     msg = str(first.get("msg", "invalid request")).removeprefix("Value error, ")
     where = ".".join(loc)
+    if first.get("type") == "too_long" and first.get("ctx", {}).get("max_length") == 0:
+        return ApiError(400, f"{where}: not supported (absent or empty only)", param=where)
     if loc[:1] in (["prompt"], ["messages"]) and first.get("type") in ("string_too_long",
                                                                       "too_long"):
         return _window_error(first, where)
     return ApiError(400, f"{where}: {msg}" if where else msg, param=where or None)
+
+
+def _one_prompt_bound(error: dict) -> bool:
+    """Whether the error is a list of prompts' bound of one (a window of two tokens bounds a
+    list of ids at one too: that list holds numbers)."""
+    value = error.get("input")
+    return error.get("type") == "too_long" and error.get("loc", ())[:1] == ("prompt",) \
+        and error.get("ctx", {}).get("max_length") == 1 and isinstance(value, list) \
+        and not all(isinstance(x, int) and not isinstance(x, bool) for x in value)
+
+
+def _bound_distance(error: dict) -> float:
+    """How far the value is from the bound it failed (0 where there is none)."""
+    value, ctx = error.get("input"), error.get("ctx") or {}
+    bound = next((ctx[k] for k in ("le", "ge", "lt", "gt") if k in ctx), None)
+    if isinstance(value, int | float) and isinstance(bound, int | float):
+        return abs(value - bound)
+    return 0.0
 
 
 def _window_error(error: dict, where: str) -> ApiError:

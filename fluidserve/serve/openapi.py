@@ -211,17 +211,17 @@ def request_body(name: str) -> dict:
 
 
 # Constraints between fields, stated the way JSON Schema can (the server enforces the same).
-CROSS_FIELD = {
-    "stream_options": "stream",
-    "top_logprobs": "logprobs",
+CROSS_FIELD = {  # field: (the field it needs true, the values of it that need it)
+    "stream_options": ("stream", {"type": "object", "minProperties": 1}),
+    "top_logprobs": ("logprobs", {"type": "integer", "minimum": 1}),
 }
 
 
 def _cross_field(schema: dict) -> None:
     rules = []
-    for field, needs in CROSS_FIELD.items():
+    for field, (needs, values) in CROSS_FIELD.items():
         if field in schema["properties"] and needs in schema["properties"]:
-            present = {"properties": {field: {"not": {"type": "null"}}}, "required": [field]}
+            present = {"properties": {field: values}, "required": [field]}
             rules.append({"if": present, "then": {"properties": {needs: {"const": True}},
                                                   "required": [needs]}})
     if rules:

@@ -327,10 +327,13 @@ def request_models(limits: Limits) -> tuple[type[CompletionRequest], type[ChatCo
 def cross_field_error(body: Any) -> tuple[str, str] | None:
     """Constraints between fields (the schema states them with ``dependentSchemas``): the
     field at fault and what is wrong."""
-    if body.stream_options is not None and not body.stream:
+    # As vLLM has them: an empty stream_options, or top_logprobs 0, asks for nothing, and
+    # clients that send every field at its default send them.
+    if body.stream_options is not None and body.stream_options.model_fields_set \
+            and not body.stream:
         return "stream_options", "stream_options is only allowed when stream is true"
-    if getattr(body, "top_logprobs", None) is not None and not body.logprobs:
-        return "top_logprobs", "top_logprobs requires logprobs=true"
+    if getattr(body, "top_logprobs", None) and not body.logprobs:
+        return "top_logprobs", "top_logprobs above 0 requires logprobs=true"
     return None
 
 

@@ -1,10 +1,12 @@
 """Schemathesis hooks for the schema fuzz run (loaded with SCHEMATHESIS_HOOKS).
 
-Two rules of the API cannot be written in JSON Schema. The prompt, once tokenized, plus
-max_tokens must fit the context window: a schema-valid request that breaks it gets 400 with
-code ``context_length_exceeded``. And min_tokens may not exceed the max_tokens in force, the
-one given or its default (16 for completions; for chat, what the window leaves after the
-prompt): above it, 400 with param ``min_tokens`` naming both. Both are documented on the
+Two rules of the API cannot be written in JSON Schema. The prompt, once tokenized, must
+leave the context window a token to generate (max_tokens beyond the window is cut to it),
+and the request must fit the KV cache: a schema-valid request that breaks either gets 400
+with code ``context_length_exceeded``. And min_tokens may not exceed the max_tokens in force,
+the one given (cut to what the window leaves) or its default (16 for completions; for chat,
+what the window leaves after the prompt): above it, 400 with param ``min_tokens`` naming
+both. Both are documented on the
 route. ``positive_data_acceptance`` is run as is for every other response; for those two
 answers it is replaced by checking that the error really is that one, and nothing else.
 """
@@ -45,8 +47,8 @@ def _min_tokens_above_max_tokens(error: dict, case) -> bool:
     chat = case.path.endswith("/chat/completions")
     given = body.get("max_completion_tokens") if chat else None
     given = body.get("max_tokens") if given is None else given
-    if given is not None:
-        return in_force == given and asked > given
+    if given is not None:  # (cut to what the window leaves)
+        return in_force <= given and asked > in_force
     return asked > in_force and (chat or in_force <= COMPLETIONS_DEFAULT_MAX_TOKENS)
 
 

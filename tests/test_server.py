@@ -238,7 +238,7 @@ BAD = [
     ("max_tokens wrong type", "/v1/completions", {"prompt": "x", "max_tokens": "many"}, 400),
     ("negative max_tokens", "/v1/completions", {"prompt": "x", "max_tokens": -3}, 400),
     ("absurd max_tokens", "/v1/completions", {"prompt": "x", "max_tokens": 10**9}, 400),
-    ("context overflow", "/v1/completions", {"prompt": "word " * 400, "max_tokens": 200}, 400),
+    ("context overflow", "/v1/completions", {"prompt": "word " * 600, "max_tokens": 1}, 400),
     ("empty prompt", "/v1/completions", {"prompt": ""}, 400),
     ("empty token list", "/v1/completions", {"prompt": []}, 400),
     ("token id out of vocab", "/v1/completions", {"prompt": [1, 99999999]}, 400),
@@ -281,6 +281,24 @@ def test_bad_input_gets_clear_error(srv, name, path, body, status):
     err = r.json()["error"]
     assert err["message"] and err["type"]
     assert httpx.get(srv.url + "/health").status_code == 200
+
+
+def test_max_tokens_past_the_window_ends_the_completion_at_the_window(srv):
+    """As vLLM serves it: the completion is cut to what the window leaves after the prompt,
+    and ends on "length" there (it was a 400, and `vllm bench serve` runs whose lengths
+    overflow the window failed against fluidserve alone)."""
+    ids = list(range(10, 410))  # 400 tokens of a 512-token window
+    r = httpx.post(srv.url + "/v1/completions", timeout=60, json={
+        "prompt": ids, "max_tokens": 200, "ignore_eos": True})
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert body["usage"] == {"prompt_tokens": 400, "completion_tokens": 112,
+                             "total_tokens": 512}
+    assert body["choices"][0]["finish_reason"] == "length"
+    r = httpx.post(srv.url + "/v1/completions", timeout=60, json={
+        "prompt": ids, "max_tokens": 200, "min_tokens": 150})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "min_tokens"
+    assert "which is 112 (what the 512-token window leaves)" in r.json()["error"]["message"]
 
 
 def test_engine_exception_fails_requests_visibly_and_server_keeps_serving(srv):

@@ -142,12 +142,11 @@ def admit(state: ServerState, body, ids: list[int], chat: bool):
         max_tokens = max(1, min(room, cache_room(len(ids), info.block_size, admissible)))
     else:
         max_tokens = min(16, room)
-    if len(ids) + max_tokens > max_len:
-        raise ApiError(400, f"this model's context window is {max_len} tokens; the prompt has"
-                       f" {len(ids)} and max_tokens is {max_tokens}", param="max_tokens",
-                       code=CONTEXT_LENGTH_EXCEEDED)
+    # As vLLM does: a completion that the window ends early ends there, on "length".
+    max_tokens = min(max_tokens, room)
     if body.min_tokens > max_tokens:
-        default = "" if requested is not None else " (the default: no max_tokens was given)"
+        default = " (the default: no max_tokens was given)" if requested is None else \
+            f" (what the {max_len}-token window leaves)" if max_tokens < requested else ""
         raise ApiError(400, f"min_tokens must be at most max_tokens, which is {max_tokens}"
                        f"{default}; got min_tokens={body.min_tokens}", param="min_tokens")
     why = admission_error(len(ids), max_tokens, max_len, info.block_size, admissible)

@@ -80,10 +80,20 @@ def stream_gaps(url: str, tokens: int, started=None) -> list[float]:
     return [b - a for a, b in zip(times, times[1:], strict=False)]
 
 
-def send_big(url: str, megabytes: float, interval: float, started, stop, out) -> None:
+def big_payload(megabytes: float, kind: str) -> str:
+    """A body of about this size: one long prompt, or (``objects``) a one-token prompt beside an
+    ignored field of small JSON objects, the costliest bytes to parse."""
+    if kind == "objects":
+        return json.dumps({"prompt": "a", "max_tokens": 1,
+                           "x": [{"a": 1}] * int(megabytes * 1e6 / 10)})
+    return json.dumps({"prompt": "word " * int(megabytes * 1e6 / 5), "max_tokens": 1})
+
+
+def send_big(url: str, megabytes: float, kind: str, interval: float, started, stop,
+             out) -> None:
     """In a process of its own: once the stream flows, send a big prompt every ``interval``
     seconds (or as soon as the last one is answered, if that is later) until told to stop."""
-    payload = json.dumps({"prompt": "word " * int(megabytes * 1e6 / 5), "max_tokens": 1})
+    payload = big_payload(megabytes, kind)
     results = []
     started.wait(600)
     with httpx.Client(timeout=600) as c:
@@ -115,8 +125,8 @@ def run_config(args, limit: str) -> dict:
         base = summary(stream_gaps(url, args.tokens))
         ctx = mp.get_context("spawn")
         started, stop, out = ctx.Event(), ctx.Event(), ctx.Queue()
-        sender = ctx.Process(target=send_big, args=(url, args.prompt_mb, args.interval, started,
-                                                           stop, out))
+        sender = ctx.Process(target=send_big, args=(url, args.prompt_mb, args.body,
+                                                    args.interval, started, stop, out))
         sender.start()
         gaps = stream_gaps(url, args.tokens, started)
         stop.set()
@@ -144,6 +154,9 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default=None, help="Model directory (default: the embedded one).")
     ap.add_argument("--prompt-mb", type=float, default=8.0, help="Size of each big prompt (MB).")
+    ap.add_argument("--body", choices=("prompt", "objects"), default="prompt",
+                    help="What the big bodies hold: one long prompt, or a one-token prompt and"
+                         " an ignored field of small JSON objects.")
     ap.add_argument("--tokens", type=int, default=300, help="Tokens of the measured stream.")
     ap.add_argument("--interval", type=float, default=0.5,
                     help="Seconds between big prompts (0: back to back).")

@@ -380,6 +380,54 @@ def test_a_huge_prompt_does_not_disturb_a_running_stream(srv, text_work):
     assert len(text_work["encode"]) == 1  # only the stream's own prompt
 
 
+def test_a_large_body_is_parsed_in_another_process_to_the_same_request():
+    """Above 64 KiB a body is parsed in a process of its own (its JSON parse holds the
+    interpreter: 4 MB of small objects in an ignored field stalled every stream for up to a
+    second); what comes back is the request the in-process parse makes, or its error."""
+    import asyncio
+    import os
+
+    from fluidserve.serve.inputs import BodyParser, parse_body
+    from fluidserve.serve.protocol import Limits
+
+    parser = BodyParser(Limits(512, 1000, 512 * 14))
+    junk = [{"a": 1}] * 40_000  # an ignored field, well over 64 KiB
+    cases = [
+        ("completion", {"prompt": list(range(5, 400)), "max_tokens": 3, "stop": ["x", "y"],
+                        "stream": True, "stream_options": {}, "junk": junk}),
+        ("chat", {"messages": [{"role": "user", "content": [{"type": "text", "text": "hi"}]}],
+                  "top_logprobs": 0, "temperature": 1, "junk": junk}),
+    ]
+
+    async def read_all():
+        out = []
+        for kind, body in cases:
+            raw = json.dumps(body).encode()
+            out.append((await parser.read(raw, kind), parse_body(raw, parser.models[kind])))
+        errors = []
+        for raw in (json.dumps({"prompt": ["a", "b"], "junk": junk}).encode(),
+                    b'{"prompt": NaN, "junk": "' + b"x" * 70_000 + b'"}'):
+            for read in (parser.read(raw, "completion"),
+                         asyncio.to_thread(parse_body, raw, parser.models["completion"])):
+                try:
+                    await read
+                except Exception as e:  # noqa: BLE001 - compared below
+                    errors.append((type(e).__name__, e.status, e.message, e.param, e.code))
+        return out, errors
+
+    try:
+        out, errors = asyncio.run(read_all())
+        pids = [p.pid for p in parser._pool._processes.values()]
+    finally:
+        parser.close()
+    for there, here in out:
+        assert there == here and there.model_fields_set == here.model_fields_set
+        assert type(there) is type(here)
+    assert errors[0] == errors[1] and errors[2] == errors[3] and len(errors) == 4
+    assert errors[0][0] == "ApiError" and "2 prompts" in errors[0][2]
+    assert pids and os.getpid() not in pids
+
+
 def test_stop_string_completed_by_the_last_token_applies(srv):
     base = {"prompt": "The river rose slowly", "max_tokens": 8, "temperature": 1.0, "seed": 0,
             "ignore_eos": True}

@@ -32,9 +32,9 @@ from fluidserve.serve import responses as R
 from fluidserve.serve.async_engine import AsyncEngine
 from fluidserve.serve.gate import Gate
 from fluidserve.serve.handlers import ServerState, generate
-from fluidserve.serve.inputs import PromptTokenizer, read_body
+from fluidserve.serve.inputs import BodyParser, PromptTokenizer
 from fluidserve.serve.metrics import ServerMetrics
-from fluidserve.serve.protocol import ApiError, Limits, error_body, request_models
+from fluidserve.serve.protocol import ApiError, Limits, error_body
 
 __all__ = ["ApiError", "DrainingServer", "ServerState", "build_app", "run_server",
            "start_engine"]
@@ -49,8 +49,8 @@ def build_app(engine: AsyncEngine, config: ServerConfig, model_name: str) -> Fas
     info = engine.info
     model_root = str(Path(engine.config.model.model).resolve())
     room = info.max_model_len - 1
-    completion_model, chat_model = request_models(
-        Limits(info.max_model_len, info.vocab_size, prompts.max_chars(room)))
+    bodies = BodyParser(Limits(info.max_model_len, info.vocab_size, prompts.max_chars(room)))
+    completion_model, chat_model = bodies.models["completion"], bodies.models["chat"]
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -62,6 +62,7 @@ def build_app(engine: AsyncEngine, config: ServerConfig, model_name: str) -> Fas
         # watchdog's bound), or a healthy core is killed mid-step and the exit reads as a crash.
         engine.stop(max(10.0, engine.watchdog_timeout))
         prompts.close()
+        bodies.close()
 
     app = FastAPI(title="fluidserve", version=__version__, lifespan=lifespan)
     app.state.fluidserve = state
@@ -94,14 +95,14 @@ def build_app(engine: AsyncEngine, config: ServerConfig, model_name: str) -> Fas
               responses=api.generate_responses(api.CompletionResponse,
                                                   api.CompletionChunk, protected))
     async def completions(request: Request) -> Response:
-        body = await read_body(await request.body(), completion_model)
+        body = await bodies.read(await request.body(), "completion")
         return await generate(state, body, request, chat=False)
 
     @app.post("/v1/chat/completions", openapi_extra=api.request_body("ChatCompletionRequest"),
               responses=api.generate_responses(api.ChatCompletionResponse,
                                                   api.ChatCompletionChunk, protected))
     async def chat(request: Request) -> Response:
-        body = await read_body(await request.body(), chat_model)
+        body = await bodies.read(await request.body(), "chat")
         return await generate(state, body, request, chat=True)
 
     api.install_openapi(app, [completion_model, chat_model], config)

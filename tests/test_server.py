@@ -299,6 +299,16 @@ def test_max_tokens_past_the_window_ends_the_completion_at_the_window(srv):
         "prompt": ids, "max_tokens": 200, "min_tokens": 150})
     assert r.status_code == 400 and r.json()["error"]["param"] == "min_tokens"
     assert "which is 112 (what the 512-token window leaves)" in r.json()["error"]["message"]
+    # Text too, and the bound on its characters counts no max_tokens: 500 characters could
+    # not fit beside 500 tokens, and are not refused for it.
+    for path, field in (("/v1/completions", {"prompt": "word " * 100}),
+                        ("/v1/chat/completions",
+                         {"messages": [{"role": "user", "content": "word " * 100}]})):
+        r = httpx.post(srv.url + path, timeout=60, json=field | {"max_tokens": 500,
+                                                                 "ignore_eos": True})
+        assert r.status_code == 200, r.text
+        usage = r.json()["usage"]
+        assert usage["prompt_tokens"] + usage["completion_tokens"] == 512, usage
 
 
 def test_engine_exception_fails_requests_visibly_and_server_keeps_serving(srv):

@@ -79,7 +79,7 @@ async def completion_ids(state: ServerState, body: CompletionRequest) -> list[in
         return list(prompt)  # the schema bounds the ids and their number
     if state.prompts.tokenizer is None:
         raise ApiError(400, "this model has no tokenizer: send token ids", param="prompt")
-    _check_chars(state, len(prompt), body.max_tokens, "prompt")
+    _check_chars(state, len(prompt), "prompt")
     return await state.prompts.encode(prompt)
 
 
@@ -89,18 +89,17 @@ async def chat_ids(state: ServerState, body: ChatCompletionRequest) -> list[int]
     messages = [{"role": m.role, "content": m.text()} for m in body.messages]
     # Each message takes a token at least (its role, as the template renders it), so that
     # many fewer tokens are left for the text.
-    _check_chars(state, sum(len(m["content"]) for m in messages), body.max_new_tokens,
-                 "messages", len(messages))
+    _check_chars(state, sum(len(m["content"]) for m in messages), "messages", len(messages))
     try:
         return await state.prompts.chat(messages)
     except (ValueError, TypeError, jinja2.TemplateError) as e:
         raise ApiError(400, f"cannot apply the chat template: {e}", param="messages") from None
 
 
-def _check_chars(state: ServerState, num_chars: int, max_tokens: int | None, param: str,
-                 num_messages: int = 0) -> None:
+def _check_chars(state: ServerState, num_chars: int, param: str, num_messages: int = 0) -> None:
+    """Text that cannot leave the window a token to generate (max_tokens beyond it is cut)."""
     max_len = state.max_model_len
-    room = max_len - (max_tokens or 1)
+    room = max_len - 1
     limit = state.prompts.max_chars(max(room - num_messages, 0))
     if limit is not None and num_chars > limit:
         raise too_long(num_chars, room, max_len, param, num_messages)

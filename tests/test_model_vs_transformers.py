@@ -155,7 +155,8 @@ ROPE_SCALINGS = {
 def test_rope_scaling_logits_match_transformers(tmp_path, kind):
     from .conftest import make_hf_model
 
-    d = make_hf_model("llama", tmp_path, 300, rope_scaling=ROPE_SCALINGS[kind])
+    # (a copy: transformers writes its rope_theta into the dict it is given)
+    d = make_hf_model("llama", tmp_path, 300, rope_scaling=dict(ROPE_SCALINGS[kind]))
     ex = ModelExecutor(d, num_blocks=64, block_size=BS)
     assert ex.arch.rope_scaling["rope_type"] == kind
     ids = torch.randint(3, 300, (200,), generator=torch.Generator().manual_seed(2)).tolist()

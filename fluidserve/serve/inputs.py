@@ -60,14 +60,16 @@ class BodyParser:
             return await asyncio.to_thread(parse_body, raw, model)
         if self._pool is None:  # (started at the first large body: most servers see none)
             self._pool = ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn"))
+        pool = self._pool
         try:
             fields = await asyncio.get_running_loop().run_in_executor(
-                self._pool, _parse_fields, raw, self.limits, kind)
+                pool, _parse_fields, raw, self.limits, kind)
         except BrokenProcessPool:  # the parser died (killed, out of memory, cannot start)
-            self._pool, self._deaths = None, self._deaths + 1
-            log.warning("the body parser process died (%d of %d); parsing this body here%s",
-                        self._deaths, MAX_PARSER_DEATHS, "" if self._deaths < MAX_PARSER_DEATHS
-                        else ", and every later one")
+            if pool is self._pool:  # (every body in flight hears of one death)
+                self._pool, self._deaths = None, self._deaths + 1
+                log.warning("the body parser process died (%d of %d); parsing here%s",
+                            self._deaths, MAX_PARSER_DEATHS,
+                            "" if self._deaths < MAX_PARSER_DEATHS else " from now on")
             return await asyncio.to_thread(parse_body, raw, model)
         if isinstance(fields, tuple):  # an ApiError's arguments
             raise ApiError(*fields)
@@ -124,7 +126,8 @@ def validation_error(errors: list) -> ApiError:
     loc = [str(x) for x in first.get("loc", ()) if not _union_tag(x)]
     msg = str(first.get("msg", "invalid request")).removeprefix("Value error, ")
     where = ".".join(loc)
-    if first.get("type") == "too_long" and first.get("ctx", {}).get("max_length") == 0:
+    if first.get("type") == "too_long" and first.get("ctx", {}).get("max_length") == 0 \
+            and loc not in (["prompt"], ["messages"]):  # (those: a one-token window's)
         return ApiError(400, f"{where}: not supported (absent or empty only)", param=where)
     if loc[:1] in (["prompt"], ["messages"]) and first.get("type") in ("string_too_long",
                                                                       "too_long"):

@@ -1,7 +1,8 @@
 """Schemathesis hooks for the schema fuzz run (loaded with SCHEMATHESIS_HOOKS).
 
 Two rules of the API cannot be written in JSON Schema. The prompt, once tokenized, must
-leave the context window a token to generate (max_tokens beyond the window is cut to it),
+leave the context window a token to generate (a max_tokens beyond what the window leaves
+is cut to it),
 and the request must fit the KV cache: a schema-valid request that breaks either gets 400
 with code ``context_length_exceeded``. And min_tokens may not exceed the max_tokens in force,
 the one given (cut to what the window leaves) or its default (16 for completions; for chat,

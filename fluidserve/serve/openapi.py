@@ -212,7 +212,8 @@ def request_body(name: str) -> dict:
 
 # Constraints between fields, stated the way JSON Schema can (the server enforces the same).
 CROSS_FIELD = {  # field: (the field it needs true, the values of it that need it)
-    "stream_options": ("stream", {"type": "object", "minProperties": 1}),
+    "stream_options": ("stream", {"type": "object", "anyOf": [  # (unknown keys ask nothing)
+        {"required": ["include_usage"]}, {"required": ["continuous_usage_stats"]}]}),
     "top_logprobs": ("logprobs", {"type": "integer", "minimum": 1}),
 }
 

@@ -302,7 +302,7 @@ def request_models(limits: Limits) -> tuple[type[CompletionRequest], type[ChatCo
     parts = Annotated[list[part], Field(max_length=max_parts, fail_fast=True)]
     message = create_model("ChatMessage", __base__=ChatMessage,
                            content=(content | parts | None, None))
-    new_tokens = Int(ge=1, le=room) | None
+    new_tokens = Int(ge=1, le=limits.max_model_len) | None  # (cut to what the prompt leaves)
     prompt_field = CompletionRequest.model_fields["prompt"]
     stop_ids_field = CompletionRequest.model_fields["stop_token_ids"]
     stop_ids = (Annotated[list[token], Field(max_length=MAX_STOP_TOKEN_IDS)] | None,

@@ -461,6 +461,10 @@ def test_simulate_cli_run_budget_and_capacity(tmp_path, capsys):
     b = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert b["token_budget"] % 128 == 0 and 256 <= b["token_budget"] <= 8192
     assert b["iteration_time_s"] <= 0.1
+    # A window shorter than the default reference context: the reference decodes fill it.
+    assert main(["simulate", "--find-token-budget", "--max-model-len", "1024"]) == 0
+    b = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert b["reference_batch"] == {"decodes": 32, "context": 1023}
     assert main([*base, "--capacity", "--tbt-slo", "0.5", "--max-probes", "6",
                  "--output-dir", str(tmp_path / "cap")]) == 0
     c = json.loads(capsys.readouterr().out.strip().splitlines()[-1])

@@ -54,9 +54,16 @@ class SimConfig:
     capacity: bool = knob(False, "Search the capacity (max QPS meeting the SLO) instead.")
     find_token_budget: bool = knob(False, "Print the largest token budget meeting --tbt-slo.")
     budget_decodes: int = knob(32, "--find-token-budget: decodes in the reference batch.")
-    budget_context: int = knob(1024, "--find-token-budget: context of those decodes and the"
-                               " prefix of the prefill chunk.")
+    budget_context: int | None = knob(
+        None, "--find-token-budget: context of those decodes and the prefix of the prefill"
+        " chunk (default: 1024, or the context window less one where that is shorter).")
     max_budget: int = knob(8192, "--find-token-budget: largest budget considered.")
+
+    def reference_context(self) -> int:
+        """The context of --find-token-budget's reference decodes."""
+        if self.budget_context is not None:
+            return self.budget_context
+        return min(1024, self.context_window() - 1)
 
     def context_window(self) -> int:
         if self.max_model_len is not None:
@@ -74,9 +81,9 @@ class SimConfig:
                 raise ConfigError(f"max_model_len {self.max_model_len} exceeds the"
                                   f" {_cpu_window()} positions of the model the cpu cost model"
                                   " prices (its server would refuse such requests)")
-        if self.budget_context < 0:
+        if self.budget_context is not None and self.budget_context < 0:
             raise ConfigError("budget_context must be >= 0")
-        if self.find_token_budget and self.budget_context >= self.context_window():
+        if self.find_token_budget and self.reference_context() >= self.context_window():
             raise ConfigError(f"budget_context {self.budget_context} is not below the"
                               f" {self.context_window()}-token window (--max-model-len):"
                               " no request reaches it")

@@ -154,13 +154,14 @@ def run_simulate(sim: SimConfig, eng: EngineConfig, bench: BenchConfig, cap: Cap
 
 def _token_budget(sim: SimConfig, eng: EngineConfig, cap: CapacityConfig, cost: CostModel) -> int:
     def batch_time(b: int) -> float:
-        return cost.iteration_time(reference_batch(b, sim.budget_decodes, sim.budget_context))
+        return cost.iteration_time(reference_batch(b, sim.budget_decodes,
+                                                   sim.reference_context()))
 
     target = pass_target(cap.tbt_slo, eng.parallel.pipeline_parallel_size)
     decodes_only = batch_time(sim.budget_decodes)
     if decodes_only > target:
         budget, t = 0, decodes_only
-        msg = (f"{sim.budget_decodes} decodes at context {sim.budget_context} alone take"
+        msg = (f"{sim.budget_decodes} decodes at context {sim.reference_context()} alone take"
                f" {decodes_only:.3g} s > the {cap.tbt_slo} s SLO: no budget meets it; lower"
                " --budget-decodes / --budget-context or relax --tbt-slo")
         print(f"error: {msg}", file=sys.stderr)
@@ -176,7 +177,8 @@ def _token_budget(sim: SimConfig, eng: EngineConfig, cap: CapacityConfig, cost: 
     result = {"token_budget": budget, "iteration_time_s": t, "tbt_slo_s": cap.tbt_slo,
               "pass_target_s": target,
               "error": msg, "tile_size": eng.scheduler.tile_size,
-              "reference_batch": {"decodes": sim.budget_decodes, "context": sim.budget_context},
+              "reference_batch": {"decodes": sim.budget_decodes,
+                                  "context": sim.reference_context()},
               "cost_model": sim.cost_model, "note": cost.note}
     print(to_json(result))
     return 0 if msg is None else 1

@@ -757,13 +757,15 @@ def test_drain_timeout_fails_what_is_still_running(tiny_model_dir, tmp_path):
 def test_a_sigterm_while_the_server_starts_drains_it_once_it_has(tiny_model_dir, tmp_path):
     """Between the start-up signal handlers and uvicorn's, a SIGTERM was ignored: the server
     then served on for good. It is kept and drains the server as soon as it runs."""
+    # The signal comes as the server object is made: after the handlers, before the server
+    # they could hand it to exists.
     code = ("import os, signal, sys\n"
             "import fluidserve.serve.server as s\n"
-            "freeze = s.freeze_startup_heap\n"
-            "def term_then_freeze():\n"
+            "init = s.DrainingServer.__init__\n"
+            "def term_then_init(self, *args):\n"
             "    os.kill(os.getpid(), signal.SIGTERM)\n"
-            "    freeze()\n"
-            "s.freeze_startup_heap = term_then_freeze\n"
+            "    init(self, *args)\n"
+            "s.DrainingServer.__init__ = term_then_init\n"
             "from fluidserve.cli import main\n"
             "sys.exit(main(sys.argv[1:]))\n")
     with open(tmp_path / "serve.log", "w") as log:

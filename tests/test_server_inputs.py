@@ -529,3 +529,34 @@ def test_text_parts_of_a_message_are_lines_of_its_content():
         "role": "user", "content": [{"type": "text", "text": "Hello"},
                                     {"type": "text", "text": "world"}]}]}))
     assert body.messages[0].text() == "Hello\nworld"
+
+
+def test_tokenize_and_detokenize_answer_as_vllms_do(srv, schema):
+    """`vllm bench serve` asks /tokenize how the server counts its prompts' tokens (and
+    re-cuts them where that differs): the ids the completion endpoint would run, the ids a
+    conversation renders to at the chat endpoint, and text back from ids."""
+    tok = srv.engine.tokenizer
+    text = "The river rose slowly in the spring"
+    r = post(srv, "/tokenize", {"model": "tiny", "prompt": text})
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert body == {"count": len(tok.encode(text)), "max_model_len": 512,
+                    "tokens": tok.encode(text), "token_strs": None}
+    plain = post(srv, "/tokenize", {"prompt": text, "add_special_tokens": False}).json()
+    assert plain["tokens"] == tok.encode(text, add_special_tokens=False)
+    completion = post(srv, "/v1/completions", {"prompt": text, "max_tokens": 1}).json()
+    assert completion["usage"]["prompt_tokens"] == body["count"]
+    messages = [{"role": "user", "content": "What news from the court?"}]
+    chat = post(srv, "/tokenize", {"messages": messages}).json()
+    served = post(srv, "/v1/chat/completions", {"messages": messages, "max_tokens": 1}).json()
+    assert chat["count"] == served["usage"]["prompt_tokens"]
+    back = post(srv, "/detokenize", {"tokens": plain["tokens"]})
+    assert back.status_code == 200 and back.json() == {"prompt": text}
+    for path, bad, status, param in (
+            ("/tokenize", {"prompt": text, "messages": messages}, 400, "prompt"),
+            ("/tokenize", {}, 400, "prompt"),
+            ("/tokenize", {"prompt": text, "model": "gpt-9"}, 404, "model"),
+            ("/detokenize", {"tokens": [1, 10**6]}, 400, "tokens.1"),
+            ("/detokenize", {"tokens": "abc"}, 400, "tokens")):
+        err = assert_error(post(srv, path, bad), status, schema)
+        assert err["param"] == param, err

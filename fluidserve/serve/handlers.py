@@ -27,6 +27,8 @@ from fluidserve.serve.protocol import (
     ApiError,
     ChatCompletionRequest,
     CompletionRequest,
+    DetokenizeRequest,
+    TokenizeRequest,
     cross_field_error,
     error_body,
 )
@@ -57,10 +59,7 @@ class ServerState:
 
 def precheck(state: ServerState, body: CompletionRequest | ChatCompletionRequest) -> None:
     """Refusals that need no tokenizing, in the order a client can act on them."""
-    if body.model is not None and body.model not in state.model_names:
-        served = ", ".join(repr(n) for n in state.model_names)
-        raise ApiError(404, f"model {body.model!r} does not exist; this server serves"
-                       f" {served}", "not_found_error", "model")
+    _check_model(state, body.model)
     if (fault := cross_field_error(body)) is not None:
         raise ApiError(400, fault[1], param=fault[0])
     if state.draining:
@@ -94,6 +93,44 @@ async def chat_ids(state: ServerState, body: ChatCompletionRequest) -> list[int]
         return await state.prompts.chat(messages)
     except (ValueError, TypeError, jinja2.TemplateError) as e:
         raise ApiError(400, f"cannot apply the chat template: {e}", param="messages") from None
+
+
+def _check_model(state: ServerState, name: str | None) -> None:
+    if name is not None and name not in state.model_names:
+        served = ", ".join(repr(n) for n in state.model_names)
+        raise ApiError(404, f"model {name!r} does not exist; this server serves {served}",
+                       "not_found_error", "model")
+
+
+def _need_tokenizer(state: ServerState) -> None:
+    if state.prompts.tokenizer is None:
+        raise ApiError(400, "this model has no tokenizer")
+
+
+async def tokenize(state: ServerState, body: TokenizeRequest) -> dict:
+    """vLLM's /tokenize: a prompt's ids, or a conversation's as the chat endpoint renders it."""
+    _check_model(state, body.model)
+    if (body.prompt is None) == (body.messages is None):
+        raise ApiError(400, "give either prompt or messages", param="prompt")
+    _need_tokenizer(state)
+    if body.prompt is not None:
+        ids = await state.prompts.encode(body.prompt, body.add_special_tokens)
+    else:
+        messages = [{"role": m.role, "content": m.text()} for m in body.messages]
+        try:
+            ids = await state.prompts.chat(messages)
+        except (ValueError, TypeError, jinja2.TemplateError) as e:
+            raise ApiError(400, f"cannot apply the chat template: {e}", param="messages"
+                           ) from None
+    return {"count": len(ids), "max_model_len": state.max_model_len, "tokens": ids,
+            "token_strs": None}
+
+
+async def detokenize(state: ServerState, body: DetokenizeRequest) -> dict:
+    """vLLM's /detokenize: the text of token ids (special tokens included)."""
+    _check_model(state, body.model)
+    _need_tokenizer(state)
+    return {"prompt": await state.prompts.decode(list(body.tokens))}
 
 
 def _check_chars(state: ServerState, num_chars: int, param: str, num_messages: int = 0) -> None:

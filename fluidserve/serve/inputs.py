@@ -26,7 +26,13 @@ import pydantic_core
 from pydantic import BaseModel, ValidationError
 
 from fluidserve.model.tokenizer import Tokenizer
-from fluidserve.serve.protocol import CONTEXT_LENGTH_EXCEEDED, ApiError, Limits, request_models
+from fluidserve.serve.protocol import (
+    CONTEXT_LENGTH_EXCEEDED,
+    ApiError,
+    Limits,
+    request_models,
+    tokenizer_models,
+)
 
 log = logging.getLogger(__name__)
 
@@ -48,7 +54,7 @@ class BodyParser:
 
     def __init__(self, limits: Limits) -> None:
         self.limits = limits
-        self.models = dict(zip(("completion", "chat"), request_models(limits), strict=True))
+        self.models = _models(limits)
         self._pool: ProcessPoolExecutor | None = None
         self._deaths = 0  # parser processes lost; at MAX_PARSER_DEATHS, no more are started
 
@@ -82,7 +88,7 @@ class BodyParser:
 
 def _parse_fields(raw: bytes, limits: Limits, kind: str) -> dict | tuple:
     """In the parser process: the body's fields as set, or the arguments of its ApiError."""
-    model = dict(zip(("completion", "chat"), _models(limits), strict=True))[kind]
+    model = _models(limits)[kind]
     try:
         return parse_body(raw, model).model_dump(mode="json", exclude_unset=True)
     except ApiError as e:
@@ -90,8 +96,10 @@ def _parse_fields(raw: bytes, limits: Limits, kind: str) -> dict | tuple:
 
 
 @cache
-def _models(limits: Limits):
-    return request_models(limits)
+def _models(limits: Limits) -> dict[str, type[BaseModel]]:
+    """The request models of each route, by kind."""
+    return dict(zip(("completion", "chat", "tokenize", "detokenize"),
+                    (*request_models(limits), *tokenizer_models(limits)), strict=True))
 
 
 def parse_body(raw: bytes, model: type[BaseModel]) -> BaseModel:
@@ -207,8 +215,11 @@ class PromptTokenizer:
         """No text longer than this tokenizes to ``room`` tokens or fewer (None: unknown)."""
         return None if self.chars_per_token is None else room * self.chars_per_token
 
-    async def encode(self, text: str) -> list[int]:
-        return await self._run(self.tokenizer.encode, text)
+    async def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return await self._run(self.tokenizer.encode, text, add_special_tokens)
+
+    async def decode(self, ids: list[int]) -> str:
+        return await self._run(self.tokenizer.decode, ids, False)
 
     async def chat(self, messages: list[dict]) -> list[int]:
         return await self._run(self.tokenizer.chat, messages)
@@ -216,8 +227,8 @@ class PromptTokenizer:
     def token_texts(self, ids: set[int]) -> dict[int, str]:
         return {i: self.tokenizer.decode([i], skip_special_tokens=False) for i in ids}
 
-    async def _run(self, fn, arg):
-        return await asyncio.get_running_loop().run_in_executor(self._pool, fn, arg)
+    async def _run(self, fn, *args):
+        return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)

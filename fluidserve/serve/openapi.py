@@ -156,6 +156,17 @@ class Version(BaseModel):
     version: str
 
 
+class TokenizeResponse(BaseModel):
+    count: int
+    max_model_len: int
+    tokens: list[int]
+    token_strs: list[str] | None = None
+
+
+class DetokenizeResponse(BaseModel):
+    prompt: str
+
+
 def _error(description: str) -> dict:
     return {"model": ErrorResponse, "description": description}
 
@@ -177,6 +188,13 @@ EVERY_ROUTE = {
     500: _error("An internal error."),
 }
 AUTH = {401: _error("Missing or invalid API key (checked before anything else).")}
+
+
+TOKENIZER_ERRORS = {
+    400: _error("Invalid request: malformed JSON, a value outside the schema, neither or both"
+                " of prompt and messages, or a model without a tokenizer."),
+    404: _error("The model named is not this server's."),
+}
 
 
 def generate_responses(response_model: type[BaseModel], chunk: type[BaseModel],

@@ -277,6 +277,29 @@ class ChatCompletionRequest(_Common):
             else self.max_tokens
 
 
+class TokenizeRequest(BaseModel):
+    """vLLM's ``/tokenize``: a prompt's token ids (``prompt``), or a conversation's as the
+    chat endpoint renders it (``messages``)."""
+
+    model_config = ConfigDict(extra="ignore", strict=True, json_schema_extra={"oneOf": [
+        {"required": ["prompt"], "properties": {"prompt": {"type": "string"}}},
+        {"required": ["messages"], "properties": {"messages": {"type": "array"}}}]})
+
+    model: str | None = None
+    prompt: str | None = None  # (exactly one of prompt and messages)
+    messages: Annotated[list[ChatMessage], Field(min_length=1)] | None = None
+    add_special_tokens: bool = Field(True, description="With prompt: BOS and the like.")
+
+
+class DetokenizeRequest(BaseModel):
+    """vLLM's ``/detokenize``: the text of token ids."""
+
+    model_config = ConfigDict(extra="ignore", strict=True)
+
+    model: str | None = None
+    tokens: list[Int(ge=0)]
+
+
 @dataclass(frozen=True)
 class Limits:
     """The model's bounds that the published schema states."""
@@ -322,6 +345,15 @@ def request_models(limits: Limits) -> tuple[type[CompletionRequest], type[ChatCo
         max_tokens=(new_tokens, None), max_completion_tokens=(new_tokens, None),
         stop_token_ids=stop_ids)
     return completion, chat
+
+
+def tokenizer_models(limits: Limits) -> tuple[type[TokenizeRequest], type[DetokenizeRequest]]:
+    """The /tokenize and /detokenize request models, with this model's vocabulary."""
+    vocab = limits.vocab_size
+    token = Int(ge=0, le=vocab - 1) if vocab else Int(ge=0)
+    detokenize = create_model("DetokenizeRequest", __base__=DetokenizeRequest,
+                              tokens=(Annotated[list[token], Field(fail_fast=True)], ...))
+    return TokenizeRequest, detokenize
 
 
 def cross_field_error(body: Any) -> tuple[str, str] | None:

@@ -27,6 +27,7 @@ from fluidserve.core.admission import admissible_blocks
 from fluidserve.engine.core_proc import freeze_startup_heap
 from fluidserve.model.builder import default_model_dir
 from fluidserve.model.tokenizer import Tokenizer, check_tokenizer_files
+from fluidserve.serve import handlers
 from fluidserve.serve import openapi as api
 from fluidserve.serve import responses as R
 from fluidserve.serve.async_engine import AsyncEngine
@@ -105,7 +106,20 @@ def build_app(engine: AsyncEngine, config: ServerConfig, model_name: str) -> Fas
         body = await bodies.read(await request.body(), "chat")
         return await generate(state, body, request, chat=True)
 
-    api.install_openapi(app, [completion_model, chat_model], config)
+    @app.post("/tokenize", openapi_extra=api.request_body("TokenizeRequest"),
+              responses=api.other_responses(api.TokenizeResponse, False, api.TOKENIZER_ERRORS))
+    async def tokenize(request: Request) -> Response:  # as vLLM's (`vllm bench serve` asks)
+        body = await bodies.read(await request.body(), "tokenize")
+        return JSONResponse(await handlers.tokenize(state, body))
+
+    @app.post("/detokenize", openapi_extra=api.request_body("DetokenizeRequest"),
+              responses=api.other_responses(api.DetokenizeResponse, False, api.TOKENIZER_ERRORS))
+    async def detokenize(request: Request) -> Response:
+        body = await bodies.read(await request.body(), "detokenize")
+        return JSONResponse(await handlers.detokenize(state, body))
+
+    api.install_openapi(app, [completion_model, chat_model, bodies.models["tokenize"],
+                              bodies.models["detokenize"]], config)
     app.add_middleware(Gate, api_key=config.api_key, protect_metrics=config.protect_metrics,
                        max_body=config.max_request_bytes)
     return app

@@ -314,6 +314,22 @@ def test_a_rank_error_is_one_line_naming_its_cause():
         "RuntimeError: The actor died"
 
 
+def test_a_script_without_a_main_guard_is_told_what_to_do(tiny_model_dir, tmp_path):
+    """Each rank imports the script again (spawn): without the guard it starts ranks of its
+    own, which multiprocessing refuses, and the rank dies before it can report anything."""
+    import subprocess
+    import sys
+
+    script = tmp_path / "unguarded.py"
+    script.write_text("from fluidserve import LLM\n"
+                      f"LLM({str(tiny_model_dir)!r}, pipeline_parallel_size=2, num_threads=1)\n")
+    r = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
+                       timeout=300)
+    assert r.returncode != 0
+    assert "while starting, before it could report an error" in r.stderr, r.stderr[-2000:]
+    assert "if __name__ == '__main__':" in r.stderr.splitlines()[-1]
+
+
 def test_bad_split_is_a_clear_error(tiny_model_dir):
     with pytest.raises(ValueError, match="must divide"):
         LLM(**knobs(tiny_model_dir, tensor_parallel_size=3))

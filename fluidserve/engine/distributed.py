@@ -176,6 +176,15 @@ def rank_main(rank: int, parallel: ParallelConfig, spec: WorkerSpec, init_method
         os._exit(1)
 
 
+def died_starting(rank: int, code) -> RuntimeError:
+    """A rank that exited before it could say why: most often a script without a main guard,
+    which spawn runs again in the rank (it then refuses to start processes of its own)."""
+    return RuntimeError(f"worker rank {rank} exited with code {code} while starting, before it"
+                        " could report an error (its output is above; a script that starts"
+                        " tensor or pipeline parallel ranks must start them under"
+                        " `if __name__ == '__main__':`, since each rank imports it again)")
+
+
 class FailsInFlightOnDeath:
     """What an executor of worker ranks does when one dies: the first report wins, every
     batch in flight fails with ExecutorDead, and the remaining ranks are stopped
@@ -275,15 +284,12 @@ class MultiprocExecutor(FailsInFlightOnDeath):
                     try:
                         msg = self.outboxes[r].recv()
                     except (EOFError, OSError):  # it died: its pipe closed before its sentinel
-                        raise RuntimeError(f"worker rank {r} exited with code"
-                                           f" {wait_exit(self.procs[r], 5)} while starting"
-                                           ) from None
+                        raise died_starting(r, wait_exit(self.procs[r], 5)) from None
                     if msg[0] != "ready":
                         raise RuntimeError(f"worker rank {r} failed to start: {msg[1]}")
                     waiting.discard(r)
                 elif self.procs[r].sentinel in ready:
-                    raise RuntimeError(f"worker rank {r} exited with code"
-                                       f" {wait_exit(self.procs[r], 1)} while starting")
+                    raise died_starting(r, wait_exit(self.procs[r], 1))
             if waiting and time.monotonic() > deadline:
                 raise RuntimeError(f"worker ranks {sorted(waiting)} not ready after {timeout}s")
 

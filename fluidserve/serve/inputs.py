@@ -48,9 +48,10 @@ class BodyParser:
     body; in a process of its own for a large one, so that the streams of others keep
     flowing meanwhile. The JSON parser holds the interpreter for the whole of a body, and
     building its values costs far more than its bytes say (4 MB of small objects in an
-    ignored field: 0.13-0.35 s, in which no token of any stream was delivered, on a worker
-    thread as much as on the event loop). The other process sends back only the validated
-    fields, which are validated again here (a prompt's worth of data, not the junk)."""
+    ignored field: ~0.2 s, in which no token of any stream is delivered, on a worker thread
+    as much as on the event loop; scripts/body_parse_lag.py). The other process sends back
+    only the validated fields, which are validated again here (a prompt's worth of data, not
+    the junk)."""
 
     def __init__(self, limits: Limits) -> None:
         self.limits = limits

@@ -60,6 +60,21 @@ def die_with_parent(parent: int) -> None:
         os._exit(1)
 
 
+def ignore_group_signals() -> None:
+    """In a child process of the server: leave SIGINT and SIGTERM to the front end.
+
+    Ctrl-C in a terminal, `timeout`, or `kill -- -PGID` signal the whole process group; the
+    front end then drains its requests, which needs the engine core (and its workers) alive.
+    A child ends when the front end tells it to, or when its pipe from the front end closes
+    (the front end is gone)."""
+    import signal
+
+    if threading.current_thread() is not threading.main_thread():
+        return  # a Ray actor's task thread: Ray owns the signals of its worker processes
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+
+
 _OWNER: ThreadPoolExecutor | None = None
 _OWNER_LOCK = threading.Lock()
 

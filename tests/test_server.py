@@ -834,3 +834,32 @@ def test_connections_to_the_servers_socket_send_small_writes_at_once():
             server.close()
 
     assert asyncio.run(nodelay()) != 0
+
+
+def test_a_killed_server_leaves_no_body_parser_behind(tiny_model_dir):
+    """The process that parses large bodies held both ends of its own work queue: a server
+    killed with SIGKILL left it running, and with it the server's output open (a reader of
+    that output, `fluidserve serve | tee` or a supervisor, waited for ever)."""
+    port = free_port()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "fluidserve.cli", "serve", "--port", str(port), "--model",
+         str(tiny_model_dir), "--num-threads", "1"],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        url = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:  # (reading no output: it is read at the end)
+            try:
+                if httpx.get(url + "/health", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                time.sleep(0.2)
+        raw = json.dumps({"prompt": "hi", "junk": [{"a": 1}] * 20_000}).encode()  # > 64 KiB
+        r = httpx.post(url + "/tokenize", content=raw, timeout=60,
+                       headers={"content-type": "application/json"})
+        assert r.status_code == 200, r.text
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.communicate(timeout=30)  # every holder of its output has ended
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)

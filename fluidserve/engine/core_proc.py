@@ -40,6 +40,7 @@ from fluidserve.engine.messages import (
     Shutdown,
 )
 from fluidserve.engine.telemetry import MAX_RECORDS
+from fluidserve.net import ignore_group_signals
 
 log = logging.getLogger(__name__)
 
@@ -108,21 +109,6 @@ def freeze_startup_heap() -> None:
 
     gc.collect()
     gc.freeze()
-
-
-def ignore_group_signals() -> None:
-    """In a child process of the server: leave SIGINT and SIGTERM to the front end.
-
-    Ctrl-C in a terminal, `timeout`, or `kill -- -PGID` signal the whole process group; the
-    front end then drains its requests, which needs the engine core (and its workers) alive.
-    A child ends when the front end tells it to, or when its pipe from the front end closes
-    (the front end is gone)."""
-    import signal
-
-    if threading.current_thread() is not threading.main_thread():
-        return  # a Ray actor's task thread: Ray owns the signals of its worker processes
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
 
 
 def wait_exit(proc, timeout: float = 0.0) -> int | None:

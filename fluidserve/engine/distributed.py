@@ -135,7 +135,8 @@ def rank_main(rank: int, parallel: ParallelConfig, spec: WorkerSpec, init_method
               threads: int, inbox: Connection, outbox: Connection, driver: int) -> None:
     """Entry point of one rank process of the mp launcher: it dies with its driver (pid
     ``driver``), and its sockets stay on the loopback interface."""
-    from fluidserve.engine.core_proc import freeze_startup_heap, ignore_group_signals
+    from fluidserve.engine.core_proc import freeze_startup_heap
+    from fluidserve.net import ignore_group_signals
 
     die_with_parent(driver)
     ignore_group_signals()

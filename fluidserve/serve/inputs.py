@@ -18,6 +18,7 @@ import json
 import logging
 import math
 import multiprocessing
+import os
 from concurrent.futures import ProcessPoolExecutor, ThreadPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
 from functools import cache
@@ -26,6 +27,7 @@ import pydantic_core
 from pydantic import BaseModel, ValidationError
 
 from fluidserve.model.tokenizer import Tokenizer
+from fluidserve.net import die_with_parent, ignore_group_signals
 from fluidserve.serve.protocol import (
     CONTEXT_LENGTH_EXCEEDED,
     ApiError,
@@ -66,7 +68,9 @@ class BodyParser:
         if self._deaths >= MAX_PARSER_DEATHS:
             return await asyncio.to_thread(parse_body, raw, model)
         if self._pool is None:  # (started at the first large body: most servers see none)
-            self._pool = ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn"))
+            self._pool = ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn"),
+                                             initializer=_parser_started,
+                                             initargs=(os.getpid(),))
         pool = self._pool
         try:
             fields = await asyncio.get_running_loop().run_in_executor(
@@ -85,6 +89,14 @@ class BodyParser:
     def close(self) -> None:
         if self._pool is not None:
             self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+def _parser_started(server: int) -> None:
+    """The parser process dies with the server, however it dies (it holds both ends of its
+    own work queue, so it would never see the server gone, and kept the server's output
+    open), and leaves the process group's signals to it."""
+    die_with_parent(server)
+    ignore_group_signals()
 
 
 def _parse_fields(raw: bytes, limits: Limits, kind: str) -> dict | tuple:

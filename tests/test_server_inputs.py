@@ -550,6 +550,8 @@ def test_tokenize_and_detokenize_answer_as_vllms_do(srv, schema):
     chat = post(srv, "/tokenize", {"messages": messages}).json()
     served = post(srv, "/v1/chat/completions", {"messages": messages, "max_tokens": 1}).json()
     assert chat["count"] == served["usage"]["prompt_tokens"]
+    strs = post(srv, "/tokenize", {"prompt": text, "return_token_strs": True}).json()
+    assert strs["token_strs"] == tok.hf.convert_ids_to_tokens(body["tokens"])
     back = post(srv, "/detokenize", {"tokens": plain["tokens"]})
     assert back.status_code == 200 and back.json() == {"prompt": text}
     for path, bad, status, param in (
@@ -557,6 +559,13 @@ def test_tokenize_and_detokenize_answer_as_vllms_do(srv, schema):
             ("/tokenize", {}, 400, "prompt"),
             ("/tokenize", {"prompt": text, "model": "gpt-9"}, 404, "model"),
             ("/detokenize", {"tokens": [1, 10**6]}, 400, "tokens.1"),
-            ("/detokenize", {"tokens": "abc"}, 400, "tokens")):
+            ("/detokenize", {"tokens": "abc"}, 400, "tokens"),
+            # What would change the result and is not done: refused, never ignored.
+            ("/tokenize", {"messages": messages, "add_special_tokens": True}, 400,
+             "add_special_tokens"),
+            ("/tokenize", {"messages": messages, "add_generation_prompt": False}, 400,
+             "add_generation_prompt"),
+            ("/tokenize", {"messages": messages, "chat_template": "{{ x }}"}, 400,
+             "chat_template")):
         err = assert_error(post(srv, path, bad), status, schema)
         assert err["param"] == param, err

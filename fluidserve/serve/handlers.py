@@ -112,9 +112,12 @@ async def tokenize(state: ServerState, body: TokenizeRequest) -> dict:
     _check_model(state, body.model)
     if (body.prompt is None) == (body.messages is None):
         raise ApiError(400, "give either prompt or messages", param="prompt")
+    if body.messages is not None and body.add_special_tokens:
+        raise ApiError(400, "with messages, add_special_tokens is only false: the chat template"
+                       " places the special tokens", param="add_special_tokens")
     _need_tokenizer(state)
     if body.prompt is not None:
-        ids = await state.prompts.encode(body.prompt, body.add_special_tokens)
+        ids = await state.prompts.encode(body.prompt, body.add_special_tokens is not False)
     else:
         messages = [{"role": m.role, "content": m.text()} for m in body.messages]
         try:
@@ -122,8 +125,10 @@ async def tokenize(state: ServerState, body: TokenizeRequest) -> dict:
         except (ValueError, TypeError, jinja2.TemplateError) as e:
             raise ApiError(400, f"cannot apply the chat template: {e}", param="messages"
                            ) from None
+    strs = state.prompts.tokenizer.hf.convert_ids_to_tokens(ids) if body.return_token_strs \
+        else None
     return {"count": len(ids), "max_model_len": state.max_model_len, "tokens": ids,
-            "token_strs": None}
+            "token_strs": strs}
 
 
 async def detokenize(state: ServerState, body: DetokenizeRequest) -> dict:

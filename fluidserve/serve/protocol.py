@@ -240,7 +240,21 @@ class ChatMessage(BaseModel):
         return self.content or ""
 
 
-class ChatCompletionRequest(_Common):
+class _TemplateFields(BaseModel):
+    """How messages are rendered: as the chat endpoint renders them, or refused."""
+
+    model_config = ConfigDict(extra="ignore", strict=True)
+
+    add_generation_prompt: OnlyTrue | None = Field(
+        None, description="Only true: the chat template always opens the assistant's turn.")
+    continue_final_message: OnlyFalse | None = Field(
+        None, description="Only false is supported.")
+    chat_template: Unsupported = Field(
+        None, description="Not supported: the model's own template is used.")
+    chat_template_kwargs: Unsupported = Field(None, description=NOT_SUPPORTED)
+
+
+class ChatCompletionRequest(_Common, _TemplateFields):
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
     logprobs: bool | None = False
     top_logprobs: Int(ge=0, le=MAX_LOGPROBS) | None = Field(
@@ -253,13 +267,6 @@ class ChatCompletionRequest(_Common):
     function_call: Literal["none", "auto"] | None = Field(
         None, description='With no functions: "none" or "auto".')
     echo: OnlyFalse | None = Field(None, description="Only false is supported.")
-    add_generation_prompt: OnlyTrue | None = Field(
-        None, description="Only true: the chat template always opens the assistant's turn.")
-    continue_final_message: OnlyFalse | None = Field(
-        None, description="Only false is supported.")
-    chat_template: Unsupported = Field(
-        None, description="Not supported: the model's own template is used.")
-    chat_template_kwargs: Unsupported = Field(None, description=NOT_SUPPORTED)
     add_special_tokens: OnlyFalse | None = Field(
         None, description="Only false (the default): the chat template places the special"
         " tokens.")
@@ -277,18 +284,26 @@ class ChatCompletionRequest(_Common):
             else self.max_tokens
 
 
-class TokenizeRequest(BaseModel):
+class TokenizeRequest(_TemplateFields):
     """vLLM's ``/tokenize``: a prompt's token ids (``prompt``), or a conversation's as the
     chat endpoint renders it (``messages``)."""
 
     model_config = ConfigDict(extra="ignore", strict=True, json_schema_extra={"oneOf": [
-        {"required": ["prompt"], "properties": {"prompt": {"type": "string"}}},
-        {"required": ["messages"], "properties": {"messages": {"type": "array"}}}]})
+        {"required": ["prompt"], "properties": {"prompt": {"type": "string"},
+                                                "messages": {"type": "null"}}},
+        {"required": ["messages"], "properties": {"messages": {"type": "array"},
+                                                  "prompt": {"type": "null"},
+                                                  "add_special_tokens": {"enum": [False, None]}}},
+    ]})
 
     model: str | None = None
     prompt: str | None = None  # (exactly one of prompt and messages)
     messages: Annotated[list[ChatMessage], Field(min_length=1)] | None = None
-    add_special_tokens: bool = Field(True, description="With prompt: BOS and the like.")
+    add_special_tokens: bool | None = Field(
+        None, description="With prompt: the tokenizer's special tokens (BOS), true by default;"
+        " with messages only false (the default): the chat template places them.")
+    return_token_strs: bool | None = Field(False, description="Each id's token as text too.")
+    tools: NoItems | None = Field(None, description="Not supported: must be empty.")
 
 
 class DetokenizeRequest(BaseModel):

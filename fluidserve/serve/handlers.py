@@ -83,12 +83,16 @@ async def completion_ids(state: ServerState, body: CompletionRequest) -> list[in
 
 
 async def chat_ids(state: ServerState, body: ChatCompletionRequest) -> list[int]:
-    if state.prompts.tokenizer is None:
-        raise ApiError(400, "this model has no tokenizer, so chat is unavailable")
+    _need_tokenizer(state, ", so chat is unavailable")
     messages = [{"role": m.role, "content": m.text()} for m in body.messages]
     # Each message takes a token at least (its role, as the template renders it), so that
     # many fewer tokens are left for the text.
     _check_chars(state, sum(len(m["content"]) for m in messages), "messages", len(messages))
+    return await _render(state, messages)
+
+
+async def _render(state: ServerState, messages: list[dict]) -> list[int]:
+    """A conversation's ids, as the chat template renders it."""
     try:
         return await state.prompts.chat(messages)
     except (ValueError, TypeError, jinja2.TemplateError) as e:
@@ -102,9 +106,9 @@ def _check_model(state: ServerState, name: str | None) -> None:
                        "not_found_error", "model")
 
 
-def _need_tokenizer(state: ServerState) -> None:
+def _need_tokenizer(state: ServerState, why: str = "") -> None:
     if state.prompts.tokenizer is None:
-        raise ApiError(400, "this model has no tokenizer")
+        raise ApiError(400, f"this model has no tokenizer{why}")
 
 
 async def tokenize(state: ServerState, body: TokenizeRequest) -> dict:
@@ -119,12 +123,7 @@ async def tokenize(state: ServerState, body: TokenizeRequest) -> dict:
     if body.prompt is not None:
         ids = await state.prompts.encode(body.prompt, body.add_special_tokens is not False)
     else:
-        messages = [{"role": m.role, "content": m.text()} for m in body.messages]
-        try:
-            ids = await state.prompts.chat(messages)
-        except (ValueError, TypeError, jinja2.TemplateError) as e:
-            raise ApiError(400, f"cannot apply the chat template: {e}", param="messages"
-                           ) from None
+        ids = await _render(state, [{"role": m.role, "content": m.text()} for m in body.messages])
     strs = state.prompts.tokenizer.hf.convert_ids_to_tokens(ids) if body.return_token_strs \
         else None
     return {"count": len(ids), "max_model_len": state.max_model_len, "tokens": ids,

@@ -245,7 +245,7 @@ BAD = [
     ("missing prompt", "/v1/completions", {"max_tokens": 3}, 400),
     ("temperature too high", "/v1/completions", {"prompt": "x", "temperature": 7}, 400),
     ("top_p zero", "/v1/completions", {"prompt": "x", "top_p": 0}, 400),
-    ("n > 1", "/v1/completions", {"prompt": "x", "n": 3}, 400),
+    ("n over 128", "/v1/completions", {"prompt": "x", "n": 129}, 400),
     ("logprobs too many", "/v1/completions", {"prompt": "x", "logprobs": 99}, 400),
     ("min_tokens over max_tokens", "/v1/completions",
      {"prompt": "x", "max_tokens": 3, "min_tokens": 4}, 400),

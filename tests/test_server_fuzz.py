@@ -27,6 +27,9 @@ from .server_utils import InProcessServer
 
 ROOT = Path(__file__).resolve().parents[1]
 GENERATE = r"^/v1/(chat/)?completions$"
+# Few choices per request (prompts × n), so that a case at the schema's bounds runs in the
+# client's ten seconds.
+MAX_WAITING = 8
 
 
 def schemathesis(url: str, max_examples: int, *extra: str, cwd: Path) -> tuple[int, str]:
@@ -59,7 +62,8 @@ def test_generation_routes_answer_the_schemas_own_cases_as_it_says(model_dir, tm
     """The coverage phase alone on /v1/completions and /v1/chat/completions: a rule the server
     enforces and the schema does not state (min_tokens above the default max_tokens was one)
     fails here, in the default run."""
-    with InProcessServer(model_dir, engine_kw={"max_model_len": 64, "max_num_seqs": 8}) as s:
+    with InProcessServer(model_dir, engine_kw={"max_model_len": 64, "max_num_seqs": 8},
+                         max_waiting_requests=MAX_WAITING) as s:
         rc, out = schemathesis(s.url, 50, "--include-path-regex", GENERATE, "--phases",
                                "coverage", cwd=tmp_path)
     print(out[-1500:])
@@ -70,7 +74,8 @@ def test_generation_routes_answer_the_schemas_own_cases_as_it_says(model_dir, tm
 @pytest.mark.fuzz
 def test_generation_routes_conform_to_their_schema(model_dir, tmp_path):
     """At least 1,000 cases on /v1/completions and /v1/chat/completions, no failure, no 5xx."""
-    with InProcessServer(model_dir, engine_kw={"max_model_len": 64, "max_num_seqs": 8}) as s:
+    with InProcessServer(model_dir, engine_kw={"max_model_len": 64, "max_num_seqs": 8},
+                         max_waiting_requests=MAX_WAITING) as s:
         rc, out = schemathesis(s.url, 400, "--include-path-regex", GENERATE, cwd=tmp_path)
     print(out[-1500:])
     assert rc == 0, out[-5000:]
@@ -82,6 +87,7 @@ def test_every_route_conforms_with_an_api_key(model_dir, tmp_path):
     """Every route, with --api-key and --protect-metrics: the key is enforced where the schema
     says (ignored_auth), and nowhere else."""
     with InProcessServer(model_dir, engine_kw={"max_model_len": 64, "max_num_seqs": 8},
+                         max_waiting_requests=MAX_WAITING,
                          api_key="fuzz-key", protect_metrics=True) as s:
         rc, out = schemathesis(s.url, 60, "--header", "Authorization: Bearer fuzz-key",
                                cwd=tmp_path)

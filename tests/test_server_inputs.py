@@ -71,7 +71,8 @@ HOSTILE = [
     ("huge seed", "/v1/completions", {"prompt": "hi", "seed": 2**70}),
     ("huge top_k", "/v1/completions", {"prompt": "hi", "top_k": 2**40}),
     ("empty prompt", "/v1/completions", {"prompt": ""}),
-    ("two prompts", "/v1/completions", {"prompt": ["a", "b"]}),
+    ("1025 prompts", "/v1/completions", {"prompt": ["a"] * 1025}),
+    ("129 samples", "/v1/completions", {"prompt": "hi", "n": 129}),
     ("stream_options without stream", "/v1/completions",
      {"prompt": "hi", "stream_options": {"include_usage": True}}),
     # Parameters this server does not implement: refused unless neutral, never ignored.
@@ -144,10 +145,10 @@ def test_an_error_speaks_of_the_form_the_value_has(srv):
 
 
 @pytest.mark.parametrize("body, param, says", [
-    # Several prompts in one request: said as such, not as a prompt too long for the window
+    # Too many prompts in one request: said as such, not as a prompt too long for the window
     # (the code clients answer by cutting the prompt).
-    ({"prompt": ["Hello", "World"]}, "prompt", "a list of 2 prompts; one prompt per request"),
-    ({"prompt": [[1, 2], [3, 4]]}, "prompt", "a list of 2 prompts"),
+    ({"prompt": ["Hello"] * 1025}, "prompt", "a list of 1025 prompts; at most 1024 per"),
+    ({"prompt": [[1, 2]] * 1025}, "prompt", "a list of 1025 prompts"),
     # Ids that are not integers: the id at fault.
     ({"prompt": [1.5, 2, 3]}, "prompt.0", "valid integer"),
     ({"prompt": [1, None]}, "prompt.1", "valid integer"),
@@ -186,7 +187,7 @@ def test_a_list_of_junk_is_one_error_not_one_per_item(monkeypatch):
     real = inputs.validation_error
     monkeypatch.setattr(inputs, "validation_error", lambda errors: seen.append(errors) or
                         real(errors))
-    cases = [(chat, {"messages": [1] * 400}), (completion, {"prompt": ["x"] * 400}),
+    cases = [(chat, {"messages": [1] * 400}), (completion, {"prompt": [None] * 400}),
              (chat, {"messages": [{"role": "user", "content": [1] * 400}]}),
              (completion, {"prompt": [-1] * 400})]
     for model, body in cases:
@@ -221,7 +222,7 @@ def test_a_rule_between_fields_names_the_field_at_fault(srv, schema):
 
 
 @pytest.mark.parametrize("field,value,says", [
-    ("n", 2, "n: only 1 is supported"), ("best_of", 3, "best_of: only 1 is supported"),
+    ("best_of", 3, "best_of: only 1 is supported"),
     ("presence_penalty", 0.5, "presence_penalty: only 0.0 is supported"),
     ("frequency_penalty", -0.5, "frequency_penalty: only 0.0 is supported"),
     ("response_format", {"type": "json_object"}, 'response_format.type: only "text" is'),
@@ -235,7 +236,7 @@ def test_a_parameter_at_a_value_this_server_does_not_implement_says_so(field, va
     completion, _ = request_models(Limits(512, 1000, 512 * 14))
     with pytest.raises(inputs.ApiError, match=says):
         inputs.parse_body(json.dumps({"prompt": "a", field: value}).encode(), completion)
-    neutral = {"n": 1, "best_of": 1.0, "presence_penalty": 0, "frequency_penalty": 0.0,
+    neutral = {"best_of": 1.0, "presence_penalty": 0, "frequency_penalty": 0.0,
                "response_format": {"type": "text"}}[field]
     inputs.parse_body(json.dumps({"prompt": "a", field: neutral}).encode(), completion)
 
@@ -407,7 +408,7 @@ def test_a_large_body_is_parsed_in_another_process_to_the_same_request():
             raw = json.dumps(body).encode()
             out.append((await parser.read(raw, kind), parse_body(raw, parser.models[kind])))
         errors = []
-        for raw in (json.dumps({"prompt": ["a", "b"], "junk": junk}).encode(),
+        for raw in (json.dumps({"prompt": ["a"] * 1025, "junk": junk}).encode(),
                     b'{"prompt": NaN, "junk": "' + b"x" * 70_000 + b'"}'):
             for read in (parser.read(raw, "completion"),
                          asyncio.to_thread(parse_body, raw, parser.models["completion"])):
@@ -426,7 +427,7 @@ def test_a_large_body_is_parsed_in_another_process_to_the_same_request():
         assert there == here and there.model_fields_set == here.model_fields_set
         assert type(there) is type(here)
     assert errors[0] == errors[1] and errors[2] == errors[3] and len(errors) == 4
-    assert errors[0][0] == "ApiError" and "2 prompts" in errors[0][2]
+    assert errors[0][0] == "ApiError" and "1025 prompts" in errors[0][2]
     assert pids and os.getpid() not in pids
 
 

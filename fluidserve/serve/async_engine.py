@@ -35,21 +35,27 @@ FRONT_END_FAULTS = ("output", "metrics", "deliver")
 
 
 class Handle:
-    """One request's output stream. Iterate it; leaving early aborts the request.
+    """The output streams of one or more requests (the choices of one API request), merged in
+    the order their outputs arrive. Iterate it; leaving early aborts those not finished.
 
     ``token_texts`` maps the token ids of its outputs (and of their top logprobs, when asked
     for) to their text, decoded off the event loop."""
 
-    def __init__(self, engine: AsyncEngine, request_id: str, queue: asyncio.Queue) -> None:
-        self.engine, self.request_id, self._queue = engine, request_id, queue
-        self.finished = False
+    def __init__(self, engine: AsyncEngine, request_ids: list[str], queue: asyncio.Queue) -> None:
+        self.engine, self._queue = engine, queue
+        self._open = dict.fromkeys(request_ids)  # not finished, in the order given
         self.token_texts: dict[int, str] = {}
+
+    @property
+    def finished(self) -> bool:
+        return not self._open
 
     async def __aiter__(self) -> AsyncIterator[RequestOutput]:
         try:
-            while not self.finished:
+            while self._open:
                 out, texts = await self._queue.get()
-                self.finished = out.finished
+                if out.finished:
+                    self._open.pop(out.request_id, None)
                 if texts:
                     self.token_texts.update(texts)
                 yield out
@@ -57,9 +63,9 @@ class Handle:
             self.abort()
 
     def abort(self) -> None:
-        if not self.finished:
-            self.finished = True
-            self.engine.abort(self.request_id)
+        if self._open:
+            self.engine.abort(*self._open)
+            self._open.clear()
 
 
 class AsyncEngine:
@@ -160,7 +166,13 @@ class AsyncEngine:
 
     # ------------------------------------------------------------------ event-loop side
     def add(self, request_id: str, prompt_ids: list[int], params: SamplingParams) -> Handle:
+        return self.add_all([(request_id, prompt_ids, params)])
+
+    def add_all(self, requests: list[tuple[str, list[int], SamplingParams]]) -> Handle:
+        """Add requests (id, prompt ids, parameters) whose outputs come through one stream:
+        all of them, or none if the core is dead."""
         queue: asyncio.Queue = asyncio.Queue()
+        loop = asyncio.get_running_loop()
         with self._lock:
             if self.dead is not None:
                 raise RuntimeError(self.dead)
@@ -169,21 +181,24 @@ class AsyncEngine:
             # core read them would otherwise restart the clock for ever.)
             if not self._streams and self._adds_acked == self._adds_sent:
                 self._last_progress = time.monotonic()
-            texts = params.logprobs is not None and self.tokenizer is not None
-            self._streams[request_id] = (asyncio.get_running_loop(), queue, texts)
-            self._outputs.add(request_id, params, prompt_ids)
-            self._adds_sent += 1
-        if self.request_log is not None:
-            self.request_log.add(request_id, prompt_ids, params.max_tokens)
-        self.client.add(AddRequest(request_id, prompt_ids, params, self.eos_token_id))
-        return Handle(self, request_id, queue)
+            for request_id, prompt_ids, params in requests:
+                texts = params.logprobs is not None and self.tokenizer is not None
+                self._streams[request_id] = (loop, queue, texts)
+                self._outputs.add(request_id, params, prompt_ids)
+            self._adds_sent += len(requests)
+        for request_id, prompt_ids, params in requests:
+            if self.request_log is not None:
+                self.request_log.add(request_id, prompt_ids, params.max_tokens)
+            self.client.add(AddRequest(request_id, prompt_ids, params, self.eos_token_id))
+        return Handle(self, [rid for rid, _, _ in requests], queue)
 
-    def abort(self, request_id: str) -> None:
+    def abort(self, *request_ids: str) -> None:
         with self._lock:
-            known = self._streams.pop(request_id, None) is not None
-            self._outputs.forget(request_id)
+            known = [rid for rid in request_ids if self._streams.pop(rid, None) is not None]
+            for rid in request_ids:
+                self._outputs.forget(rid)
         if known:
-            self.client.abort([request_id])
+            self.client.abort(known)
 
     def fail_all(self, message: str) -> None:
         """End every unfinished request with this error now, whatever state the core is in."""

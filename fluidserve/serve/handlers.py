@@ -10,7 +10,8 @@ import asyncio
 import json
 import logging
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from contextlib import contextmanager
+from dataclasses import dataclass, replace
 
 import jinja2
 from fastapi import Request
@@ -18,8 +19,9 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from fluidserve.config import ServerConfig
 from fluidserve.core.admission import admissible_blocks, admission_error, cache_room
+from fluidserve.sampling_params import SamplingParams
 from fluidserve.serve import responses as R
-from fluidserve.serve.async_engine import AsyncEngine
+from fluidserve.serve.async_engine import AsyncEngine, Handle
 from fluidserve.serve.inputs import PromptTokenizer, too_long
 from fluidserve.serve.metrics import ServerMetrics
 from fluidserve.serve.protocol import (
@@ -66,20 +68,44 @@ def precheck(state: ServerState, body: CompletionRequest | ChatCompletionRequest
         raise ApiError(503, "the server is shutting down", "service_unavailable")
     if state.engine.dead is not None:
         raise ApiError(503, f"the engine is down: {state.engine.dead}", "service_unavailable")
+    limit, choices = state.config.max_waiting_requests, num_choices(body)
+    if choices > limit:
+        raise ApiError(400, f"{choices} choices (prompts × n) in one request; at most"
+                       f" {limit} can wait to run at once (--max-waiting-requests)", param="n")
     waiting = state.engine.num_waiting + state.admitting  # admitting: being tokenized
-    if waiting >= state.config.max_waiting_requests:
-        raise ApiError(503, f"server overloaded: {waiting} requests waiting (limit"
-                       f" {state.config.max_waiting_requests}); retry later", "overloaded")
+    if waiting + choices > limit:
+        raise ApiError(503, f"server overloaded: {waiting} requests waiting (limit {limit});"
+                       " retry later", "overloaded")
 
 
-async def completion_ids(state: ServerState, body: CompletionRequest) -> list[int]:
-    prompt = body.the_prompt
-    if not isinstance(prompt, str):
-        return list(prompt)  # the schema bounds the ids and their number
-    if state.prompts.tokenizer is None:
-        raise ApiError(400, "this model has no tokenizer: send token ids", param="prompt")
-    _check_chars(state, len(prompt), "prompt")
-    return await state.prompts.encode(prompt)
+async def completion_ids(state: ServerState, body: CompletionRequest) -> list[list[int]]:
+    """Each prompt's ids, in order."""
+    prompts = body.prompts
+    for i, prompt in enumerate(prompts):
+        if isinstance(prompt, str):
+            with _which(i, len(prompts)):
+                if state.prompts.tokenizer is None:
+                    raise ApiError(400, "this model has no tokenizer: send token ids",
+                                   param="prompt")
+                _check_chars(state, len(prompt), "prompt")
+
+    async def ids(prompt: str | list[int]) -> list[int]:
+        # (token ids: the schema bounds them and their number)
+        return await state.prompts.encode(prompt) if isinstance(prompt, str) else list(prompt)
+
+    return list(await asyncio.gather(*(ids(p) for p in prompts)))
+
+
+@contextmanager
+def _which(index: int, num_prompts: int):
+    """An error about one prompt of several names it (as the schema's errors do)."""
+    try:
+        yield
+    except ApiError as e:
+        if num_prompts > 1:
+            e.message = f"prompt.{index}: {e.message}"
+            e.param = f"prompt.{index}" if e.param in ("prompt", None) else e.param
+        raise
 
 
 async def chat_ids(state: ServerState, body: ChatCompletionRequest) -> list[int]:
@@ -148,19 +174,59 @@ def _check_chars(state: ServerState, num_chars: int, param: str, num_messages: i
 
 async def generate(state: ServerState, body, request: Request, chat: bool) -> Response:
     precheck(state, body)
-    state.admitting += 1  # a drain waits for these too
+    choices = num_choices(body)
+    state.admitting += choices  # a drain waits for these too
     try:
-        ids = await (chat_ids(state, body) if chat else completion_ids(state, body))
-        handle, ctx = admit(state, body, ids, chat)
+        prompts = [await chat_ids(state, body)] if chat else await completion_ids(state, body)
+        handle, ctxs = admit(state, body, prompts, chat)
     finally:
-        state.admitting -= 1
+        state.admitting -= choices
     if body.streaming:
-        return StreamingResponse(_sse(handle, ctx, body), media_type="text/event-stream")
-    return await _complete(handle, ctx, request, body)
+        return StreamingResponse(_sse(handle, ctxs, body), media_type="text/event-stream")
+    return await _complete(handle, ctxs, request, body)
 
 
-def admit(state: ServerState, body, ids: list[int], chat: bool):
-    """Hand the request to the engine: (its output stream, its response context)."""
+def num_choices(body: CompletionRequest | ChatCompletionRequest) -> int:
+    """The requests the engine is to run for it: each prompt's samples."""
+    return body.num_samples * (len(body.prompts) if isinstance(body, CompletionRequest) else 1)
+
+
+def admit(state: ServerState, body, prompts: list[list[int]], chat: bool
+          ) -> tuple[Handle, dict[str, R.Context]]:
+    """Hand the request to the engine, each prompt's samples as requests of their own: its
+    output stream, and each engine request's choice. Every prompt is checked before any is
+    handed over."""
+    params = []
+    for i, ids in enumerate(prompts):
+        with _which(i, len(prompts)):
+            params.append(sampling_params(state, body, ids, chat))
+    rid = R.new_id("chatcmpl" if chat else "cmpl")
+    n = body.num_samples
+    children = []  # (engine request id, prompt ids, parameters), in the order of the choices
+    for ids, p in zip(prompts, params, strict=True):
+        for j in range(n):
+            child = rid if len(prompts) * n == 1 else f"{rid}-{len(children)}"
+            children.append((child, ids, p if j == 0 else replace(p, seed=_nth_seed(p.seed, j))))
+    if state.closed:
+        raise ApiError(503, "the server is shutting down", "service_unavailable")
+    try:
+        handle = state.engine.add_all(children)
+    except RuntimeError as e:  # the engine core died meanwhile
+        raise ApiError(503, f"the engine is down: {e}", "service_unavailable") from None
+    texts = handle.token_texts if state.prompts.tokenizer is not None else None
+    created = R.now()
+    return handle, {child: R.Context(rid, state.model_name, created, len(ids), chat, texts,
+                                     index=k, sample=k % n)
+                    for k, (child, ids, _) in enumerate(children)}
+
+
+def _nth_seed(seed: int | None, j: int) -> int | None:
+    """Sample j's seed (as vLLM's: seed + j), kept in int64."""
+    return None if seed is None else (seed + j + 2**63) % 2**64 - 2**63
+
+
+def sampling_params(state: ServerState, body, ids: list[int], chat: bool) -> SamplingParams:
+    """A prompt's sampling parameters, or the error that refuses it."""
     max_len = state.max_model_len
     if not ids:
         raise ApiError(400, "the prompt is empty", param="prompt")
@@ -192,52 +258,49 @@ def admit(state: ServerState, body, ids: list[int], chat: bool):
     why = admission_error(len(ids), max_tokens, max_len, info.block_size, admissible)
     if why is not None:
         raise ApiError(400, why, code=CONTEXT_LENGTH_EXCEEDED)
-    params = body.sampling_params(max_tokens, body.num_logprobs if chat else body.logprobs)
-    rid = R.new_id("chatcmpl" if chat else "cmpl")
-    if state.closed:
-        raise ApiError(503, "the server is shutting down", "service_unavailable")
-    try:
-        handle = state.engine.add(rid, ids, params)
-    except RuntimeError as e:  # the engine core died meanwhile
-        raise ApiError(503, f"the engine is down: {e}", "service_unavailable") from None
-    texts = handle.token_texts if state.prompts.tokenizer is not None else None
-    return handle, R.Context(rid, state.model_name, R.now(), len(ids), chat, texts)
+    return body.sampling_params(max_tokens, body.num_logprobs if chat else body.logprobs)
 
 
-async def _sse(handle, ctx: R.Context, body) -> AsyncIterator[str]:
-    def emit(chunk: dict, out=None) -> str:
+async def _sse(handle: Handle, choices: dict[str, R.Context], body) -> AsyncIterator[str]:
+    def emit(ctx: R.Context, chunk: dict, out=None) -> str:
         if body.continuous_usage:
             chunk["usage"] = R.usage(ctx.prompt_tokens, len(ctx.token_ids))
         if out is not None and out.finished and body.return_metrics:
             chunk["metrics"] = {"scheduling_delay": out.scheduling_delay}
         return _data(chunk)
 
-    if ctx.chat:
-        yield emit(R.chat_chunk(ctx, {"role": "assistant", "content": ""}, None))
+    for ctx in choices.values():
+        if ctx.chat:
+            yield emit(ctx, R.chat_chunk(ctx, {"role": "assistant", "content": ""}, None))
     try:
         async for out in handle:
-            if out.error is not None:
+            if out.error is not None:  # the stream ends: the other choices too
+                handle.abort()
                 yield _data(_failure_body(out))
                 break
+            ctx = choices[out.request_id]
             ctx.add(out)
             # One chunk per token, even when its text is held back (a partial character or
             # a possible stop string), so clients can time every token.
-            yield emit(R.stream_chunk(ctx, out), out)
+            yield emit(ctx, R.stream_chunk(ctx, out), out)
     except Exception as e:  # never leave a client with a silently truncated stream
-        log.exception("stream %s failed", ctx.id)
+        log.exception("stream %s failed", next(iter(choices.values())).id)
         handle.abort()
         yield _data(error_body(f"internal error: {e}", "internal_error", code=500))
-    if body.include_usage and handle.finished and ctx.finish_reason is not None:
-        yield _data(R.usage_chunk(ctx))
+    ended = all(c.finish_reason is not None for c in choices.values())
+    if body.include_usage and handle.finished and ended:
+        yield _data(R.usage_chunk(list(choices.values())))
     yield "data: [DONE]\n\n"
 
 
-async def _complete(handle, ctx: R.Context, request: Request, body) -> Response:
+async def _complete(handle: Handle, choices: dict[str, R.Context], request: Request,
+                    body) -> Response:
     async def consume():
         async for out in handle:
-            if out.error is not None:
+            if out.error is not None:  # the response fails: the other choices too
+                handle.abort()
                 return out
-            ctx.add(out)
+            choices[out.request_id].add(out)
         return None
 
     task = asyncio.ensure_future(consume())
@@ -251,9 +314,11 @@ async def _complete(handle, ctx: R.Context, request: Request, body) -> Response:
     if failed is not None:
         body = _failure_body(failed)
         return JSONResponse(body, status_code=body["error"]["code"])
-    resp = R.full_response(ctx)
-    if body.return_metrics:
-        resp["metrics"] = {"scheduling_delay": ctx.scheduling_delay}
+    resp = R.full_response(list(choices.values()))
+    if body.return_metrics:  # (of several choices: the one that waited longest)
+        resp["metrics"] = {"scheduling_delay": max(
+            (c.scheduling_delay for c in choices.values() if c.scheduling_delay is not None),
+            default=None)}
     return JSONResponse(resp)
 
 

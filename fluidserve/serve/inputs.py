@@ -129,14 +129,11 @@ def parse_body(raw: bytes, model: type[BaseModel]) -> BaseModel:
 
 
 def validation_error(errors: list) -> ApiError:
-    # A list of several prompts fails the one-prompt bound of the list alternatives: that is
-    # what is wrong with it; a list of ids that fails it is told by its bad ids instead.
-    batch = [e for e in errors if _one_prompt_bound(e)]
-    if batch and all(isinstance(x, str | list) for x in batch[0]["input"]):
-        return ApiError(400, f"prompt: a list of {len(batch[0]['input'])} prompts; one prompt"
-                        " per request is served (send each in a request of its own)",
-                        param="prompt")
-    errors = [e for e in errors if not _one_prompt_bound(e)] or errors
+    # Too many prompts is what is wrong with a list of prompts over the bound (not their ids).
+    for e in errors:
+        if _prompt_list_bound(e):
+            return ApiError(400, f"prompt: a list of {len(e['input'])} prompts; at most"
+                            f" {e['ctx']['max_length']} per request", param="prompt")
     # A part's wrong "type" tag says what is wrong ("image_url": only text parts), whatever
     # else that part lacks. Else, of a union's alternatives, the one whose type the value has
     # says best (17 stop strings: "at most 16 items", not "should be a valid string"), then
@@ -156,13 +153,13 @@ def validation_error(errors: list) -> ApiError:
     return ApiError(400, f"{where}: {msg}" if where else msg, param=where or None)
 
 
-def _one_prompt_bound(error: dict) -> bool:
-    """Whether the error is a list of prompts' bound of one (a window of two tokens bounds a
-    list of ids at one too: that list holds numbers)."""
+def _prompt_list_bound(error: dict) -> bool:
+    """Whether the error is a list of prompts' bound on their number (a list of ids over its
+    bound is a prompt too long for the window)."""
     value = error.get("input")
     return error.get("type") == "too_long" and error.get("loc", ())[:1] == ("prompt",) \
-        and error.get("ctx", {}).get("max_length") == 1 and isinstance(value, list) \
-        and not all(isinstance(x, int) and not isinstance(x, bool) for x in value)
+        and isinstance(value, list) and bool(value) \
+        and all(isinstance(x, str | list) for x in value)
 
 
 def _bound_distance(error: dict) -> float:

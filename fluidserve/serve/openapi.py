@@ -203,8 +203,9 @@ def generate_responses(response_model: type[BaseModel], chunk: type[BaseModel],
         200: {"model": response_model, "content": stream(chunk),
               "description": "The completion (JSON), or its stream (server-sent events)."},
         400: _error("Invalid request: malformed JSON, a value outside the schema, a prompt"
-                    " that does not fit the context window (code context_length_exceeded), or"
-                    " min_tokens above the max_tokens in force (param min_tokens)."),
+                    " that does not fit the context window (code context_length_exceeded),"
+                    " min_tokens above the max_tokens in force (param min_tokens), or more"
+                    " choices (prompts × n) than the server lets wait (param n)."),
         **(AUTH if protected else {}),
         404: _error("The model named is not the one this server serves."),
         **EVERY_ROUTE,

@@ -33,6 +33,8 @@ MAX_STOP_TOKEN_IDS = 1024
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 INT32_MAX = 2**31 - 1
 CONTEXT_LENGTH_EXCEEDED = "context_length_exceeded"
+MAX_N = 128  # samples per prompt (OpenAI's bound)
+MAX_PROMPTS = 1024  # prompts in one completion request
 
 def _integral(value):
     """JSON Schema's integers include 3.0: take it as 3 (strict mode still refuses 3.5, "3"
@@ -125,7 +127,10 @@ class _Common(BaseModel):
     stop_token_ids: Annotated[list[Int64], Field(max_length=MAX_STOP_TOKEN_IDS)] | None = Field(
         None, description="Tokens that end the request: each counts in the usage, its text is"
         " not part of the output.")
-    n: One | None = None
+    n: Int(ge=1, le=MAX_N) | None = Field(
+        None, description="Samples per prompt, each a choice of its own. With a seed, sample i"
+        " is drawn with seed + i (as vLLM draws them). Prompts × n may not exceed the"
+        " requests the server lets wait (--max-waiting-requests): above it, 400 with param n.")
     stream: bool | None = False
     stream_options: StreamOptions | None = Field(
         None, description="Only with stream=true.")
@@ -180,6 +185,10 @@ class _Common(BaseModel):
         )
 
     @property
+    def num_samples(self) -> int:
+        return self.n or 1
+
+    @property
     def stop_strings(self) -> list[str]:
         return [self.stop] if isinstance(self.stop, str) else (self.stop or [])
 
@@ -199,12 +208,16 @@ class _Common(BaseModel):
 
 class CompletionRequest(_Common):
     prompt: str | list[int] | list[str] | list[list[int]] = Field(
-        description="Text, or token ids; a list of one text or one list of token ids is the"
-        " same prompt. It must fit the context window once tokenized (else 400"
-        " context_length_exceeded).")
+        description="Text, or token ids, or a list of texts or of lists of token ids: one"
+        f" prompt each (at most {MAX_PROMPTS}, and at most the requests the server lets"
+        " wait), whose n choices come in the order of the"
+        " prompts (choice index = prompt index × n + sample index). Each must fit the context"
+        " window once tokenized (else 400 context_length_exceeded).")
     logprobs: Int(ge=0, le=MAX_LOGPROBS) | None = None
     echo: OnlyFalse | None = Field(False, description="Not supported: must be false.")
-    best_of: One | None = Field(None, description="Only 1 is supported.")
+    best_of: One | None = Field(
+        None, description="Only 1, whatever n (as vLLM: no sample is generated but those"
+        " returned; some clients send best_of 1 beside n).")
     suffix: Annotated[str, Field(max_length=0)] | None = Field(
         None, description="Not supported: must be empty.")
     add_special_tokens: OnlyTrue | None = Field(
@@ -212,9 +225,9 @@ class CompletionRequest(_Common):
         " special tokens (BOS); give token ids to send a prompt without them.")
 
     @property
-    def the_prompt(self) -> str | list[int]:
+    def prompts(self) -> list[str | list[int]]:
         p = self.prompt
-        return p[0] if isinstance(p, list) and p and isinstance(p[0], (str, list)) else p
+        return p if isinstance(p, list) and p and isinstance(p[0], (str, list)) else [p]
 
 
 class TextPart(BaseModel):
@@ -317,11 +330,13 @@ class DetokenizeRequest(BaseModel):
 
 @dataclass(frozen=True)
 class Limits:
-    """The model's bounds that the published schema states."""
+    """The model's and the server's bounds that the published schema states."""
 
     max_model_len: int
     vocab_size: int | None
     max_prompt_chars: int | None  # no text longer than this can fit (None: no bound known)
+    max_choices: int | None = None  # choices (prompts × n) that may wait at once, if fewer
+    # than MAX_PROMPTS and MAX_N allow
 
 
 def request_models(limits: Limits) -> tuple[type[CompletionRequest], type[ChatCompletionRequest]]:
@@ -329,6 +344,8 @@ def request_models(limits: Limits) -> tuple[type[CompletionRequest], type[ChatCo
     # Lists stop at their first bad item (fail_fast): a 4 MB list of junk is one error, not
     # two million (whose report alone held the event loop for ten seconds).
     room = limits.max_model_len - 1  # a prompt has at least one token
+    most = limits.max_choices or MAX_PROMPTS
+    num_prompts, samples = min(MAX_PROMPTS, most), Int(ge=1, le=min(MAX_N, most)) | None
     vocab = limits.vocab_size
     token = Int(ge=0, le=vocab - 1) if vocab else Int(ge=0)
     ids = Annotated[list[token], Field(min_length=1, max_length=room, fail_fast=True)]
@@ -347,10 +364,14 @@ def request_models(limits: Limits) -> tuple[type[CompletionRequest], type[ChatCo
                 Field(None, description=stop_ids_field.description))
     completion = create_model(
         "CompletionRequest", __base__=CompletionRequest,
-        prompt=(text | ids | Annotated[list[text], Field(min_length=1, max_length=1)]
-                | Annotated[list[ids], Field(min_length=1, max_length=1)],
+        prompt=(text | ids
+                | Annotated[list[text], Field(min_length=1, max_length=num_prompts,
+                                              fail_fast=True)]
+                | Annotated[list[ids], Field(min_length=1, max_length=num_prompts,
+                                             fail_fast=True)],
                 Field(description=prompt_field.description)),
-        max_tokens=(new_tokens, None), stop_token_ids=stop_ids)
+        max_tokens=(new_tokens, None), stop_token_ids=stop_ids,
+        n=(samples, Field(None, description=CompletionRequest.model_fields["n"].description)))
     chat = create_model(
         "ChatCompletionRequest", __base__=ChatCompletionRequest,
         # Every message takes at least one token of the prompt (its role, as the template
@@ -358,7 +379,8 @@ def request_models(limits: Limits) -> tuple[type[CompletionRequest], type[ChatCo
         messages=(Annotated[list[message], Field(min_length=1, max_length=room,
                                                  fail_fast=True)], ...),
         max_tokens=(new_tokens, None), max_completion_tokens=(new_tokens, None),
-        stop_token_ids=stop_ids)
+        stop_token_ids=stop_ids,
+        n=(samples, Field(None, description=ChatCompletionRequest.model_fields["n"].description)))
     return completion, chat
 
 

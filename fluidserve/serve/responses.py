@@ -9,20 +9,22 @@ from fluidserve.engine.output import RequestOutput
 from fluidserve.serve.protocol import new_id, now, usage
 
 __all__ = ["Context", "chat_chunk", "full_response", "model_list", "new_id", "now",
-           "stream_chunk", "usage", "usage_chunk"]
+           "stream_chunk", "total_usage", "usage", "usage_chunk"]
 
 
 @dataclass
 class Context:
-    """Everything one response needs, accumulated from the request's outputs."""
+    """Everything one choice of a response needs, accumulated from its request's outputs."""
 
-    id: str
+    id: str  # the response's (every choice's)
     model: str
     created: int
     prompt_tokens: int
     chat: bool
     texts: dict[int, str] | None  # token id -> text, decoded off the event loop (None: no
     # tokenizer, a token is shown as its id)
+    index: int = 0  # the choice's
+    sample: int = 0  # of its prompt's samples (the first counts the prompt in the usage)
     text: str = ""
     token_ids: list[int] = field(default_factory=list)
     finish_reason: str | None = None
@@ -109,37 +111,44 @@ def stream_chunk(ctx: Context, out: RequestOutput) -> dict:
         delta = {"content": out.new_text} if out.new_text else {}
         return chat_chunk(ctx, delta, reason, _chat_logprobs(ctx, ctx._new_logprobs))
     lp = _completion_logprobs(ctx, ctx._new_logprobs, ctx._offset)
-    choice = {"index": 0, "text": out.new_text, "logprobs": lp, "finish_reason": reason}
+    choice = {"index": ctx.index, "text": out.new_text, "logprobs": lp, "finish_reason": reason}
     return _envelope(ctx, "text_completion", [choice], None)
 
 
 def chat_chunk(ctx: Context, delta: dict, reason: str | None, logprobs: dict | None = None):
-    choice = {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": reason}
+    choice = {"index": ctx.index, "delta": delta, "logprobs": logprobs, "finish_reason": reason}
     return _envelope(ctx, "chat.completion.chunk", [choice])
 
 
-def usage_chunk(ctx: Context) -> dict:
-    obj = "chat.completion.chunk" if ctx.chat else "text_completion"
-    return _envelope(ctx, obj, [], usage(ctx.prompt_tokens, len(ctx.token_ids)))
+def total_usage(choices: list[Context]) -> dict:
+    """Each prompt's tokens once (however many samples it has), every choice's output."""
+    return usage(sum(c.prompt_tokens for c in choices if c.sample == 0),
+                 sum(len(c.token_ids) for c in choices))
 
 
-def full_response(ctx: Context) -> dict:
-    u = usage(ctx.prompt_tokens, len(ctx.token_ids))
-    if ctx.chat:
-        choice = {
-            "index": 0,
-            "message": {"role": "assistant", "content": ctx.text},
-            "logprobs": _chat_logprobs(ctx, ctx.logprobs),
-            "finish_reason": ctx.finish_reason,
-        }
-        return _envelope(ctx, "chat.completion", [choice], u)
-    choice = {
-        "index": 0,
-        "text": ctx.text,
-        "logprobs": _completion_logprobs(ctx, ctx.logprobs, 0),
-        "finish_reason": ctx.finish_reason,
-    }
-    return _envelope(ctx, "text_completion", [choice], u)
+def usage_chunk(choices: list[Context]) -> dict:
+    first = choices[0]
+    obj = "chat.completion.chunk" if first.chat else "text_completion"
+    return _envelope(first, obj, [], total_usage(choices))
+
+
+def full_response(choices: list[Context]) -> dict:
+    first = choices[0]
+    if first.chat:
+        items = [{
+            "index": c.index,
+            "message": {"role": "assistant", "content": c.text},
+            "logprobs": _chat_logprobs(c, c.logprobs),
+            "finish_reason": c.finish_reason,
+        } for c in choices]
+        return _envelope(first, "chat.completion", items, total_usage(choices))
+    items = [{
+        "index": c.index,
+        "text": c.text,
+        "logprobs": _completion_logprobs(c, c.logprobs, 0),
+        "finish_reason": c.finish_reason,
+    } for c in choices]
+    return _envelope(first, "text_completion", items, total_usage(choices))
 
 
 def model_list(names: tuple[str, ...], max_model_len: int, root: str | None = None) -> dict:

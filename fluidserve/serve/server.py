@@ -50,7 +50,8 @@ def build_app(engine: AsyncEngine, config: ServerConfig, model_name: str) -> Fas
     info = engine.info
     model_root = str(Path(engine.config.model.model).resolve())
     room = info.max_model_len - 1
-    bodies = BodyParser(Limits(info.max_model_len, info.vocab_size, prompts.max_chars(room)))
+    bodies = BodyParser(Limits(info.max_model_len, info.vocab_size, prompts.max_chars(room),
+                               config.max_waiting_requests))
     completion_model, chat_model = bodies.models["completion"], bodies.models["chat"]
 
     @asynccontextmanager

@@ -43,6 +43,7 @@ class Request:
     token_times: list[float] = field(default_factory=list)
     finish_time: float | None = None
     num_preemptions: int = 0
+    num_cached_tokens: int = 0  # found in the prefix cache when it was last admitted
     error: str | None = None
 
     def shift_times(self, dt: float) -> None:

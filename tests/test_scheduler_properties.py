@@ -19,7 +19,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from fluidserve.core.block_manager import BlockManager
+from fluidserve.core.block_manager import make_block_manager
 from fluidserve.core.scheduler import (
     SCHEDULER_REGISTRY,
     RequestRejected,
@@ -125,6 +125,9 @@ def scenarios(draw) -> tuple[dict, list]:
         policy=draw(st.sampled_from(["fcfs", "sjf", "ljf"])),
         max_model_len=draw(st.sampled_from([48, 4096, 4096])),
         depth=draw(st.sampled_from([1, 1, 2, 3])),  # iterations in flight (pipeline stages)
+        # Every prompt is the same token repeated: with prefix caching most requests start
+        # with blocks another computed, or their own from before a preemption.
+        prefix_caching=draw(st.booleans()),
     )
     return cfg, program
 
@@ -134,7 +137,8 @@ class Harness:
 
     def __init__(self, name: str, cfg: dict) -> None:
         self.name, self.cfg = name, cfg
-        self.bm = BlockManager(cfg["num_blocks"], cfg["block_size"], cfg["watermark"])
+        self.bm = make_block_manager(cfg["num_blocks"], cfg["block_size"], cfg["watermark"],
+                                     cfg["prefix_caching"])
         limits = SchedulerLimits(cfg["budget"], cfg["max_num_seqs"], cfg["max_model_len"],
                                  cfg["tile"], cfg["policy"])
         self.s = make_scheduler(name, limits, self.bm)
@@ -261,15 +265,25 @@ class Harness:
         for rid, req in self.reqs.items():
             assert req.num_preemptions == self.preempted.get(rid, 0)
         assert s.num_preemptions == sum(self.preempted.values())
-        tables = [set(c.block_table) for c in plan.chunks]
+        # The blocks a chunk writes are its own (others may share the full blocks before).
+        bs = self.bm.block_size
+        tables = [set(c.block_table[c.start // bs:]) for c in plan.chunks]
         assert sum(map(len, tables)) == len(set().union(*tables)), "block tables overlap"
+        if self.bm.prefix_caching:
+            for c in plan.chunks:
+                written = c.block_table[c.start // bs:]
+                assert all(self.bm._refs[b] == 1 for b in written), "a shared block is written"
+                assert not set(written) & set(self.bm._key), "a cached block is written"
         for c in plan.chunks:
             req = self.reqs[c.request_id]
             assert req.status is RequestStatus.RUNNING and req in s.running
             assert c.start == req.num_computed_tokens and c.num_tokens >= 1
             assert c.token_ids == tuple(req.token_slice(c.start, c.context_len))
             assert c.samples == (c.context_len == req.num_tokens)
-            assert c.is_decode == (req.is_decode and c.num_tokens == 1)
+            # (A preempted request readmitted with all but its last token cached computes it
+            # in a prefill chunk, its first.)
+            assert c.is_decode == (req.is_decode and c.num_tokens == 1) or (
+                not c.is_decode and req.num_cached_tokens == c.start > 0)
             assert c.output_index == len(req.output_token_ids)
             assert c.params is req.params and c.seed == req.seed
             # Exactly the blocks its tokens need: no block is handed out early.
@@ -283,7 +297,9 @@ class Harness:
             # Stall-free and request-level batching run every running decode each iteration
             # (prefill-first ones in every iteration without prefills).
             decodes = {r.request_id for r in s.running if r.is_decode}
-            assert decodes <= {c.request_id for c in plan.chunks if c.is_decode}, "a decode stalled"
+            # (or just admitted with all but its last token cached: a prefill chunk samples it)
+            served = {c.request_id for c in plan.chunks if c.is_decode or c.samples}
+            assert decodes <= served, "a decode stalled"
         running = RequestStatus.RUNNING
         admitted = [rid for rid, status in before.items()
                     if status is RequestStatus.WAITING and self.reqs[rid].status is running]
@@ -348,8 +364,15 @@ class Harness:
             if rid not in self.aborted and not req.status.finished:
                 assert len(out) < spec.expected_end()[0], f"{rid} missed its stop"
         bm.check_invariants(computed)
-        owned = sum(len(bm.table(rid)) for rid in running)
-        assert owned == bm.num_blocks - bm.num_free_blocks
+        owned = {b for rid in running for b in bm.table(rid)}
+        assert len(owned) == bm.num_blocks - bm.num_free_blocks
+        if bm.prefix_caching:  # a cached block holds the tokens its key says, KV computed
+            for rid in running:
+                req, table = self.reqs[rid], bm.table(rid)
+                for i, b in enumerate(table[:req.num_computed_tokens // bm.block_size]):
+                    if b in bm._key:
+                        assert bm._key[b][1] == tuple(req.token_slice(
+                            i * bm.block_size, (i + 1) * bm.block_size)), "a block's key lies"
 
 
 @pytest.mark.parametrize("name", sorted(SCHEDULER_REGISTRY))

@@ -97,6 +97,12 @@ class CacheConfig:
         1.0, "Memory for the KV cache in GiB (per worker), used when --num-kv-blocks is not"
         " given; at most what --max-num-seqs sequences of the context window can fill.")
     watermark: float = knob(0.01, "Fraction of KV blocks kept free when admitting new requests.")
+    enable_prefix_caching: bool = knob(
+        False, "Keep the KV of full blocks after their request ends and start a new request"
+        " whose tokens begin the same way (a shared system prompt, an earlier turn of the"
+        " chat, the other samples of n, a preempted request's own tokens) from it, computing"
+        " only the rest; the blocks are reused for other tokens least recently freed first."
+        " Not with --disaggregate, nor in `simulate` (its requests are lengths, not tokens).")
 
     def __post_init__(self) -> None:
         require_positive("block_size", self.block_size)
@@ -242,6 +248,9 @@ class EngineConfig:
             raise ConfigError("--async-scheduling runs the model in one process: it does not"
                               " combine with --tensor-parallel-size/--pipeline-parallel-size"
                               " > 1 or --disaggregate")
+        if self.cache.enable_prefix_caching and self.disagg.disaggregate:
+            raise ConfigError("--enable-prefix-caching does not combine with --disaggregate"
+                              " (a decode instance's blocks arrive from a prefill instance)")
         if self.disagg.disaggregate:
             sc = self.scheduler
             moot = [flag for flag, given in (

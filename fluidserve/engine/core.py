@@ -18,7 +18,7 @@ from concurrent.futures import wait as futures_wait
 from typing import Protocol
 
 from fluidserve.config import ConfigError, EngineConfig
-from fluidserve.core.block_manager import BlockManager
+from fluidserve.core.block_manager import make_block_manager
 from fluidserve.core.scheduler import (
     RequestRejected,
     RunnerOutput,
@@ -122,8 +122,9 @@ class EngineCore:
         limits = SchedulerLimits(AUTO_MAX_BUDGET if auto else sc.token_budget, sc.max_num_seqs,
                                  self.max_model_len, sc.tile_size, sc.queue_policy,
                                  sc.queue_window)
-        self.block_manager = BlockManager(executor.num_blocks, executor.block_size,
-                                          config.cache.watermark)
+        self.block_manager = make_block_manager(executor.num_blocks, executor.block_size,
+                                                config.cache.watermark,
+                                                config.cache.enable_prefix_caching)
         self.scheduler = (scheduler_factory or (lambda lim, bm: make_scheduler(sc.policy, lim, bm))
                           )(limits, self.block_manager)
         self.budget, self._budget_model = None, None
@@ -368,10 +369,12 @@ class EngineCore:
     def stats(self) -> SchedulerStats:
         s = self.scheduler
         b = self.budget
-        return SchedulerStats(len(s.running), s.num_waiting, self.block_manager.usage,
+        bm = self.block_manager
+        return SchedulerStats(len(s.running), s.num_waiting, bm.usage,
                               s.num_preemptions, len(s.requests),
                               b.last if b is not None else s.limits.token_budget,
-                              b.unreachable if b is not None else 0)
+                              b.unreachable if b is not None else 0,
+                              bm.queries, bm.hits)
 
     def make_outputs(self, deltas: list[RequestDelta]) -> EngineCoreOutputs:
         """An outputs message: these deltas, plus statistics when ``collect_stats`` is on."""

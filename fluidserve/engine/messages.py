@@ -98,6 +98,8 @@ class SchedulerStats:
     num_unfinished: int
     token_budget: int = 0  # of the last iteration (--token-budget auto chooses it each time)
     slo_unreachable: int = 0  # iterations where even decode-only work missed the TBT SLO
+    prefix_cache_queries: int = 0  # tokens of admitted requests looked up, since start
+    prefix_cache_hits: int = 0  # of which found in the prefix cache
 
 
 @dataclass(slots=True)

@@ -24,6 +24,12 @@ class ServerMetrics:
         self.waiting = Gauge(p + "num_requests_waiting", "Requests waiting", registry=r)
         self.kv_usage = Gauge(p + "kv_cache_usage", "Fraction of KV blocks in use", registry=r)
         self.preemptions = Counter(p + "preemptions", "Preemptions (recompute)", registry=r)
+        self.prefix_queries = Counter(
+            p + "prefix_cache_queries", "Tokens of admitted requests looked up in the prefix"
+            " cache (--enable-prefix-caching)", registry=r)
+        self.prefix_hits = Counter(
+            p + "prefix_cache_hits", "Tokens found in the prefix cache, not computed again",
+            registry=r)
         self.token_budget = Gauge(p + "token_budget", "Token budget of the last iteration"
                                   " (chosen per iteration with --token-budget auto)", registry=r)
         self.slo_unreachable = Gauge(
@@ -52,7 +58,7 @@ class ServerMetrics:
             p + "internal_errors", "Front-end errors caught and survived, by where", ["where"],
             registry=r,
         )
-        self._preempted = 0
+        self._preempted = self._queried = self._hit = 0
 
     def observe(self, outs: EngineCoreOutputs) -> None:
         """Update from one engine-core outputs message (called on the client's reader thread)."""
@@ -63,6 +69,9 @@ class ServerMetrics:
             self.kv_usage.set(st.kv_cache_usage)
             self.preemptions.inc(st.num_preemptions - self._preempted)
             self._preempted = st.num_preemptions
+            self.prefix_queries.inc(st.prefix_cache_queries - self._queried)
+            self.prefix_hits.inc(st.prefix_cache_hits - self._hit)
+            self._queried, self._hit = st.prefix_cache_queries, st.prefix_cache_hits
             self.token_budget.set(st.token_budget)
             self.slo_unreachable.set(st.slo_unreachable)
         for n in outs.iteration_tokens:

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 from fluidserve.bench.records import RequestRecord
 from fluidserve.bench.workload import WorkloadRequest
-from fluidserve.config import EngineConfig
+from fluidserve.config import ConfigError, EngineConfig
 from fluidserve.core.scheduler import RequestRejected, RunnerOutput, SchedulerOutput
 from fluidserve.engine.budget import cost_model_budget
 from fluidserve.engine.core import EngineCore, VirtualClock
@@ -96,6 +96,9 @@ def simulate(work: list[WorkloadRequest], config: EngineConfig, executor: CostMo
     """Run the workload through the engine core on a virtual clock: requests join at their
     arrival times, the pipeline is kept full, and the clock moves to the next batch
     completion or the next arrival, whichever comes first."""
+    if config.cache.enable_prefix_caching:
+        raise ConfigError("the simulator's requests are lengths, not tokens: prefix caching"
+                          " would find every prompt cached (--enable-prefix-caching)")
     clock = VirtualClock()
     executor.clock = clock
     budget = None

@@ -177,12 +177,16 @@ class Scheduler(ABC):
         touched = []
         requests, running, sampled = self.requests, RequestStatus.RUNNING, result.sampled
         advance = not self.async_scheduling  # (else ``schedule`` advanced them)
+        commit = self.bm.commit if self.bm.prefix_caching else None
         for chunk in output.chunks:
             req = requests.get(chunk.request_id)
             if req is None or req.status is not running or chunk.epoch != req.num_preemptions:
                 continue  # aborted (or preempted, and admitted again) while the iteration ran
             if advance:
                 req.num_computed_tokens += len(chunk.token_ids)
+            if commit is not None:  # its KV is written up to the chunk's end: cache it
+                # (the tokens there are known: each was written in before it was computed)
+                commit(chunk.request_id, chunk.start + len(chunk.token_ids), req.token_slice)
             if not chunk.samples:
                 continue
             token = sampled[chunk.request_id]
@@ -240,9 +244,18 @@ class Scheduler(ABC):
         as those decodes ran."""
         if len(self.running) >= self.limits.max_num_seqs:
             return False
-        if not self.bm.can_allocate(req.request_id, req.num_tokens, admit=True):
+        bm = self.bm
+        # With prefix caching, its tokens' longest cached prefix is not computed again (the
+        # chunk granted shrinks with what is left).
+        prefix = bm.match(req.token_slice(0, req.num_tokens)) if bm.prefix_caching else ()
+        if not bm.can_admit(req.request_id, req.num_tokens, prefix):
             return False
-        self.bm.allocate(req.request_id, req.num_computed_tokens + n)
+        if bm.prefix_caching:
+            bm.adopt(req.request_id, prefix, req.num_tokens)
+            req.num_computed_tokens = len(prefix) * bm.block_size
+            req.num_cached_tokens = req.num_computed_tokens
+            n = min(n, req.num_remaining)
+        bm.allocate(req.request_id, req.num_computed_tokens + n)
         self.waiting.remove(req.request_id)
         self.running.append(req)
         req.status = RequestStatus.RUNNING

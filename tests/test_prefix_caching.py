@@ -1,0 +1,151 @@
+"""Prefix caching: full KV blocks outlive their requests and start the next request whose
+tokens begin alike. Outputs must be the uncached engine's, token for token, whatever the
+policy, budget, preemption or asynchronous scheduling; nothing may leak."""
+
+from __future__ import annotations
+
+import httpx
+import pytest
+
+from fluidserve.config import SCHEDULERS, ConfigError, EngineConfig
+from fluidserve.core.block_manager import PrefixCachingBlockManager
+from fluidserve.engine.llm import LLM
+from fluidserve.sampling_params import SamplingParams
+from tests.test_engine import PROMPTS, greedy
+
+from .server_utils import InProcessServer, metric_values
+
+SYSTEM = ("You are a careful assistant. Answer in plain words, check every number twice, and"
+          " say so when you do not know. Keep answers short.\n")
+SHARED = [SYSTEM + p for p in PROMPTS]
+GREEDY = [greedy(i) for i in range(len(PROMPTS))]
+
+
+def test_a_prefix_is_found_by_its_tokens_and_every_block_before():
+    bm = PrefixCachingBlockManager(num_blocks=8, block_size=2)
+    a = [1, 2, 3, 4, 5]
+    assert bm.match(a) == [] and bm.can_admit("a", len(a), [])
+    bm.adopt("a", [], len(a))
+    bm.allocate("a", 5)
+    bm.commit("a", 5, lambda s, e: a[s:e])  # blocks [1, 2] and [3, 4]: full, registered
+    first = bm.table("a")
+    assert bm.match([1, 2, 3, 4, 9]) == list(first[:2])
+    assert bm.match([1, 2, 3, 9, 9]) == [first[0]]
+    assert bm.match([7, 7, 3, 4, 9]) == []  # [3, 4] after another block is another prefix
+    assert bm.match([1, 2, 3, 4]) == [first[0]]  # the last token is always computed
+    bm.free("a")
+    assert bm.num_free_blocks == 8 and bm.usage == 0.0
+    bm.check_invariants()
+    # A new request starts with the cached blocks; reviving them takes from the free count.
+    prefix = bm.match([1, 2, 3, 4, 6, 6])
+    bm.adopt("b", prefix, 6)
+    assert bm.allocate("b", 6) and bm.table("b")[:2] == first[:2]
+    assert bm.num_free_blocks == 5 and (bm.queries, bm.hits) == (11, 4)
+    bm.check_invariants({"b": 4})
+
+
+def test_cached_blocks_are_reused_last_when_memory_runs_out_tail_first():
+    bm = PrefixCachingBlockManager(num_blocks=4, block_size=1)
+    tokens = [1, 2, 3]
+    bm.allocate("a", 3)
+    bm.commit("a", 3, lambda s, e: tokens[s:e])
+    head, mid, tail = bm.table("a")
+    bm.free("a")
+    assert bm.allocate("x", 1) and bm.table("x") not in ((head,), (mid,), (tail,))  # a free one
+    assert bm.allocate("y", 1) and bm.table("y") == (tail,)  # the prefix's tail goes first
+    assert bm.match([1, 2, 3, 0]) == [head, mid]
+    bm.check_invariants()
+    # Two blocks holding the same tokens: the first registered stays the one found.
+    bm.free("x")
+    bm.free("y")
+    bm.allocate("c", 2)
+    bm.commit("c", 2, lambda s, e: [1, 2][s:e])
+    assert bm.match([1, 2, 3]) == [head, mid]
+    bm.check_invariants()
+
+
+def test_admission_counts_the_cached_blocks_it_revives():
+    bm = PrefixCachingBlockManager(num_blocks=4, block_size=2)
+    bm.allocate("a", 4)
+    bm.commit("a", 4, lambda s, e: [1, 2, 3, 4][s:e])
+    bm.free("a")
+    prefix = bm.match([1, 2, 3, 4, 5, 6, 7, 8, 9])
+    assert len(prefix) == 2
+    # 5 blocks for 9 tokens, 2 cached: 3 more, out of 4 free of which 2 are the prefix's own.
+    assert not bm.can_admit("b", 9, prefix)
+    assert bm.can_admit("b", 7, prefix)  # 4 blocks: 2 cached + 2 free
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_model_dir):
+    llm = LLM(model=str(tiny_model_dir), scheduler="sarathi", token_budget=4096)
+    return [o.token_ids for o in llm.generate(SHARED, GREEDY)]
+
+
+def expected_hits(llm: LLM, first: list[int], block: int) -> int:
+    """Tokens each shared prompt finds cached after the first one ran alone: its common
+    prefix with the first, in whole blocks, all but its last token."""
+    hits = 0
+    for p in SHARED:
+        ids = llm.tokenizer.encode(p)
+        common = next((i for i, (x, y) in enumerate(zip(ids, first, strict=False)) if x != y),
+                      min(len(ids), len(first)))
+        hits += min(common, len(ids) - 1) // block * block
+    return hits
+
+
+@pytest.mark.parametrize("scheduler", SCHEDULERS)
+def test_greedy_outputs_with_prefix_caching_are_the_uncached_ones(
+        tiny_model_dir, reference, scheduler):
+    llm = LLM(model=str(tiny_model_dir), scheduler=scheduler, token_budget=37, block_size=8,
+              enable_prefix_caching=True)
+    assert [o.token_ids for o in llm.generate(SHARED[:1], GREEDY[:1])] == reference[:1]
+    bm = llm.engine.block_manager
+    assert bm.hits == 0
+    first = llm.tokenizer.encode(SHARED[0]) + list(reference[0])
+    assert [o.token_ids for o in llm.generate(SHARED, GREEDY)] == reference
+    assert bm.hits >= expected_hits(llm, first, 8) > 8 * len(SHARED)
+    assert bm.num_free_blocks == bm.num_blocks
+    bm.check_invariants()
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_preempted_requests_start_again_from_their_own_cached_blocks(
+        tiny_model_dir, async_scheduling):
+    ref = [o.token_ids for o in LLM(model=str(tiny_model_dir), token_budget=4096).generate(
+        PROMPTS, GREEDY)]
+    llm = LLM(model=str(tiny_model_dir), token_budget=32, block_size=8, num_kv_blocks=10,
+              enable_prefix_caching=True, async_scheduling=async_scheduling)
+    outs = llm.generate(PROMPTS, GREEDY)
+    assert llm.engine.scheduler.num_preemptions > 0
+    assert [o.token_ids for o in outs] == ref
+    bm = llm.engine.block_manager
+    assert bm.hits > 0 and bm.num_free_blocks == bm.num_blocks
+    bm.check_invariants()
+
+
+def test_a_served_conversation_finds_its_earlier_turn_cached(tiny_model_dir):
+    history = [{"role": "system", "content": SYSTEM * 3},
+               {"role": "user", "content": "Why is the sky blue?"}]
+    body = {"messages": history, "max_tokens": 6, "temperature": 0, "ignore_eos": True}
+    with InProcessServer(tiny_model_dir, engine_kw={"enable_prefix_caching": True}) as srv:
+        cold = httpx.post(srv.url + "/v1/chat/completions", json=body, timeout=60).json()
+        m = metric_values(httpx.get(srv.url + "/metrics").text)
+        assert m["fluidserve_prefix_cache_hits_total"] == 0
+        queried = m["fluidserve_prefix_cache_queries_total"]
+        assert queried == cold["usage"]["prompt_tokens"]
+        warm = httpx.post(srv.url + "/v1/chat/completions", json=body, timeout=60).json()
+        assert warm["choices"][0]["message"] == cold["choices"][0]["message"]
+        m = metric_values(httpx.get(srv.url + "/metrics").text)
+        block = 8  # (the test server's)
+        assert m["fluidserve_prefix_cache_hits_total"] == (queried - 1) // block * block
+        assert srv.kv_idle()
+
+
+def test_prefix_caching_is_refused_where_it_cannot_hold():
+    with pytest.raises(ConfigError, match="--disaggregate"):
+        EngineConfig.create(enable_prefix_caching=True, disaggregate=True)
+    from fluidserve.sim.simulate import simulate
+
+    with pytest.raises(ConfigError, match="lengths, not tokens"):
+        simulate([], EngineConfig.create(enable_prefix_caching=True), executor=None)

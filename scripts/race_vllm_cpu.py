@@ -243,17 +243,20 @@ def capacity(url: str, model: Path, out: Path, tag: str, start_rate: float, num_
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
-def machine() -> dict:
-    import torch
-
-    cpu = platform.processor()
+def cpu_name() -> str:
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
             if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
+                return line.split(":", 1)[1].strip()
     except OSError:
         pass
+    return platform.processor()
+
+
+def machine() -> dict:
+    import torch
+
+    cpu = cpu_name()
     x = torch.ones(256 << 20, dtype=torch.float32)  # 1 GiB, far beyond any cache
     x.sum()
     t = time.perf_counter()

@@ -124,15 +124,17 @@ class Server:
         self.log.close()
 
 
-def vllm_server(venv: Path, model: Path, budget: int | None, out: Path) -> Server:
+def vllm_server(venv: Path, model: Path, budget: int | None, out: Path,
+                prefix_caching: bool = False) -> Server:
     port = free_port()
     cmd = [str(venv / "bin" / "vllm"), "serve", str(model), "--host", "127.0.0.1", "--port",
            str(port), "--dtype", "bfloat16", "--max-model-len", str(MAX_MODEL_LEN),
-           "--no-enable-prefix-caching", "--served-model-name", MODEL_NAME]
+           "--enable-prefix-caching" if prefix_caching else "--no-enable-prefix-caching",
+           "--served-model-name", MODEL_NAME]
     if budget is not None:
         cmd += ["--max-num-batched-tokens", str(budget)]
     env = {"VLLM_CPU_KVCACHE_SPACE": str(KV_GIB), "VLLM_CPU_OMP_THREADS_BIND": "0-1"}
-    name = f"vllm-{budget or 'default'}"
+    name = f"vllm-{budget or 'default'}" + ("-prefix-caching" if prefix_caching else "")
     s = Server(name, cmd, env, out / f"{name}.log")
     s.port = port
     return s

@@ -43,7 +43,8 @@ class Request:
     token_times: list[float] = field(default_factory=list)
     finish_time: float | None = None
     num_preemptions: int = 0
-    num_cached_tokens: int = 0  # found in the prefix cache when it was last admitted
+    num_cached_tokens: int | None = None  # found in the prefix cache when first admitted
+    # (None: prefix caching is off, or it has not been admitted)
     error: str | None = None
 
     def shift_times(self, dt: float) -> None:

@@ -4,13 +4,14 @@ policy, budget, preemption or asynchronous scheduling; nothing may leak."""
 
 from __future__ import annotations
 
+import json
+
 import httpx
 import pytest
 
 from fluidserve.config import SCHEDULERS, ConfigError, EngineConfig
 from fluidserve.core.block_manager import PrefixCachingBlockManager
 from fluidserve.engine.llm import LLM
-from fluidserve.sampling_params import SamplingParams
 from tests.test_engine import PROMPTS, greedy
 
 from .server_utils import InProcessServer, metric_values
@@ -103,7 +104,9 @@ def test_greedy_outputs_with_prefix_caching_are_the_uncached_ones(
     bm = llm.engine.block_manager
     assert bm.hits == 0
     first = llm.tokenizer.encode(SHARED[0]) + list(reference[0])
-    assert [o.token_ids for o in llm.generate(SHARED, GREEDY)] == reference
+    outs = llm.generate(SHARED, GREEDY)
+    assert [o.token_ids for o in outs] == reference
+    assert bm.hits == sum(o.num_cached_tokens for o in outs)
     assert bm.hits >= expected_hits(llm, first, 8) > 8 * len(SHARED)
     assert bm.num_free_blocks == bm.num_blocks
     bm.check_invariants()
@@ -138,7 +141,16 @@ def test_a_served_conversation_finds_its_earlier_turn_cached(tiny_model_dir):
         assert warm["choices"][0]["message"] == cold["choices"][0]["message"]
         m = metric_values(httpx.get(srv.url + "/metrics").text)
         block = 8  # (the test server's)
-        assert m["fluidserve_prefix_cache_hits_total"] == (queried - 1) // block * block
+        found = (queried - 1) // block * block
+        assert m["fluidserve_prefix_cache_hits_total"] == found
+        # As vLLM reports them: the prompt's tokens found cached, in the usage.
+        assert cold["usage"]["prompt_tokens_details"] == {"cached_tokens": 0}
+        assert warm["usage"]["prompt_tokens_details"] == {"cached_tokens": found}
+        chunks = [line for line in httpx.post(
+            srv.url + "/v1/chat/completions", timeout=60, json=body | {
+                "stream": True, "stream_options": {"include_usage": True}}).text.splitlines()
+            if line.startswith("data: {")]
+        assert json.loads(chunks[-1][6:])["usage"] == warm["usage"]
         assert srv.kv_idle()
 
 

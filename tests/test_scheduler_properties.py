@@ -283,7 +283,8 @@ class Harness:
             # (A preempted request readmitted with all but its last token cached computes it
             # in a prefill chunk, its first.)
             assert c.is_decode == (req.is_decode and c.num_tokens == 1) or (
-                not c.is_decode and req.num_cached_tokens == c.start > 0)
+                not c.is_decode and before[c.request_id] is RequestStatus.WAITING
+                and c.start > 0 and self.bm.prefix_caching)
             assert c.output_index == len(req.output_token_ids)
             assert c.params is req.params and c.seed == req.seed
             # Exactly the blocks its tokens need: no block is handed out early.

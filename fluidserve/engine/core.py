@@ -325,6 +325,7 @@ class EngineCore:
                 d.tbt = times[-1] - times[-2]
             if req.status.finished:
                 d.scheduling_delay = req.first_scheduled_time - req.arrival_time
+                d.num_cached_tokens = req.num_cached_tokens
                 self._record_finished(req)
             deltas.append(d)
         return self.make_outputs(deltas)

@@ -22,6 +22,7 @@ class CompletionOutput:
     error: str | None = None
     metrics: RequestLatency | None = None
     logprobs: list = field(default_factory=list)
+    num_cached_tokens: int | None = None  # with prefix caching: prompt tokens found cached
 
 
 class LLM:
@@ -111,6 +112,7 @@ class LLM:
             req.error,
             lat,
             logprobs,
+            req.num_cached_tokens,
         )
 
 

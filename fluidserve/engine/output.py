@@ -36,6 +36,7 @@ class RequestOutput:
     num_output_tokens: int = 0
     new_logprobs: list = field(default_factory=list)
     scheduling_delay: float | None = None  # set when finished: first scheduled - arrival
+    num_cached_tokens: int | None = None  # set when finished, with prefix caching
     # The error is the server's state (shutting down, the engine core down), not the
     # request's: the API answers 503 and the client may retry elsewhere.
     unavailable: bool = False
@@ -87,7 +88,8 @@ class OutputProcessor:
             reason = "stop"
         out = RequestOutput(delta.request_id, delta.new_token_ids, text, reason is not None,
                             reason, delta.error, delta.num_prompt_tokens, st.num_output_tokens,
-                            delta.new_logprobs, delta.scheduling_delay, delta.unavailable)
+                            delta.new_logprobs, delta.scheduling_delay,
+                            delta.num_cached_tokens, delta.unavailable)
         if out.finished:
             del self._states[delta.request_id]
         return out, stopped and not delta.finished

@@ -24,10 +24,16 @@ class ErrorResponse(BaseModel):
     error: ErrorDetail
 
 
+class PromptTokensDetails(BaseModel):
+    cached_tokens: int
+
+
 class Usage(BaseModel):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
+    # With --enable-prefix-caching: the prompt tokens found cached (as vLLM reports them).
+    prompt_tokens_details: PromptTokensDetails | None = None
 
 
 class ServerMetricsOut(BaseModel):

@@ -36,6 +36,7 @@ class Context:
     _offset: int = 0
     _chars: int = 0
     scheduling_delay: float | None = None
+    num_cached_tokens: int | None = None  # (with prefix caching)
 
     def add(self, out: RequestOutput) -> None:
         self.text += out.new_text
@@ -49,6 +50,7 @@ class Context:
         if out.finished:
             self.finish_reason = out.finish_reason
             self.scheduling_delay = out.scheduling_delay
+            self.num_cached_tokens = out.num_cached_tokens
 
     def token_text(self, token_id: int) -> str:
         return str(token_id) if self.texts is None else self.texts.get(token_id, "")
@@ -121,9 +123,15 @@ def chat_chunk(ctx: Context, delta: dict, reason: str | None, logprobs: dict | N
 
 
 def total_usage(choices: list[Context]) -> dict:
-    """Each prompt's tokens once (however many samples it has), every choice's output."""
-    return usage(sum(c.prompt_tokens for c in choices if c.sample == 0),
-                 sum(len(c.token_ids) for c in choices))
+    """Each prompt's tokens once (however many samples it has), every choice's output; with
+    prefix caching, as vLLM's ``prompt_tokens_details``, those of its prompt found cached
+    (its first sample's)."""
+    firsts = [c for c in choices if c.sample == 0]
+    body = usage(sum(c.prompt_tokens for c in firsts), sum(len(c.token_ids) for c in choices))
+    cached = [c.num_cached_tokens for c in firsts]
+    if cached and None not in cached:
+        body["prompt_tokens_details"] = {"cached_tokens": sum(cached)}
+    return body
 
 
 def usage_chunk(choices: list[Context]) -> dict:

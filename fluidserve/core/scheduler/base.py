@@ -253,7 +253,8 @@ class Scheduler(ABC):
         if bm.prefix_caching:
             bm.adopt(req.request_id, prefix, req.num_tokens)
             req.num_computed_tokens = len(prefix) * bm.block_size
-            req.num_cached_tokens = req.num_computed_tokens
+            if req.num_cached_tokens is None:  # (as vLLM reports it: at first admission)
+                req.num_cached_tokens = req.num_computed_tokens
             n = min(n, req.num_remaining)
         bm.allocate(req.request_id, req.num_computed_tokens + n)
         self.waiting.remove(req.request_id)

@@ -77,6 +77,11 @@ class Tokenizer:
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return list(self.hf.encode(text, add_special_tokens=add_special_tokens))
 
+    def encode_many(self, texts: list[str], add_special_tokens: bool = True) -> list[list[int]]:
+        """``encode`` of each text, in one call (a fast tokenizer's batch)."""
+        return [list(ids) for ids in self.hf(texts, add_special_tokens=add_special_tokens)[
+            "input_ids"]]
+
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         # Never "clean up tokenization spaces" (Llama 3's tokenizer_config.json asks for it):
         # that rewrites " !=" as "!=" and " 's" as "'s" in the model's own text, and applied

@@ -74,8 +74,9 @@ def precheck(state: ServerState, body: CompletionRequest | ChatCompletionRequest
                        f" {limit} can wait to run at once (--max-waiting-requests)", param="n")
     waiting = state.engine.num_waiting + state.admitting  # admitting: being tokenized
     if waiting + choices > limit:
-        raise ApiError(503, f"server overloaded: {waiting} requests waiting (limit {limit});"
-                       " retry later", "overloaded")
+        asked = f" and {choices} asked" if choices > 1 else ""
+        raise ApiError(503, f"server overloaded: {waiting} requests waiting{asked} (limit"
+                       f" {limit}); retry later", "overloaded")
 
 
 async def completion_ids(state: ServerState, body: CompletionRequest) -> list[list[int]]:
@@ -89,11 +90,13 @@ async def completion_ids(state: ServerState, body: CompletionRequest) -> list[li
                                    param="prompt")
                 _check_chars(state, len(prompt), "prompt")
 
-    async def ids(prompt: str | list[int]) -> list[int]:
-        # (token ids: the schema bounds them and their number)
-        return await state.prompts.encode(prompt) if isinstance(prompt, str) else list(prompt)
-
-    return list(await asyncio.gather(*(ids(p) for p in prompts)))
+    texts = [p for p in prompts if isinstance(p, str)]
+    if len(texts) == 1:
+        encoded = iter([await state.prompts.encode(texts[0])])
+    else:
+        encoded = iter(await state.prompts.encode_many(texts) if texts else [])
+    # (token ids: the schema bounds them and their number)
+    return [next(encoded) if isinstance(p, str) else list(p) for p in prompts]
 
 
 @contextmanager
@@ -269,28 +272,31 @@ async def _sse(handle: Handle, choices: dict[str, R.Context], body) -> AsyncIter
             chunk["metrics"] = {"scheduling_delay": out.scheduling_delay}
         return _data(chunk)
 
-    for ctx in choices.values():
-        if ctx.chat:
-            yield emit(ctx, R.chat_chunk(ctx, {"role": "assistant", "content": ""}, None))
-    try:
-        async for out in handle:
-            if out.error is not None:  # the stream ends: the other choices too
-                handle.abort()
-                yield _data(_failure_body(out))
-                break
-            ctx = choices[out.request_id]
-            ctx.add(out)
-            # One chunk per token, even when its text is held back (a partial character or
-            # a possible stop string), so clients can time every token.
-            yield emit(ctx, R.stream_chunk(ctx, out), out)
-    except Exception as e:  # never leave a client with a silently truncated stream
-        log.exception("stream %s failed", next(iter(choices.values())).id)
+    try:  # a client gone at any yield (even before the first output) leaves nothing running
+        for ctx in choices.values():
+            if ctx.chat:
+                yield emit(ctx, R.chat_chunk(ctx, {"role": "assistant", "content": ""}, None))
+        try:
+            async for out in handle:
+                if out.error is not None:  # the stream ends: the other choices too
+                    handle.abort()
+                    yield _data(_failure_body(out))
+                    break
+                ctx = choices[out.request_id]
+                ctx.add(out)
+                # One chunk per token, even when its text is held back (a partial character or
+                # a possible stop string), so clients can time every token.
+                yield emit(ctx, R.stream_chunk(ctx, out), out)
+        except Exception as e:  # never leave a client with a silently truncated stream
+            log.exception("stream %s failed", next(iter(choices.values())).id)
+            handle.abort()
+            yield _data(error_body(f"internal error: {e}", "internal_error", code=500))
+        ended = all(c.finish_reason is not None for c in choices.values())
+        if body.include_usage and handle.finished and ended:
+            yield _data(R.usage_chunk(list(choices.values())))
+        yield "data: [DONE]\n\n"
+    finally:
         handle.abort()
-        yield _data(error_body(f"internal error: {e}", "internal_error", code=500))
-    ended = all(c.finish_reason is not None for c in choices.values())
-    if body.include_usage and handle.finished and ended:
-        yield _data(R.usage_chunk(list(choices.values())))
-    yield "data: [DONE]\n\n"
 
 
 async def _complete(handle: Handle, choices: dict[str, R.Context], request: Request,

@@ -151,6 +151,20 @@ def test_a_served_conversation_finds_its_earlier_turn_cached(tiny_model_dir):
                 "stream": True, "stream_options": {"include_usage": True}}).text.splitlines()
             if line.startswith("data: {")]
         assert json.loads(chunks[-1][6:])["usage"] == warm["usage"]
+        # A request that a stop string ends (in the front end, before the engine ends it)
+        # says so too, and its scheduling delay.
+        prompt = SYSTEM + "The river rose slowly in the spring, and the people of the valley"
+        plain = {"prompt": prompt, "max_tokens": 6, "temperature": 0, "ignore_eos": True}
+        first = httpx.post(srv.url + "/v1/completions", json=plain, timeout=60).json()
+        text = first["choices"][0]["text"]
+        assert len(text) >= 3, text
+        stopped = httpx.post(srv.url + "/v1/completions", timeout=60, json=plain | {
+            "stop": [text[1:3]], "return_metrics": True}).json()
+        assert stopped["choices"][0]["finish_reason"] == "stop"
+        length = first["usage"]["prompt_tokens"]
+        assert stopped["usage"]["prompt_tokens_details"] == {
+            "cached_tokens": (length - 1) // block * block}
+        assert stopped["metrics"]["scheduling_delay"] is not None
         assert srv.kv_idle()
 
 

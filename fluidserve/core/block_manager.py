@@ -56,7 +56,8 @@ class BlockManager:
         reserve = self.watermark_blocks if admit else 0
         return self.num_new_blocks(request_id, num_tokens) <= self.num_free_blocks - reserve
 
-    def can_admit(self, request_id: str, num_tokens: int, prefix: Sequence[int] = ()) -> bool:
+    def can_admit(self, request_id: str, num_tokens: int,
+                  prefix: Sequence[int] | None = ()) -> bool:
         """Whether a new request of ``num_tokens`` fits whole, the watermark kept."""
         return self.can_allocate(request_id, num_tokens, admit=True)
 
@@ -144,9 +145,14 @@ class PrefixCachingBlockManager(BlockManager):
             parent = node[block]
         return blocks
 
-    def can_admit(self, request_id: str, num_tokens: int, prefix: Sequence[int] = ()) -> bool:
+    def can_admit(self, request_id: str, num_tokens: int,
+                  prefix: Sequence[int] | None = ()) -> bool:
         """Whether a new request of ``num_tokens`` whose first blocks are ``prefix`` (from
-        ``match``) fits whole, the watermark kept."""
+        ``match``) fits whole, the watermark kept; ``None``: whether it could with the
+        longest prefix there can be, held by other requests."""
+        if prefix is None:
+            need = self.blocks_for(num_tokens) - (num_tokens - 1) // self.block_size
+            return need <= self.num_free_blocks - self.watermark_blocks
         reviving = sum(1 for b in prefix if self._refs[b] == 0)  # (free now, not once held)
         need = self.blocks_for(num_tokens) - len(prefix)
         return need <= self.num_free_blocks - reviving - self.watermark_blocks

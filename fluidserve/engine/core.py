@@ -319,13 +319,17 @@ class EngineCore:
                              new_logprobs=[lp] if lp is not None else [],
                              num_prompt_tokens=req.num_prompt_tokens)
             times = req.token_times
-            if len(times) == 1:
+            # (with its first token too: the front end may end it on a stop string, before
+            # the core does)
+            first = len(times) == 1
+            if first:
                 d.ttft = times[0] - req.arrival_time
             elif times:
                 d.tbt = times[-1] - times[-2]
-            if req.status.finished:
+            if first or req.status.finished:
                 d.scheduling_delay = req.first_scheduled_time - req.arrival_time
                 d.num_cached_tokens = req.num_cached_tokens
+            if req.status.finished:
                 self._record_finished(req)
             deltas.append(d)
         return self.make_outputs(deltas)

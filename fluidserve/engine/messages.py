@@ -76,9 +76,10 @@ class RequestDelta:
     error: str | None = None
     new_logprobs: list = field(default_factory=list)  # (logprob, [(id, logprob), ...])
     num_prompt_tokens: int = 0
-    scheduling_delay: float | None = None  # set when finished: first scheduled - arrival
-    num_cached_tokens: int | None = None  # set when finished, with prefix caching: its
-    # prompt's tokens found cached when it was first admitted
+    # Set with the first token and when finished: first scheduled - arrival, and, with prefix
+    # caching, its prompt's tokens found cached when it was first admitted.
+    scheduling_delay: float | None = None
+    num_cached_tokens: int | None = None
     # The new token's latency (engine clock), for live metrics: from arrival for the first
     # output token (``ttft``), from the previous token for the others (``tbt``).
     ttft: float | None = None

@@ -35,8 +35,10 @@ class RequestOutput:
     num_prompt_tokens: int = 0
     num_output_tokens: int = 0
     new_logprobs: list = field(default_factory=list)
-    scheduling_delay: float | None = None  # set when finished: first scheduled - arrival
-    num_cached_tokens: int | None = None  # set when finished, with prefix caching
+    # Set when finished: first scheduled - arrival, and, with prefix caching, the prompt's
+    # tokens found cached.
+    scheduling_delay: float | None = None
+    num_cached_tokens: int | None = None
     # The error is the server's state (shutting down, the engine core down), not the
     # request's: the API answers 503 and the client may retry elsewhere.
     unavailable: bool = False
@@ -48,6 +50,8 @@ class _State:
     detok: IncrementalDetokenizer | None
     num_output_tokens: int = 0
     sent: int = 0  # characters of text already emitted
+    scheduling_delay: float | None = None  # (the core's latest)
+    num_cached_tokens: int | None = None
 
 
 class OutputProcessor:
@@ -77,6 +81,10 @@ class OutputProcessor:
         if st is None:
             return None, False
         st.num_output_tokens += len(delta.new_token_ids)
+        if delta.scheduling_delay is not None:
+            st.scheduling_delay = delta.scheduling_delay
+        if delta.num_cached_tokens is not None:
+            st.num_cached_tokens = delta.num_cached_tokens
         reason, stopped = delta.finish_reason, False
         text = ""
         ids = delta.new_token_ids
@@ -86,10 +94,11 @@ class OutputProcessor:
             text, stopped = self._advance_text(st, ids, delta.finished)
         if stopped and reason != "error":
             reason = "stop"
-        out = RequestOutput(delta.request_id, delta.new_token_ids, text, reason is not None,
-                            reason, delta.error, delta.num_prompt_tokens, st.num_output_tokens,
-                            delta.new_logprobs, delta.scheduling_delay,
-                            delta.num_cached_tokens, delta.unavailable)
+        done = reason is not None  # (the core's end, or a stop string's)
+        out = RequestOutput(delta.request_id, delta.new_token_ids, text, done, reason,
+                            delta.error, delta.num_prompt_tokens, st.num_output_tokens,
+                            delta.new_logprobs, st.scheduling_delay if done else None,
+                            st.num_cached_tokens if done else None, delta.unavailable)
         if out.finished:
             del self._states[delta.request_id]
         return out, stopped and not delta.finished

@@ -178,15 +178,18 @@ class Scheduler(ABC):
         requests, running, sampled = self.requests, RequestStatus.RUNNING, result.sampled
         advance = not self.async_scheduling  # (else ``schedule`` advanced them)
         commit = self.bm.commit if self.bm.prefix_caching else None
+        bs = self.bm.block_size
         for chunk in output.chunks:
             req = requests.get(chunk.request_id)
             if req is None or req.status is not running or chunk.epoch != req.num_preemptions:
                 continue  # aborted (or preempted, and admitted again) while the iteration ran
             if advance:
                 req.num_computed_tokens += len(chunk.token_ids)
-            if commit is not None:  # its KV is written up to the chunk's end: cache it
-                # (the tokens there are known: each was written in before it was computed)
-                commit(chunk.request_id, chunk.start + len(chunk.token_ids), req.token_slice)
+            end = chunk.start + len(chunk.token_ids)
+            if commit is not None and end // bs > chunk.start // bs:  # a block filled: its KV
+                # is written, cache it (its tokens are known: each was written in before it
+                # was computed)
+                commit(chunk.request_id, end, req.token_slice)
             if not chunk.samples:
                 continue
             token = sampled[chunk.request_id]
@@ -246,8 +249,10 @@ class Scheduler(ABC):
             return False
         bm = self.bm
         # With prefix caching, its tokens' longest cached prefix is not computed again (the
-        # chunk granted shrinks with what is left).
-        prefix = bm.match(req.token_slice(0, req.num_tokens)) if bm.prefix_caching else ()
+        # chunk granted shrinks with what is left); not looked up where even the longest
+        # could not make it fit.
+        prefix = bm.match(req.token_slice(0, req.num_tokens)) \
+            if bm.prefix_caching and bm.can_admit(req.request_id, req.num_tokens, None) else ()
         if not bm.can_admit(req.request_id, req.num_tokens, prefix):
             return False
         if bm.prefix_caching:

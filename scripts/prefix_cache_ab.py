@@ -8,9 +8,12 @@ turns, all opening with one shared system prompt of ``--system-tokens`` token id
 turn's prompt is the last one plus the last answer's length in ids and ``--user-tokens`` new
 ids, as a chat client resends its history. Turns go out one at a time, conversations
 interleaved (turn 1 of each, then turn 2, ...), streamed, ``--max-tokens`` tokens each, after
-one warm-up request. Prints one JSON line per server and round (mean and median time to
-first token, wall time, the prefix-cache hit rate from /metrics) and a summary; ``--out``
-writes them as JSON.
+one warm-up request. Then, with ``--samples`` n, four prompts of 640 ids of their own, each
+asked for n samples in one request (as a client sampling several answers does), one after
+the other: the time until every sample has its first token, and to the whole response.
+Prints one JSON line per server and round (mean and median time to first token, wall time,
+the prefix-cache hit rate from /metrics, the samples' times) and a summary; ``--out`` writes
+them as JSON.
 
     python scripts/prefix_cache_ab.py --vllm --out runs/prefix-cache.json
 """
@@ -56,7 +59,7 @@ def conversations(args) -> list[list[list[int]]]:
     return out
 
 
-def measure(url: str, convs: list[list[list[int]]], max_tokens: int) -> dict:
+def measure(url: str, convs: list[list[list[int]]], max_tokens: int, samples_n: int) -> dict:
     ttft = []
     with httpx.Client(timeout=600) as c:
         c.post(url + "/v1/completions", json={"model": MODEL_NAME, "prompt": [5, 6, 7],
@@ -74,6 +77,7 @@ def measure(url: str, convs: list[list[list[int]]], max_tokens: int) -> dict:
                             first = time.perf_counter()
                 ttft.append(first - start)
         wall = time.perf_counter() - t0
+        samples = _samples(c, url, samples_n, max_tokens)
         metrics = c.get(url + "/metrics").text
     # (fluidserve_prefix_cache_*_total, vllm:prefix_cache_*_total)
     counts = {s.name.split(":")[-1].removeprefix("fluidserve_"): s.value
@@ -83,7 +87,30 @@ def measure(url: str, convs: list[list[list[int]]], max_tokens: int) -> dict:
     return {"mean_ttft_ms": round(statistics.mean(ttft) * 1e3, 1),
             "median_ttft_ms": round(statistics.median(ttft) * 1e3, 1),
             "wall_s": round(wall, 2),
-            "hit_rate": round(hits / queries, 3) if queries else 0.0}
+            "hit_rate": round(hits / queries, 3) if queries else 0.0} | samples
+
+
+def _samples(c: httpx.Client, url: str, n: int, max_tokens: int) -> dict:
+    """Four prompts of their own (640 ids), each asked for n samples at once, one request
+    after the other: the mean time to every sample's first token and to the response."""
+    if n <= 1:
+        return {}
+    first, whole = [], []
+    for p in range(4):
+        body = {"model": MODEL_NAME, "prompt": [1300 + (p * 97 + k) % 400 for k in range(640)],
+                "n": n, "max_tokens": max_tokens, "ignore_eos": True, "stream": True,
+                "temperature": 1.0, "seed": p}
+        start, seen = time.perf_counter(), {}
+        with c.stream("POST", url + "/v1/completions", json=body) as r:
+            r.raise_for_status()
+            for line in r.iter_lines():
+                if line.startswith("data: {"):
+                    for choice in json.loads(line[6:])["choices"]:
+                        seen.setdefault(choice["index"], time.perf_counter())
+        first.append(max(seen.values()) - start)
+        whole.append(time.perf_counter() - start)
+    return {f"n{n}_all_first_tokens_ms": round(statistics.mean(first) * 1e3, 1),
+            f"n{n}_response_s": round(statistics.mean(whole), 2)}
 
 
 def main() -> None:
@@ -98,6 +125,9 @@ def main() -> None:
     ap.add_argument("--system-tokens", type=int, default=512)
     ap.add_argument("--user-tokens", type=int, default=48)
     ap.add_argument("--max-tokens", type=int, default=16)
+    ap.add_argument("--samples", type=int, default=4,
+                    help="Then n of this many samples for each of four 640-token prompts (1:"
+                    " none).")
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--out", type=Path, default=Path("runs/prefix-cache"),
                     help="Directory for the servers' logs and prefix-cache.json.")
@@ -120,11 +150,13 @@ def main() -> None:
     for rnd in range(args.rounds):
         for name in list(servers)[::1 if rnd % 2 == 0 else -1]:
             with servers[name]() as srv:
-                row = {"server": name, "round": rnd} | measure(srv.url, convs, args.max_tokens)
+                row = {"server": name, "round": rnd} | measure(srv.url, convs, args.max_tokens,
+                                                               args.samples)
             print(json.dumps(row), flush=True)
             rows.append(row)
+    keys = [k for k in rows[0] if k not in ("server", "round")]
     summary = {name: {k: round(statistics.mean(r[k] for r in rows if r["server"] == name), 3)
-                      for k in ("mean_ttft_ms", "median_ttft_ms", "wall_s", "hit_rate")}
+                      for k in keys}
                for name in servers}
     base = summary["fluidserve"]["mean_ttft_ms"]
     for name in servers:

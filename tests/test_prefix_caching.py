@@ -12,6 +12,7 @@ import pytest
 from fluidserve.config import SCHEDULERS, ConfigError, EngineConfig
 from fluidserve.core.block_manager import PrefixCachingBlockManager
 from fluidserve.engine.llm import LLM
+from fluidserve.sampling_params import SamplingParams
 from tests.test_engine import PROMPTS, greedy
 
 from .server_utils import InProcessServer, metric_values
@@ -110,6 +111,35 @@ def test_greedy_outputs_with_prefix_caching_are_the_uncached_ones(
     assert bm.hits >= expected_hits(llm, first, 8) > 8 * len(SHARED)
     assert bm.num_free_blocks == bm.num_blocks
     bm.check_invariants()
+
+
+@pytest.mark.parametrize("scheduler", ["sarathi", "vllm"])
+def test_requests_arriving_together_wait_for_the_first_to_compute_their_prefix(
+        tiny_model_dir, scheduler):
+    """The samples of n arrive together: all but one wait for the first to register the
+    blocks they share, then start from them; what they sample is unchanged."""
+    prompt = SHARED[3]
+    seeded = [SamplingParams(max_tokens=8, temperature=1.0, seed=s, ignore_eos=True)
+              for s in range(4)]
+    ref = LLM(model=str(tiny_model_dir), token_budget=32).generate([prompt] * 4, seeded)
+    llm = LLM(model=str(tiny_model_dir), scheduler=scheduler, token_budget=32, block_size=8,
+              enable_prefix_caching=True)
+    outs = llm.generate([prompt] * 4, seeded)
+    assert [o.token_ids for o in outs] == [o.token_ids for o in ref]
+    full = (len(outs[0].prompt_token_ids) - 1) // 8 * 8
+    assert [o.num_cached_tokens for o in outs] == [0, full, full, full]
+    assert llm.engine.block_manager.num_free_blocks == llm.engine.block_manager.num_blocks
+
+
+def test_request_level_batches_do_not_wait_for_a_prefix_within_the_batch(tiny_model_dir):
+    """faster_transformer admits only between batches: a request waiting for its batch's
+    first to compute their prefix would wait for the whole batch to end."""
+    llm = LLM(model=str(tiny_model_dir), scheduler="faster_transformer", block_size=8,
+              enable_prefix_caching=True)
+    outs = llm.generate([SHARED[3]] * 3, greedy(0))
+    assert [o.num_cached_tokens for o in outs] == [0, 0, 0]
+    first = [o.metrics.ttft for o in outs]
+    assert max(first) < 2 * min(first), first  # (one batch: their first tokens together)
 
 
 @pytest.mark.parametrize("async_scheduling", [False, True])

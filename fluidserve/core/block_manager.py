@@ -201,6 +201,10 @@ class PrefixCachingBlockManager(BlockManager):
                     self._free.append(b)
         return len(blocks)
 
+    def num_committed(self, request_id: str) -> int:
+        """``request_id``'s first blocks that are registered (or hold registered tokens)."""
+        return self._committed.get(request_id, (0, 0))[0]
+
     def commit(self, request_id: str, num_tokens: int,
                token_slice: Callable[[int, int], Sequence[int]]) -> None:
         """Register the full blocks among ``request_id``'s first ``num_tokens`` tokens, whose

@@ -90,6 +90,9 @@ class Scheduler(ABC):
 
     #: Registry name; set by subclasses.
     name = "base"
+    #: With prefix caching, whether a request waits for a running one to compute the blocks
+    #: they share (``_prefix_coming``): not where admission waits for a whole batch to end.
+    waits_for_coming_prefix = True
 
     def __init__(self, limits: SchedulerLimits, block_manager: BlockManager) -> None:
         self.limits = limits
@@ -255,6 +258,9 @@ class Scheduler(ABC):
             if bm.prefix_caching and bm.can_admit(req.request_id, req.num_tokens, None) else ()
         if not bm.can_admit(req.request_id, req.num_tokens, prefix):
             return False
+        if bm.prefix_caching and self.waits_for_coming_prefix \
+                and self._prefix_coming(req, len(prefix)):
+            return False
         if bm.prefix_caching:
             bm.adopt(req.request_id, prefix, req.num_tokens)
             req.num_computed_tokens = len(prefix) * bm.block_size
@@ -269,6 +275,25 @@ class Scheduler(ABC):
             req.first_scheduled_time = now
         batch.add(req, n)
         return True
+
+    def _prefix_coming(self, req: Request, cached_blocks: int) -> bool:
+        """Whether a running request is computing the block of ``req``'s tokens after its
+        cached prefix (its prompt begins as ``req``'s tokens do, up to that block, and has not
+        registered it yet): ``req`` then waits for it, to start from it rather than compute it
+        too, as the samples of n, or requests that share a system prompt and arrive
+        together, would."""
+        bs = self.bm.block_size
+        end = (cached_blocks + 1) * bs
+        if end > req.num_tokens - 1:  # (the last token is always computed)
+            return False
+        mine = None
+        for other in self.running:
+            if other.num_prompt_tokens >= end \
+                    and self.bm.num_committed(other.request_id) <= cached_blocks:
+                mine = mine or req.token_slice(0, end)
+                if other.prompt_token_ids[:end] == mine:
+                    return True
+        return False
 
     def _reserve(self, req: Request, n: int, batch: Batch) -> bool:
         """Make room for ``n`` more tokens of running ``req``, preempting from the tail.

@@ -14,6 +14,7 @@ from fluidserve.core.scheduler.base import Batch, Scheduler
 
 class RequestLevelScheduler(Scheduler):
     name = "faster_transformer"
+    waits_for_coming_prefix = False  # (it would wait for the whole batch)
 
     def _build(self, now: float) -> Batch:
         batch = self._new_batch(math.inf)

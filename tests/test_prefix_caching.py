@@ -11,7 +11,9 @@ import pytest
 
 from fluidserve.config import SCHEDULERS, ConfigError, EngineConfig
 from fluidserve.core.block_manager import PrefixCachingBlockManager
+from fluidserve.core.scheduler import RunnerOutput, SchedulerLimits, make_scheduler
 from fluidserve.engine.llm import LLM
+from fluidserve.request import Request
 from fluidserve.sampling_params import SamplingParams
 from tests.test_engine import PROMPTS, greedy
 
@@ -76,6 +78,36 @@ def test_admission_counts_the_cached_blocks_it_revives():
     # 5 blocks for 9 tokens, 2 cached: 3 more, out of 4 free of which 2 are the prefix's own.
     assert not bm.can_admit("b", 9, prefix)
     assert bm.can_admit("b", 7, prefix)  # 4 blocks: 2 cached + 2 free
+
+
+def test_a_whole_prompt_policy_grants_a_cached_prompt_what_it_has_left_to_compute():
+    """vllm admits a prompt whole or not at all after an iteration's first prefill: counted
+    as its uncached rest, a mostly cached prompt joins the iteration."""
+    bm = PrefixCachingBlockManager(num_blocks=64, block_size=8)
+    s = make_scheduler("vllm", SchedulerLimits(32, 8, 512), bm)
+    once = SamplingParams(max_tokens=1)
+    s.add_request(Request("a", list(range(1, 41)), once, 0.0))
+    plan = s.schedule(0.0)
+    s.update(plan, RunnerOutput({"a": 7}, 0.1), 0.1)  # a's 40 tokens computed, a ends
+    s.add_request(Request("b", [99] * 10, once, 1.0))
+    s.add_request(Request("c", list(range(1, 41)) + [5, 6, 7, 8], once, 1.0))
+    plan = s.schedule(1.0)
+    assert [(c.request_id, c.start, len(c.token_ids)) for c in plan.chunks] == [
+        ("b", 0, 10), ("c", 40, 4)]
+
+
+def test_the_adaptive_budget_prices_the_next_prompt_after_its_cached_prefix():
+    """--token-budget auto plans the iteration with the next prefill's cached prefix (its
+    chunk's attention reads it): for a request about to be admitted, what the cache holds."""
+    bm = PrefixCachingBlockManager(num_blocks=64, block_size=8)
+    s = make_scheduler("sarathi", SchedulerLimits(64, 8, 512), bm)
+    seen = []
+    s.budget_policy = lambda ctxs, prefix: seen.append(prefix) or 64
+    s.add_request(Request("a", list(range(1, 41)), SamplingParams(max_tokens=1), 0.0))
+    s.update(s.schedule(0.0), RunnerOutput({"a": 7}, 0.1), 0.1)
+    s.add_request(Request("c", list(range(1, 41)) + [5, 6], SamplingParams(max_tokens=1), 1.0))
+    s.schedule(1.0)
+    assert seen == [0, 40]
 
 
 @pytest.fixture(scope="module")

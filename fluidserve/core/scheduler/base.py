@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 from abc import ABC, abstractmethod
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from fluidserve.core.admission import admission_error
@@ -222,14 +223,16 @@ class Scheduler(ABC):
         return None
 
     # ------------------------------------------------------------------ helpers for policies
-    def _chunk_size(self, req: Request, left: float, chunked: bool, batch: Batch) -> int:
+    def _chunk_size(self, req: Request, left: float, chunked: bool, batch: Batch,
+                    cached: int = 0) -> int:
         """Tokens to grant a prefill: min(remaining, budget left), never negative; a chunk
         the budget cuts is rounded down to whole tiles where at least one is left.
+        ``cached``: tokens a request about to be admitted finds in the prefix cache.
 
         Unchunked policies grant the whole remainder or nothing, except that the first
         prefill of an iteration is always granted whole so an over-long prompt cannot starve.
         """
-        remaining = req.num_remaining
+        remaining = req.num_remaining - cached
         if not chunked:
             if remaining <= left or (batch.num_prefills == 0 and left > 0):
                 return remaining
@@ -240,22 +243,24 @@ class Scheduler(ABC):
             n -= n % tile  # would wait for as long as decodes leave less than a tile)
         return n
 
-    def _admit(self, req: Request, n: int, batch: Batch, now: float) -> bool:
+    def _admit(self, req: Request, n: int, batch: Batch, now: float,
+               prefix: Sequence[int] | None = None) -> bool:
         """Move the head of the waiting queue to running with a first chunk of ``n`` tokens.
 
         Only if its whole prompt fits in the free blocks (as Sarathi-Serve's and vLLM's block
         managers admit), though its blocks are taken chunk by chunk: a prompt admitted on its
         first chunk alone would, where running decodes hold the memory, preempt itself once
         the blocks ran out and be admitted again at once, recomputing its chunks for as long
-        as those decodes ran."""
+        as those decodes ran.
+
+        With prefix caching, its tokens' longest cached prefix (``prefix``, from
+        ``_cached_prefix``: looked up here if not given) is not computed again, and ``n``
+        shrinks to what is left."""
         if len(self.running) >= self.limits.max_num_seqs:
             return False
         bm = self.bm
-        # With prefix caching, its tokens' longest cached prefix is not computed again (the
-        # chunk granted shrinks with what is left); not looked up where even the longest
-        # could not make it fit.
-        prefix = bm.match(req.token_slice(0, req.num_tokens)) \
-            if bm.prefix_caching and bm.can_admit(req.request_id, req.num_tokens, None) else ()
+        if prefix is None:
+            prefix = self._cached_prefix(req)
         if not bm.can_admit(req.request_id, req.num_tokens, prefix):
             return False
         if bm.prefix_caching and self.waits_for_coming_prefix \
@@ -275,6 +280,14 @@ class Scheduler(ABC):
             req.first_scheduled_time = now
         batch.add(req, n)
         return True
+
+    def _cached_prefix(self, req: Request) -> Sequence[int]:
+        """The blocks of ``req``'s longest cached prefix (none without prefix caching, or
+        where even the longest could not make it fit)."""
+        bm = self.bm
+        if not bm.prefix_caching or not bm.can_admit(req.request_id, req.num_tokens, None):
+            return ()
+        return bm.match(req.token_slice(0, req.num_tokens))
 
     def _prefix_coming(self, req: Request, cached_blocks: int) -> bool:
         """Whether a running request is computing the block of ``req``'s tokens after its
@@ -382,8 +395,10 @@ class Scheduler(ABC):
         for req in self.waiting.in_order():
             if batch.num_prefills >= max_prefills or batch.left <= 0:
                 return
-            n = self._chunk_size(req, batch.left, chunked, batch)
-            if n == 0 or not self._admit(req, n, batch, now):
+            prefix = self._cached_prefix(req)
+            n = self._chunk_size(req, batch.left, chunked, batch,
+                                 len(prefix) * self.bm.block_size)
+            if n == 0 or not self._admit(req, n, batch, now, prefix):
                 return
 
 

@@ -56,4 +56,6 @@ class StallFreeScheduler(Scheduler):
         for req in self.running:
             if not req.is_decode and req.request_id not in batch.ids:
                 return req.num_computed_tokens
+        for req in self.waiting.in_order():  # the next admitted: what the cache holds of it
+            return len(self._cached_prefix(req)) * self.bm.block_size
         return 0

@@ -237,3 +237,31 @@ def test_prefix_caching_is_refused_where_it_cannot_hold():
 
     with pytest.raises(ConfigError, match="lengths, not tokens"):
         simulate([], EngineConfig.create(enable_prefix_caching=True), executor=None)
+
+
+def test_bench_prompts_can_share_a_prefix_that_a_caching_server_finds(tiny_model_dir, tmp_path,
+                                                                      capsys):
+    from fluidserve.bench.prompts import PromptBuilder, load_corpus
+    from fluidserve.cli import main
+    from fluidserve.model.tokenizer import Tokenizer
+
+    tok = Tokenizer(tiny_model_dir)
+    text = load_corpus()[0]
+    plain = PromptBuilder(tok, text, seed=5)
+    shared = PromptBuilder(tok, text, seed=5, prefix_len=40)
+    a, b, short = shared.build(70), shared.build(90), shared.build(20)
+    ids = [tok.encode(p) for p in (a, b, short)]
+    assert [len(x) for x in ids] == [70, 90, 20]
+    assert ids[0][:38] == ids[1][:38] and ids[0][:18] == ids[2][:18]  # (the junction may merge)
+    assert plain.build(70) != a and tok.encode(plain.build(90))[:38] != ids[1][:38]
+    with InProcessServer(tiny_model_dir, engine_kw={"enable_prefix_caching": True}) as srv:
+        assert main(["bench", "--base-url", srv.url, "--tokenizer", str(tiny_model_dir),
+                     "--num-prompts", "8", "--dataset-name", "fixed", "--input-len", "96",
+                     "--output-len", "4", "--max-concurrency", "1", "--shared-prefix-len",
+                     "64", "--warmup-requests", "0", "--output-dir", str(tmp_path / "run"),
+                     "--no-plots"]) == 0
+        summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+        assert summary["shared_prefix_len"] == 64 and summary["num_completed"] == 8
+        m = metric_values(httpx.get(srv.url + "/metrics").text)
+    # The 7 prompts after the first find its first 56 tokens at least (7 blocks of 8).
+    assert m["fluidserve_prefix_cache_hits_total"] >= 7 * 56

@@ -143,7 +143,8 @@ class Bench:
 
     def _builder(self, seed: int) -> PromptBuilder:
         return PromptBuilder(self.tokenizer, self.text, seed,
-                             add_special_tokens="chat" not in self.cfg.endpoint)
+                             add_special_tokens="chat" not in self.cfg.endpoint,
+                             prefix_len=self.cfg.shared_prefix_len)
 
     def log(self, msg: str) -> None:
         if not self.quiet:
@@ -210,6 +211,7 @@ class Bench:
             "lengths": self.length_source, "corpus": self.corpus_source,
             "server_max_model_len": self.window, "requests_cut_to_window": self.window_cut,
             "prompts_inexact_length": self.builder.inexact,
+            "shared_prefix_len": self.cfg.shared_prefix_len,
             "tokenizer": self.tokenizer_source,
             "server_prompt_tokens_ratio": prompt_token_ratio(records,
                                                              "chat" in self.cfg.endpoint),

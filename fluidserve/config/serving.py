@@ -118,6 +118,11 @@ class BenchConfig:
     output_scale: float = knob(1.0, "Multiply trace output lengths by this.")
     max_prompt_len: int = knob(2048, "Clip prompt lengths to this.")
     max_output_len: int = knob(1024, "Clip output lengths to this.")
+    shared_prefix_len: int = knob(
+        0, "Every prompt opens with the same this many tokens (all of a shorter prompt's), the"
+        " rest its own, as a shared system prompt: what a server's prefix caching finds."
+        " Within the lengths drawn (vllm bench serve's --random-prefix-len adds its prefix to"
+        " them). Each measured run (each capacity probe) draws another.")
     request_rate: float = knob(math.inf, "Requests/s (inf: all at once).", inf_ok=True)
     burstiness: float = knob(1.0, "Gamma shape of inter-arrival times (1 = Poisson; CV = 1/sqrt).")
     arrivals: str = knob("rate", "rate, or trace (the trace's own timestamps: --num-prompts"
@@ -166,6 +171,8 @@ class BenchConfig:
                 require_positive(name, getattr(self, name))
         for name in ("max_prompt_len", "max_output_len"):
             require_positive(name, getattr(self, name))
+        if self.shared_prefix_len < 0:
+            raise ConfigError(f"shared_prefix_len must be >= 0, got {self.shared_prefix_len}")
         for name in ("prompt_scale", "output_scale"):
             require_finite(name, getattr(self, name))
         if self.warmup_requests < 0:

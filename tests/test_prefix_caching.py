@@ -233,10 +233,27 @@ def test_a_served_conversation_finds_its_earlier_turn_cached(tiny_model_dir):
 def test_prefix_caching_is_refused_where_it_cannot_hold():
     with pytest.raises(ConfigError, match="--disaggregate"):
         EngineConfig.create(enable_prefix_caching=True, disaggregate=True)
-    from fluidserve.sim.simulate import simulate
 
-    with pytest.raises(ConfigError, match="lengths, not tokens"):
-        simulate([], EngineConfig.create(enable_prefix_caching=True), executor=None)
+
+def test_the_simulator_finds_a_shared_prefix_and_what_it_saves(tmp_path, capsys):
+    """A workload of lengths: every prompt's tokens its own but for the shared prefix, so the
+    same scheduler code finds that prefix and nothing else."""
+    from fluidserve.cli import main
+
+    base = ["simulate", "--model-shape", "mistral-7b", "--device", "a100", "--dataset-name",
+            "fixed", "--input-len", "2048", "--output-len", "32", "--num-prompts", "60",
+            "--request-rate", "4", "--no-plots", "--output-dir"]
+    runs = {}
+    for name, extra in (("off", []), ("unshared", ["--enable-prefix-caching"]),
+                        ("on", ["--enable-prefix-caching", "--shared-prefix-len", "1536"])):
+        assert main([*base, str(tmp_path / name), *extra]) == 0
+        runs[name] = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert runs["off"]["prefix_cache_hit_rate"] is None
+    assert runs["unshared"]["prefix_cache_hit_rate"] == 0.0
+    # The 59 requests after the first find the 1536 tokens (whole blocks of 16) at most.
+    assert 0.5 < runs["on"]["prefix_cache_hit_rate"] <= 59 * 1536 / (60 * 2048)
+    assert runs["on"]["ttft_s"]["mean"] < 0.6 * runs["off"]["ttft_s"]["mean"]
+    assert runs["unshared"]["ttft_s"] == runs["off"]["ttft_s"]
 
 
 def test_bench_prompts_can_share_a_prefix_that_a_caching_server_finds(tiny_model_dir, tmp_path,

@@ -102,7 +102,8 @@ class CacheConfig:
         " whose tokens begin the same way (a shared system prompt, an earlier turn of the"
         " chat, the other samples of n, a preempted request's own tokens) from it, computing"
         " only the rest; the blocks are reused for other tokens least recently freed first."
-        " Not with --disaggregate, nor in `simulate` (its requests are lengths, not tokens).")
+        " Not with --disaggregate. In `simulate`, whose requests are lengths, each prompt's"
+        " tokens are its own but for the first --shared-prefix-len.")
 
     def __post_init__(self) -> None:
         require_positive("block_size", self.block_size)

@@ -122,7 +122,8 @@ class BenchConfig:
         0, "Every prompt opens with the same this many tokens (all of a shorter prompt's), the"
         " rest its own, as a shared system prompt: what a server's prefix caching finds."
         " Within the lengths drawn (vllm bench serve's --random-prefix-len adds its prefix to"
-        " them). Each measured run (each capacity probe) draws another.")
+        " them). Each measured run (each capacity probe) draws another. `simulate` gives every"
+        " prompt those tokens in common.")
     request_rate: float = knob(math.inf, "Requests/s (inf: all at once).", inf_ok=True)
     burstiness: float = knob(1.0, "Gamma shape of inter-arrival times (1 = Poisson; CV = 1/sqrt).")
     arrivals: str = knob("rate", "rate, or trace (the trace's own timestamps: --num-prompts"

@@ -32,7 +32,8 @@ from fluidserve.sim.simulate import CostModelExecutor, gpu_kv_blocks, simulate
 SIM_SECTIONS = ("cache", "scheduler", "parallel", "disagg")
 WORKLOAD_FIELDS = {"dataset_name", "dataset_path", "num_prompts", "input_len", "output_len",
                    "range_ratio", "prompt_scale", "output_scale", "max_prompt_len",
-                   "max_output_len", "request_rate", "burstiness", "arrivals", "seed",
+                   "max_output_len", "shared_prefix_len", "request_rate", "burstiness",
+                   "arrivals", "seed",
                    "ttft_deadline", "tbt_deadline", "output_dir", "plots", "label"}
 SIM_MAX_MODEL_LEN = 16384
 
@@ -95,7 +96,7 @@ def run_once(sim: SimConfig, eng: EngineConfig, bench: BenchConfig, rate: float 
         return _run_disaggregated(work, source, spec, sim, eng, bench, t0, jitter_seed)
     ex = make_executor(sim, eng, cost)
     cost.reseed(jitter_seed)
-    res = simulate(work, eng, ex)
+    res = simulate(work, eng, ex, bench.shared_prefix_len)
     score_fluidity(res.records, constant_deadline(bench.ttft_deadline), bench.tbt_deadline)
     summary = summarize_run(res.records, bench.tbt_deadline)
     summary |= {
@@ -108,6 +109,8 @@ def run_once(sim: SimConfig, eng: EngineConfig, bench: BenchConfig, rate: float 
         "max_num_seqs": eng.scheduler.max_num_seqs, "kv_blocks": ex.num_blocks,
         "block_size": eng.cache.block_size, "iterations": res.num_iterations,
         "preemptions": res.preemptions, "makespan_s": res.makespan,
+        "shared_prefix_len": bench.shared_prefix_len,
+        "prefix_cache_hit_rate": res.prefix_cache_hit_rate,
         "stage_idle_fraction": res.stage_idle_fraction,
         "simulation_wall_s": time.perf_counter() - t0,
     }

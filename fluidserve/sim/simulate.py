@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 from fluidserve.bench.records import RequestRecord
 from fluidserve.bench.workload import WorkloadRequest
-from fluidserve.config import ConfigError, EngineConfig
+from fluidserve.config import EngineConfig
 from fluidserve.core.scheduler import RequestRejected, RunnerOutput, SchedulerOutput
 from fluidserve.engine.budget import cost_model_budget
 from fluidserve.engine.core import EngineCore, VirtualClock
@@ -85,20 +85,22 @@ class SimResult:
     stage_busy: list[float]
     num_iterations: int
     preemptions: int
+    prefix_cache_hit_rate: float | None = None  # (with prefix caching) of the tokens looked up
 
     @property
     def stage_idle_fraction(self) -> list[float]:
         return [1 - b / self.makespan if self.makespan else 0.0 for b in self.stage_busy]
 
 
-def simulate(work: list[WorkloadRequest], config: EngineConfig, executor: CostModelExecutor
-             ) -> SimResult:
+def simulate(work: list[WorkloadRequest], config: EngineConfig, executor: CostModelExecutor,
+             shared_prefix_len: int = 0) -> SimResult:
     """Run the workload through the engine core on a virtual clock: requests join at their
     arrival times, the pipeline is kept full, and the clock moves to the next batch
-    completion or the next arrival, whichever comes first."""
-    if config.cache.enable_prefix_caching:
-        raise ConfigError("the simulator's requests are lengths, not tokens: prefix caching"
-                          " would find every prompt cached (--enable-prefix-caching)")
+    completion or the next arrival, whichever comes first.
+
+    A workload has lengths, not text: each request's prompt is made of tokens of its own, but
+    for its first ``shared_prefix_len`` (all of a shorter prompt), the same in every request,
+    so that prefix caching finds what it would find in a workload of such prompts."""
     clock = VirtualClock()
     executor.clock = clock
     budget = None
@@ -110,7 +112,7 @@ def simulate(work: list[WorkloadRequest], config: EngineConfig, executor: CostMo
     pending = deque(sorted(work, key=lambda w: w.arrival))
     reqs: dict[int, Request | str] = {}
     while pending or core.has_unfinished():
-        _admit(core, pending, reqs, clock.t)
+        _admit(core, pending, reqs, clock.t, shared_prefix_len)
         core.fill()
         next_arrival = pending[0].arrival if pending else math.inf
         if core.in_flight and (core.pipeline_full
@@ -121,16 +123,20 @@ def simulate(work: list[WorkloadRequest], config: EngineConfig, executor: CostMo
         elif core.has_unfinished():
             raise RuntimeError("simulation stalled: nothing schedulable or in flight")
     records = [_record(w, reqs[w.index]) for w in work]
+    bm = core.block_manager
     return SimResult(records, clock.now(), executor.busy, executor.num_batches,
-                     core.scheduler.num_preemptions)
+                     core.scheduler.num_preemptions,
+                     bm.hits / bm.queries if bm.prefix_caching and bm.queries else None)
 
 
-def _admit(core: EngineCore, pending: deque, reqs: dict, now: float) -> None:
+def _admit(core: EngineCore, pending: deque, reqs: dict, now: float, shared: int) -> None:
     while pending and pending[0].arrival <= now:
         w = pending.popleft()
         params = SamplingParams(max_tokens=w.output_len, ignore_eos=True, temperature=0.0)
+        common = min(shared, w.prompt_len)
+        tokens = [1] * common + [2 + w.index] * (w.prompt_len - common)
         try:
-            reqs[w.index] = core.add(AddRequest(str(w.index), [1] * w.prompt_len, params,
+            reqs[w.index] = core.add(AddRequest(str(w.index), tokens, params,
                                                 arrival_time=w.arrival))
         except RequestRejected as e:
             reqs[w.index] = str(e)

@@ -60,19 +60,22 @@ class Recording:
         return fut
 
 
-def run_engine(eng, work: list[WorkloadRequest]) -> dict:
+def run_engine(eng, work: list[WorkloadRequest], shared: int = 0) -> dict:
     """Serve ``work`` on a real engine as the server's core loop does: requests join between
     iterations once they have arrived; when idle, time jumps to the next arrival; with room
     in the pipeline, a request that arrives before the oldest micro-batch completes starts
-    the next micro-batch (``EngineCore.step(wait)``, here on the virtual clock)."""
+    the next micro-batch (``EngineCore.step(wait)``, here on the virtual clock). Prompts are
+    tokens of their own but for the first ``shared``, as the simulator makes them."""
     pending, reqs = sorted(work, key=lambda w: w.arrival), {}
     core = eng.core
     while pending or eng.has_unfinished():
         while pending and pending[0].arrival <= eng.clock.now():
             w = pending.pop(0)
             params = SamplingParams(max_tokens=w.output_len, temperature=0.0)
-            reqs[w.index] = eng.add_request(str(w.index), [5 + w.index] * w.prompt_len, params,
-                                            w.arrival)
+            common = min(shared, w.prompt_len)
+            reqs[w.index] = eng.add_request(
+                str(w.index), [1] * common + [5 + w.index] * (w.prompt_len - common), params,
+                w.arrival)
         if not eng.has_unfinished():
             eng.clock.t = pending[0].arrival
             continue
@@ -89,9 +92,10 @@ def run_engine(eng, work: list[WorkloadRequest]) -> dict:
 TIGHT_KV_BLOCKS = 20  # of 8 tokens: 14 prompts of ~60 tokens and their outputs preempt
 
 
-def engine_under_load(model_dir, scheduler, cost, wrapper, rate, seed):
+def engine_under_load(model_dir, scheduler, cost, wrapper, rate, seed, shared=None):
     """The real model under a tight KV cache (preemption), its requests ended by the model's
-    EOS at varied lengths, iteration times from ``cost``; returns what the tests compare."""
+    EOS at varied lengths, iteration times from ``cost``; returns what the tests compare.
+    ``shared``: prefix caching on, over prompts that share their first ``shared`` tokens."""
     from fluidserve.model.runner import ModelExecutor
     from fluidserve.model.tokenizer import Tokenizer
 
@@ -100,25 +104,30 @@ def engine_under_load(model_dir, scheduler, cost, wrapper, rate, seed):
     rng = np.random.default_rng(seed + 2)
     eos_at = {str(w.index): {int(rng.integers(0, w.output_len + 4))} for w in work}
     cfg = EngineConfig.create(scheduler=scheduler, token_budget=32, block_size=8,
-                              max_num_seqs=6, watermark=0.0)
+                              max_num_seqs=6, watermark=0.0,
+                              enable_prefix_caching=shared is not None)
     model = ModelExecutor(model_dir, block_size=8, num_blocks=TIGHT_KV_BLOCKS)
     real = wrapper(model, cost)
     eng = LLMEngine(cfg, executor=real, tokenizer=Tokenizer(model_dir), clock=VirtualClock())
     real.clock = eng.clock
     eng.core.force_eos_at = eos_at  # the model "says" EOS at a varied index per request
-    return work, cfg, model, real, eng, run_engine(eng, work)
+    return work, cfg, model, real, eng, run_engine(eng, work, shared or 0)
 
 
+@pytest.mark.parametrize("shared", [None, 40])
 @pytest.mark.parametrize("arrivals", ["poisson", "at_once"])
 @pytest.mark.parametrize("scheduler", ["sarathi", "vllm"])
-def test_simulated_batches_equal_real_engine_batches(tiny_model_dir, scheduler, arrivals):
+def test_simulated_batches_equal_real_engine_batches(tiny_model_dir, scheduler, arrivals,
+                                                     shared):
     """The real model under a tight KV cache (preemption), with requests ended by the
     model's EOS at varied lengths, against the simulator given those lengths and the same
-    iteration times: the same batches, the same token times."""
+    iteration times: the same batches, the same token times; with prefix caching too, over
+    prompts that share their first 40 tokens."""
     cost = CPUCostModel(load_cpu_profile(None))
     rate = 40.0 if arrivals == "poisson" else math.inf
     work, cfg, model, real, eng, reqs = engine_under_load(tiny_model_dir, scheduler, cost,
-                                                          Recording, rate, seed=1)
+                                                          Recording, rate, seed=1,
+                                                          shared=shared)
     lengths = [len(reqs[w.index].output_token_ids) for w in work]
     reasons = {reqs[w.index].finish_reason for w in work}
     assert reasons == {"stop", "length"} and len(set(lengths)) > 5  # EOS ended most early
@@ -126,8 +135,11 @@ def test_simulated_batches_equal_real_engine_batches(tiny_model_dir, scheduler, 
     # The simulator knows no model: it is given the lengths the model produced.
     sim_work = [dataclasses.replace(w, output_len=n) for w, n in zip(work, lengths, strict=True)]
     fake = Recording(CostModelExecutor(cost, TIGHT_KV_BLOCKS, 8, model.max_model_len), cost)
-    res = simulate(sim_work, cfg, fake)
+    res = simulate(sim_work, cfg, fake, shared or 0)
     assert fake.batches == real.batches and len(real.batches) > 30
+    if shared:
+        bm = eng.core.block_manager
+        assert bm.hits > 0 and res.prefix_cache_hit_rate == bm.hits / bm.queries
     assert res.preemptions == eng.scheduler.num_preemptions
     for w, rec in zip(work, res.records, strict=True):
         r = reqs[w.index]

@@ -8,9 +8,11 @@ fuzzing runs with marker ``fuzz`` (a few minutes):
 
 ``positive_data_acceptance`` runs narrowed by ``tests/schema_fuzz_hooks.py``: a schema-valid
 request whose tokenized prompt does not fit the context window may get its documented 400
-``context_length_exceeded`` (JSON Schema cannot count tokens), and one whose min_tokens exceeds
+``context_length_exceeded`` (JSON Schema cannot count tokens), one whose min_tokens exceeds
 the max_tokens in force its documented 400 on ``min_tokens`` (JSON Schema cannot compare two
-fields, nor know a default that depends on the prompt); every other check runs as is.
+fields, nor know a default that depends on the prompt), and one whose prompts × n exceed the
+requests the server lets wait its documented 400 on ``n`` (nor multiply them); every other
+check runs as is.
 """
 
 from __future__ import annotations

@@ -175,12 +175,17 @@ def test_request_level_batches_do_not_wait_for_a_prefix_within_the_batch(tiny_mo
 
 
 @pytest.mark.parametrize("async_scheduling", [False, True])
+@pytest.mark.parametrize("backend,block_size,blocks", [("eager", 8, 10), ("native", 16, 8)])
 def test_preempted_requests_start_again_from_their_own_cached_blocks(
-        tiny_model_dir, async_scheduling):
+        tiny_model_dir, async_scheduling, backend, block_size, blocks):
+    """On the compiled CPU kernels and on the eager fallback: a chunk over cached blocks is
+    the attention of a later chunk."""
     ref = [o.token_ids for o in LLM(model=str(tiny_model_dir), token_budget=4096).generate(
         PROMPTS, GREEDY)]
-    llm = LLM(model=str(tiny_model_dir), token_budget=32, block_size=8, num_kv_blocks=10,
-              enable_prefix_caching=True, async_scheduling=async_scheduling)
+    llm = LLM(model=str(tiny_model_dir), token_budget=32, block_size=block_size,
+              num_kv_blocks=blocks, enable_prefix_caching=True,
+              async_scheduling=async_scheduling, attention_backend=backend)
+    assert llm.engine.core.executor.attention == backend
     outs = llm.generate(PROMPTS, GREEDY)
     assert llm.engine.scheduler.num_preemptions > 0
     assert [o.token_ids for o in outs] == ref

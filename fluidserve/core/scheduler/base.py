@@ -189,11 +189,12 @@ class Scheduler(ABC):
                 continue  # aborted (or preempted, and admitted again) while the iteration ran
             if advance:
                 req.num_computed_tokens += len(chunk.token_ids)
-            end = chunk.start + len(chunk.token_ids)
-            if commit is not None and end // bs > chunk.start // bs:  # a block filled: its KV
-                # is written, cache it (its tokens are known: each was written in before it
-                # was computed)
-                commit(chunk.request_id, end, req.token_slice)
+            if commit is not None:
+                n = len(chunk.token_ids)
+                end = chunk.start + n
+                if end % bs < n:  # it filled a block: that block's KV is written, cache it
+                    # (its tokens are known: each was written in before it was computed)
+                    commit(chunk.request_id, end, req.token_slice)
             if not chunk.samples:
                 continue
             token = sampled[chunk.request_id]

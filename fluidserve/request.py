@@ -7,6 +7,7 @@ The one rule every scheduler follows: a request's ``num_computed_tokens`` catche
 from __future__ import annotations
 
 import enum
+from array import array
 from dataclasses import dataclass, field
 
 from fluidserve.sampling_params import SamplingParams
@@ -46,6 +47,10 @@ class Request:
     num_cached_tokens: int | None = None  # found in the prefix cache when first admitted
     # (None: prefix caching is off, or it has not been admitted)
     error: str | None = None
+    # The prompt as a machine array, made when a repetition penalty first needs it: its
+    # sampler reads the whole prompt every step, which then costs a copy, not a conversion
+    # of every token (nor, to another process, a pickled list).
+    prompt_array: array | None = None
 
     def shift_times(self, dt: float) -> None:
         """Move every timestamp by ``dt`` (onto another process's clock)."""

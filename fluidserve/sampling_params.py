@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 MAX_LOGPROBS = 20
+MAX_LOGIT_BIAS = 100.0  # |bias| (OpenAI's range)
 # Below this a temperature is greedy (as in vLLM): dividing float32 logits by 1e-39 gives
 # infinities and a meaningless token, where the user asked for the most likely one.
 GREEDY_BELOW = 1e-5
@@ -21,6 +22,16 @@ class SamplingParams:
     the draw does not depend on batch composition, scheduling policy or preemption; the
     logits it draws from can (a preempted request recomputes its context in other chunks,
     and bf16 sums in another order differ in their last bits).
+
+    The logits are changed, in this order, before any token is picked (greedy too) and as
+    in vLLM: ``logit_bias`` (token id -> a number in [-100, 100]) is added;
+    ``repetition_penalty`` divides the positive logits, and multiplies the negative ones, of
+    every token in the prompt or the output (CTRL's rule, 1 = off); ``frequency_penalty``
+    subtracts itself times the number of times a token is in the output so far and
+    ``presence_penalty`` itself once for a token that is there (OpenAI's, in [-2, 2], 0 =
+    off). After the temperature, ``min_p`` drops the tokens less likely than ``min_p`` times
+    the most likely one, and then top-k and top-p filter. Logprobs are the model's, before
+    any of this.
     """
 
     max_tokens: int = 16
@@ -33,6 +44,11 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None
     min_tokens: int = 0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    min_p: float = 0.0
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (a dict is taken too)
     extra: dict = field(default_factory=dict, compare=False, hash=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -42,6 +58,16 @@ class SamplingParams:
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
         # Looked up for every sampled token: a set, however many ids were given.
         object.__setattr__(self, "stop_token_set", frozenset(self.stop_token_ids))
+        bias = self.logit_bias.items() if isinstance(self.logit_bias, dict) else self.logit_bias
+        # (one entry per token, the last given winning, in token order: equal params compare
+        # equal however their dict was built)
+        object.__setattr__(self, "logit_bias", tuple(sorted(
+            {int(t): float(b) for t, b in bias}.items())))
+        # Read for every scheduled chunk: whether its sampler needs the request's tokens.
+        object.__setattr__(self, "penalizes", self.presence_penalty != 0.0
+                           or self.frequency_penalty != 0.0 or self.repetition_penalty != 1.0)
+        object.__setattr__(self, "adjusts_logits", self.penalizes or self.min_p > 0.0
+                           or bool(self.logit_bias))
         if 0.0 < self.temperature < GREEDY_BELOW:
             object.__setattr__(self, "temperature", 0.0)
         if self.max_tokens < 1:
@@ -58,6 +84,18 @@ class SamplingParams:
             raise ValueError("stop strings must be non-empty")
         if not 0 <= self.min_tokens <= self.max_tokens:
             raise ValueError(f"min_tokens must be in [0, max_tokens], got {self.min_tokens}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not -2.0 <= getattr(self, name) <= 2.0:
+                raise ValueError(f"{name} must be in [-2, 2], got {getattr(self, name)}")
+        if not 0.0 < self.repetition_penalty < float("inf"):
+            raise ValueError(f"repetition_penalty must be > 0 and finite, got"
+                             f" {self.repetition_penalty}")
+        if not 0.0 <= self.min_p <= 1.0:
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
+        for t, b in self.logit_bias:
+            if t < 0 or not -MAX_LOGIT_BIAS <= b <= MAX_LOGIT_BIAS:
+                raise ValueError(f"logit_bias must map token ids >= 0 to numbers in"
+                                 f" [-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}], got {t}: {b}")
 
     @property
     def greedy(self) -> bool:

@@ -177,11 +177,13 @@ class EngineCore:
         ids = msg.prompt_token_ids
         if self.vocab_size is not None and any(not 0 <= t < self.vocab_size for t in ids):
             raise RequestRejected(f"prompt token ids must be in [0, {self.vocab_size})")
+        p = msg.params
+        if self.vocab_size is not None and p.logit_bias and p.logit_bias[-1][0] >= self.vocab_size:
+            raise RequestRejected(f"logit_bias token ids must be in [0, {self.vocab_size})")
         if any(c.request_id == msg.request_id for plan, _, _ in self.in_flight
                for c in plan.chunks):
             raise RequestRejected(f"request id {msg.request_id!r} is still in a batch in"
                                   " flight (it ended only just now): use a new id")
-        p = msg.params
         seed = p.seed if p.seed is not None else self._rng.getrandbits(63)
         now = self.clock.now() if msg.arrival_time is None else msg.arrival_time
         eos = self.model_eos_ids if msg.eos_token_id is None else tuple(

@@ -11,7 +11,7 @@ Every input a graph reads lives at a fixed address in one device buffer; a step 
 host twin and sends it with one asynchronous copy, ordered before the replay on the same stream.
 There are two twins, used in turn: with asynchronous scheduling the next step fills one while
 the copy from the other may still wait behind the step in flight. With it, too, the graph reads
-placeholder token ids from the previous step's sampled tokens (``worker.resolve_placeholders``).
+placeholder token ids from the previous step's sampled tokens (``sampler.resolve_placeholders``).
 The capture itself is a parameter so that the bookkeeping (layout, padding, which graph runs)
 is tested on the CPU, where ``capture=lambda step: step`` replays eagerly.
 """
@@ -130,7 +130,7 @@ class DecodeGraphs:
                                  tiles=tiles)
         tokens, positions, idx = d["tokens"][:b], d["positions"][:b], self.logits_idx[:b]
         if w.last_tokens is not None:
-            from fluidserve.model.worker import resolve_placeholders
+            from fluidserve.model.sampler import resolve_placeholders
 
             last = w.last_tokens
             return lambda: w.model(resolve_placeholders(tokens, last), positions, meta,

@@ -7,11 +7,53 @@ pipeline-parallel executor, which turn the arrays into tensors without copying.
 
 from __future__ import annotations
 
+from array import array
 from dataclasses import dataclass, field
 
 import numpy as np
 
 from fluidserve.core.scheduler.output import SchedulerOutput
+
+# Pads the token arrays of ``Penalties``: no vocabulary is this large, so it counts nowhere.
+NO_TOKEN = np.iinfo(np.int64).max
+
+
+@dataclass
+class Penalties:
+    """The penalized rows of a step and the tokens each counts, as padded arrays: rows with
+    their penalties, the prompt tokens (repetition penalty; no columns when no row has one)
+    and the output tokens before the sampled one. An output token still in flight is
+    ``-(row + 1)``, the row of the batch that samples it, as in the inputs' token ids."""
+
+    rows: list[int]
+    presence: list[float]
+    frequency: list[float]
+    repetition: list[float]
+    prompt: np.ndarray  # [P, prompt width] int64, NO_TOKEN-padded
+    output: np.ndarray  # [P, output width] int64, NO_TOKEN-padded
+
+    @classmethod
+    def build(cls, chunks: list, rows: dict[str, int] | None) -> Penalties:
+        """From the sampled chunks (``rows``: as ``prepare_inputs`` takes it)."""
+        at = [i for i, c in enumerate(chunks) if c.penalized is not None]
+        hist = [chunks[i].penalized for i in at]
+        params = [chunks[i].params for i in at]
+
+        def padded(seqs) -> np.ndarray:
+            arr = np.full((len(seqs), max(map(len, seqs))), NO_TOKEN, dtype=np.int64)
+            for i, t in enumerate(seqs):
+                if len(t):  # (a prompt is a machine array: copied, not converted)
+                    arr[i, : len(t)] = np.frombuffer(t, np.int64) if isinstance(t, array) \
+                        else t
+            return arr
+
+        output = padded([h[1] for h in hist])
+        if rows is not None:  # a PLACEHOLDER (-1): the token in flight, row r of the last step
+            for j, i in enumerate(at):
+                output[j][output[j] == -1] = -1 - rows.get(chunks[i].request_id, -1)
+        return cls(at, [p.presence_penalty for p in params],
+                   [p.frequency_penalty for p in params], [p.repetition_penalty for p in params],
+                   padded([h[0] for h in hist]), output)
 
 
 @dataclass
@@ -26,6 +68,9 @@ class SamplingMetadata:
     output_index: list[int]  # index of the token being sampled in its request's output
     logprobs: list[int | None]
     banned: list[tuple[int, ...]] = field(default_factory=list)  # per row; [] if none bans
+    min_p: list[float] = field(default_factory=list)  # per row; [] if none filters by it
+    logit_bias: list[tuple[tuple[int, float], ...]] = field(default_factory=list)  # ditto
+    penalties: Penalties | None = None  # None if no row asks for a penalty
 
     @property
     def all_greedy(self) -> bool:
@@ -97,6 +142,13 @@ def prepare_inputs(plan: SchedulerOutput, block_size: int, rows: dict[str, int] 
         [x.top_p for x in p], [c.seed for c in sampled], [c.output_index for c in sampled],
         [x.logprobs for x in p],
         [c.banned for c in sampled] if any(c.banned for c in sampled) else [])
+    if any(x.adjusts_logits for x in p):  # (one test per row when none does)
+        if any(x.min_p for x in p):
+            sampling.min_p = [x.min_p for x in p]
+        if any(x.logit_bias for x in p):
+            sampling.logit_bias = [x.logit_bias for x in p]
+        if any(c.penalized is not None for c in sampled):
+            sampling.penalties = Penalties.build(sampled, rows)
     return StepInputs(np.asarray(ids, dtype=np.int64), pos_arr, slots, cu_q,
                       np.asarray(ctxs, dtype=np.int32), table_arr,
                       np.asarray(logits_idx, dtype=np.int64), sampling)

@@ -1,4 +1,5 @@
-"""Token sampling for the whole batch at once: greedy, temperature, top-k, top-p, seeded.
+"""Token sampling for the whole batch at once: greedy, temperature, top-k, top-p, min-p,
+seeded, after logit biases and penalties.
 
 Every row is sampled by inverse transform: the token whose cumulative probability first
 exceeds a uniform number ``u``. ``u`` is a hash of the request's seed and the token's index in
@@ -16,7 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from fluidserve.model.host_memory import to_device
-from fluidserve.model.inputs import SamplingMetadata
+from fluidserve.model.inputs import Penalties, SamplingMetadata
 
 _MASK64 = (1 << 64) - 1
 
@@ -96,12 +97,16 @@ class DeviceSample:
                             host(self.top_v), host(self.top_i))
 
 
-def sample_on_device(logits: torch.Tensor, meta: SamplingMetadata) -> DeviceSample:
+def sample_on_device(logits: torch.Tensor, meta: SamplingMetadata,
+                     last_tokens: torch.Tensor | None = None) -> DeviceSample:
     """logits: [S, V], one row per sampled request. Queues the sampling on the logits' device
     and returns without waiting for it (every choice that depends on the batch's parameters
-    is made on the host)."""
+    is made on the host). ``last_tokens`` (asynchronous scheduling): the step before's
+    sampled tokens, where the penalties read the ones still in flight."""
     dev = logits.device
-    raw = logits  # logprobs are the model's, bans or not
+    raw = logits  # logprobs are the model's, bans, biases and penalties or not
+    if meta.logit_bias or meta.penalties is not None:
+        logits = adjust_logits(logits, meta, last_tokens)
     if meta.banned:
         logits = ban_tokens(logits, meta.banned)
     tokens = greedy_tokens(logits)
@@ -120,6 +125,96 @@ def sample_on_device(logits: torch.Tensor, meta: SamplingMetadata) -> DeviceSamp
     chosen = lp.gather(1, picked[:, None]).squeeze(1)
     top_v, top_i = torch.topk(lp, max(ks)) if max(ks) else (lp[:, :0], lp[:, :0].long())
     return DeviceSample(tokens, want, ks, chosen, top_v, top_i)
+
+
+def resolve_placeholders(tokens: torch.Tensor, last: torch.Tensor) -> torch.Tensor:
+    """Token ids with each ``-(r + 1)`` replaced by row r of ``last``, the previous step's
+    sampled tokens (a decode scheduled while the step that samples its input was in flight).
+    Runs on the device, inside a captured graph too: no host round trip."""
+    rows = (-1 - tokens).clamp(0, len(last) - 1)
+    return torch.where(tokens < 0, last[rows].to(tokens.dtype), tokens)
+
+
+def adjust_logits(logits: torch.Tensor, meta: SamplingMetadata,
+                  last_tokens: torch.Tensor | None = None) -> torch.Tensor:
+    """A float32 copy of ``logits`` with each row's ``logit_bias`` added and then its
+    penalties applied (repetition, frequency, presence: ``SamplingParams`` says how)."""
+    out = logits.float()
+    if out is logits:
+        out = logits.clone()
+    dev, v = out.device, out.shape[-1]
+    if meta.logit_bias:
+        pairs = [(r, t, b) for r, bias in enumerate(meta.logit_bias) for t, b in bias if t < v]
+        if pairs:
+            where = to_device([(r, t) for r, t, _ in pairs], dev, torch.int64)
+            add = to_device([b for _, _, b in pairs], dev, torch.float32)
+            out.index_put_((where[:, 0], where[:, 1]), add, accumulate=True)
+    if meta.penalties is not None:
+        apply_penalties(out, meta.penalties, last_tokens)
+    return out
+
+
+def apply_penalties(logits: torch.Tensor, pen: Penalties,
+                    last_tokens: torch.Tensor | None = None, *, dense: bool | None = None
+                    ) -> None:
+    """Penalize ``pen.rows`` of ``logits`` (float32 [S, V], in place), all rows at once.
+
+    On the CPU the compiled kernel visits each token a row counts once; without it, the
+    eager code finds those tokens by sorting (row, token) keys. On CUDA (``dense``) the
+    tokens are counted into [rows, V] tables instead: more arithmetic, but no host round
+    trip, so the step behind it is still queued at once. The three give the same numbers.
+    ``python scripts/bench_penalties.py`` times them."""
+    dev, v = logits.device, logits.shape[-1]
+    rows = to_device(pen.rows, dev, torch.int64)
+    output = to_device(pen.output, dev)
+    if last_tokens is not None:
+        output = resolve_placeholders(output, last_tokens)
+    repeats = any(r != 1.0 for r in pen.repetition)
+    prompt = to_device(pen.prompt, dev) if repeats and pen.prompt.shape[1] else None
+    counted = any(pen.presence) or any(pen.frequency)
+    rep, freq, pres = (to_device(x, dev, torch.float32)
+                       for x in (pen.repetition, pen.frequency, pen.presence))
+    if dense is None and dev.type == "cpu":
+        from fluidserve.kernels import cpu_ops
+
+        ops = cpu_ops()
+        if ops is not None:
+            ops.apply_penalties(logits, rows, output, to_device(pen.prompt, dev), pres,
+                                freq, rep)
+            return
+    if dense if dense is not None else dev.type != "cpu":
+        sub = logits.index_select(0, rows)
+        counts = token_counts(output, v)
+        if repeats:
+            seen = counts > 0 if prompt is None else (counts + token_counts(prompt, v)) > 0
+            r = rep[:, None].expand_as(sub)
+            sub = torch.where(seen, torch.where(sub > 0, sub / r, sub * r), sub)
+        if counted:
+            sub -= torch.where(counts > 0, freq[:, None] * counts + pres[:, None], 0.0)
+        logits.index_copy_(0, rows, sub)
+        return
+    flat = logits.view(-1)
+
+    def keys(tokens: torch.Tensor) -> torch.Tensor:  # (row, token) as row * V + token
+        return (rows[:, None] * v + tokens)[(tokens >= 0) & (tokens < v)]
+
+    seen = keys(output)  # (a key's penalties: those of its row's rank in the ascending rows)
+    if repeats:
+        at = torch.unique(seen if prompt is None else torch.cat([seen, keys(prompt)]))
+        x, r = flat[at], rep[torch.searchsorted(rows, at // v)]
+        flat[at] = torch.where(x > 0, x / r, x * r)
+    if counted:
+        at, counts = torch.unique(seen, return_counts=True)
+        row = torch.searchsorted(rows, at // v)
+        flat[at] -= freq[row] * counts + pres[row]
+
+
+def token_counts(tokens: torch.Tensor, vocab: int) -> torch.Tensor:
+    """[R, vocab] float32: how many times each token is in each row of ``tokens`` (int64
+    [R, L]; ids outside the vocabulary count nowhere: they add 0 to token 0)."""
+    inside = (tokens >= 0) & (tokens < vocab)
+    counts = torch.zeros(tokens.shape[0], vocab, dtype=torch.float32, device=tokens.device)
+    return counts.scatter_add_(1, torch.where(inside, tokens, 0), inside.float())
 
 
 def ban_tokens(logits: torch.Tensor, banned: list[tuple[int, ...]]) -> torch.Tensor:
@@ -159,6 +254,11 @@ def _sample_rows(logits: torch.Tensor, meta: SamplingMetadata, rows: list[int]) 
     dev = logits.device
     temp = to_device([meta.temperature[i] for i in rows], dev, torch.float32)
     logits = logits / temp[:, None]
+    if meta.min_p and any(meta.min_p[i] > 0 for i in rows):
+        # p < min_p * p_max, as logits: below the row's best by more than -log(min_p)
+        floor = to_device([meta.min_p[i] for i in rows], dev, torch.float32).log()
+        logits = logits.masked_fill(logits < logits.max(-1, keepdim=True).values
+                                    + floor[:, None], float("-inf"))
     if any(meta.top_k[i] > 0 or meta.top_p[i] < 1 for i in rows):
         top_k = to_device([meta.top_k[i] for i in rows], dev, torch.int64)
         top_p = to_device([meta.top_p[i] for i in rows], dev, torch.float32)

@@ -42,7 +42,7 @@ from fluidserve.model.linear import (
 )
 from fluidserve.model.llama import Shard, TensorParallel
 from fluidserve.model.loader import DTYPES, load_model, resolve_dtype
-from fluidserve.model.sampler import sample_on_device, to_host
+from fluidserve.model.sampler import resolve_placeholders, sample_on_device, to_host
 
 log = logging.getLogger(__name__)
 
@@ -267,7 +267,7 @@ class Worker:
             out = self.forward(inputs)
             if not self.shard.last or self.shard.tp_rank != 0:
                 return None
-            sampled = sample_on_device(out, inputs.sampling)
+            sampled = sample_on_device(out, inputs.sampling, self.last_tokens)
             if self.last_tokens is not None:
                 n = len(sampled.tokens)
                 if n > len(self.last_tokens):
@@ -285,14 +285,6 @@ class Worker:
             return to_host(host)
 
         return collect
-
-
-def resolve_placeholders(tokens: torch.Tensor, last: torch.Tensor) -> torch.Tensor:
-    """Token ids with each ``-(r + 1)`` replaced by row r of ``last``, the previous step's
-    sampled tokens (a decode scheduled while the step that samples its input was in flight).
-    Runs on the device, inside a captured graph too: no host round trip."""
-    rows = (-1 - tokens).clamp(0, len(last) - 1)
-    return torch.where(tokens < 0, last[rows].to(tokens.dtype), tokens)
 
 
 def choose_attention(backend: str, block_size: int, head_dim: int, device: torch.device) -> str:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 from abc import ABC, abstractmethod
+from array import array
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -63,14 +64,23 @@ class Batch:
         out = req.output_token_ids
         # Within min_tokens no stop token may be sampled (a prefill that does not sample
         # carries the ban harmlessly: the sampler only reads the rows it samples).
-        banned = req.stop_token_ids if len(out) < req.params.min_tokens else ()
-        if is_decode:  # the one uncomputed token is the last one sampled
-            return ScheduledChunk(req.request_id, start, (out[-1],), table, True,
-                                  req.params, req.seed, len(out), True, banned,
-                                  req.num_preemptions)
-        return ScheduledChunk(req.request_id, start, tuple(req.token_slice(start, start + n)),
-                              table, start + n == req.num_tokens, req.params, req.seed,
-                              len(out), False, banned, req.num_preemptions)
+        params = req.params
+        banned = req.stop_token_ids if len(out) < params.min_tokens else ()
+        samples = is_decode or start + n == req.num_tokens
+        # A penalty counts the tokens before the one sampled: the output as it is now (with
+        # asynchronous scheduling its last token may be a PLACEHOLDER, the sampler reads it on
+        # the device), and for a repetition penalty the prompt, never modified.
+        penalized = None
+        if params.penalizes and samples:
+            prompt = ()
+            if params.repetition_penalty != 1.0:
+                if req.prompt_array is None:
+                    req.prompt_array = array("q", req.prompt_token_ids)
+                prompt = req.prompt_array
+            penalized = (prompt, tuple(out))
+        tokens = (out[-1],) if is_decode else tuple(req.token_slice(start, start + n))
+        return ScheduledChunk(req.request_id, start, tokens, table, samples, params, req.seed,
+                              len(out), is_decode, banned, req.num_preemptions, penalized)
 
 
 class Scheduler(ABC):

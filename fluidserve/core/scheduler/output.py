@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
 from typing import NamedTuple
@@ -32,6 +33,9 @@ class ScheduledChunk:
     # the request's preemptions when it was scheduled: a chunk of an earlier admission, still
     # in flight when an asynchronous schedule preempted and re-admitted it, is not applied
     epoch: int = 0
+    # A sampling chunk of a request with a penalty: the tokens its sampler counts, (prompt,
+    # output before the token it samples); the prompt is () without a repetition penalty
+    penalized: tuple[Sequence[int], tuple[int, ...]] | None = None
 
     @property
     def num_tokens(self) -> int:

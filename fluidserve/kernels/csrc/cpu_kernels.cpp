@@ -193,6 +193,65 @@ at::Tensor argmax_rows(const at::Tensor& logits) {
   return out;
 }
 
+// Penalties (SamplingParams: repetition, then frequency and presence) on float32 logits
+// [S, V], in place: for row rows[j], the tokens of output[j] and, with a repetition penalty,
+// of prompt[j] (int64 [P, L], ids outside [0, V) count nowhere). Each row counts its tokens
+// in its thread's table of V counters and then changes each distinct token once, clearing
+// its counter as it goes: the work grows with the tokens counted, never with the vocabulary.
+// The arithmetic is the eager fallback's (sampler.apply_penalties).
+void apply_penalties(at::Tensor logits, const at::Tensor& rows, const at::Tensor& output,
+                     const at::Tensor& prompt, const at::Tensor& presence,
+                     const at::Tensor& frequency, const at::Tensor& repetition) {
+  TORCH_CHECK(logits.dim() == 2 && logits.is_contiguous() && logits.scalar_type() == at::kFloat,
+              "logits: contiguous float32 [S, V]");
+  const int64_t S = logits.size(0), V = logits.size(1), P = rows.numel();
+  for (const at::Tensor* t : {&rows, &output, &prompt})
+    TORCH_CHECK(t->is_contiguous() && t->scalar_type() == at::kLong, "token ids and rows: int64");
+  TORCH_CHECK(output.dim() == 2 && prompt.dim() == 2 && output.size(0) == P &&
+              prompt.size(0) == P, "output, prompt: [rows, L]");
+  for (const at::Tensor* t : {&presence, &frequency, &repetition})
+    TORCH_CHECK(t->is_contiguous() && t->scalar_type() == at::kFloat && t->numel() == P,
+                "penalties: float32 [rows]");
+  TORCH_CHECK(V < (1LL << 31), "vocabulary too large");
+  const int64_t* rw = rows.data_ptr<int64_t>();
+  for (int64_t j = 0; j < P; ++j) TORCH_CHECK(0 <= rw[j] && rw[j] < S, "row out of range");
+  const int64_t Lo = output.size(1), Lp = prompt.size(1);
+  const int64_t *out_ids = output.data_ptr<int64_t>(), *prompt_ids = prompt.data_ptr<int64_t>();
+  const float *ps = presence.data_ptr<float>(), *fq = frequency.data_ptr<float>(),
+              *rp = repetition.data_ptr<float>();
+  float* x = logits.data_ptr<float>();
+  constexpr int32_t kInPrompt = 1 << 30;  // (an output has fewer tokens than this)
+  at::parallel_for(0, P, 1, [&](int64_t j0, int64_t j1) {
+    std::vector<int32_t> seen(V, 0);
+    for (int64_t j = j0; j < j1; ++j) {
+      float* row = x + rw[j] * V;
+      const int64_t *out = out_ids + j * Lo, *pr = prompt_ids + j * Lp;
+      const float rep = rp[j], f = fq[j], pres = ps[j];
+      const bool repeat = rep != 1.0f;
+      for (int64_t i = 0; i < Lo; ++i)
+        if (out[i] >= 0 && out[i] < V) ++seen[out[i]];
+      if (repeat)
+        for (int64_t i = 0; i < Lp; ++i)
+          if (pr[i] >= 0 && pr[i] < V) seen[pr[i]] |= kInPrompt;
+      auto visit = [&](int64_t t) {
+        if (t < 0 || t >= V || seen[t] == 0) return;
+        const int32_t n = seen[t] & (kInPrompt - 1);
+        seen[t] = 0;
+        float v = row[t];
+        if (repeat) v = v > 0 ? v / rep : v * rep;
+        if (n > 0) {
+          const float by = f * static_cast<float>(n);  // (two roundings, as the eager code's)
+          v -= by + pres;
+        }
+        row[t] = v;
+      };
+      for (int64_t i = 0; i < Lo; ++i) visit(out[i]);
+      if (repeat)
+        for (int64_t i = 0; i < Lp; ++i) visit(pr[i]);
+    }
+  });
+}
+
 // ---------------------------------------------------------------------------------------
 // Fused elementwise layers: one call each instead of a handful of PyTorch operators (whose
 // dispatch, not arithmetic, dominates at small batches). They round where the eager code
@@ -373,6 +432,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("silu_and_mul", &silu_and_mul, "silu(gate) * up",
         py::call_guard<py::gil_scoped_release>());
   m.def("argmax_rows", &argmax_rows, "Per-row argmax (first index among ties)",
+        py::call_guard<py::gil_scoped_release>());
+  m.def("apply_penalties", &apply_penalties,
+        "Repetition, frequency and presence penalties on float32 logits rows, in place",
         py::call_guard<py::gil_scoped_release>());
   m.def("paged_attention", &paged_attention, "Paged attention over a flattened hybrid batch",
         py::call_guard<py::gil_scoped_release>());

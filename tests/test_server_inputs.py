@@ -85,8 +85,16 @@ HOSTILE = [
     ("forced tool call", "/v1/chat/completions",
      {"messages": [{"role": "user", "content": "hi"}],
       "tool_choice": {"type": "function", "function": {"name": "f"}}}),
-    ("repetition penalty", "/v1/completions", {"prompt": "hi", "repetition_penalty": 1.3}),
-    ("min_p", "/v1/completions", {"prompt": "hi", "min_p": 0.1}),
+    ("repetition penalty of 0", "/v1/completions", {"prompt": "hi", "repetition_penalty": 0}),
+    ("min_p above 1", "/v1/completions", {"prompt": "hi", "min_p": 1.5}),
+    ("presence penalty above 2", "/v1/chat/completions",
+     {"messages": [{"role": "user", "content": "hi"}], "presence_penalty": 2.5}),
+    ("frequency penalty below -2", "/v1/completions", {"prompt": "hi", "frequency_penalty": -3}),
+    ("logit bias of a token past the vocabulary", "/v1/completions",
+     {"prompt": "hi", "logit_bias": {"1334": 5}}),
+    ("logit bias past 100", "/v1/completions", {"prompt": "hi", "logit_bias": {"7": 101}}),
+    ("logit bias of 301 tokens", "/v1/completions",
+     {"prompt": "hi", "logit_bias": {str(i): 1 for i in range(301)}}),
     ("beam search", "/v1/completions", {"prompt": "hi", "use_beam_search": True}),
     ("guided json", "/v1/completions", {"prompt": "hi", "guided_json": {"type": "object"}}),
     ("guided choice", "/v1/chat/completions",
@@ -223,8 +231,7 @@ def test_a_rule_between_fields_names_the_field_at_fault(srv, schema):
 
 @pytest.mark.parametrize("field,value,says", [
     ("best_of", 3, "best_of: only 1 is supported"),
-    ("presence_penalty", 0.5, "presence_penalty: only 0.0 is supported"),
-    ("frequency_penalty", -0.5, "frequency_penalty: only 0.0 is supported"),
+    ("use_beam_search", True, "use_beam_search: only false is supported"),
     ("response_format", {"type": "json_object"}, 'response_format.type: only "text" is'),
 ])
 def test_a_parameter_at_a_value_this_server_does_not_implement_says_so(field, value, says):
@@ -236,9 +243,29 @@ def test_a_parameter_at_a_value_this_server_does_not_implement_says_so(field, va
     completion, _ = request_models(Limits(512, 1000, 512 * 14))
     with pytest.raises(inputs.ApiError, match=says):
         inputs.parse_body(json.dumps({"prompt": "a", field: value}).encode(), completion)
-    neutral = {"best_of": 1.0, "presence_penalty": 0, "frequency_penalty": 0.0,
+    neutral = {"best_of": 1.0, "use_beam_search": False,
                "response_format": {"type": "text"}}[field]
     inputs.parse_body(json.dumps({"prompt": "a", field: neutral}).encode(), completion)
+
+
+def test_logit_bias_and_penalties_change_what_is_served(srv):
+    """A +100 bias makes a token every greedy pick; penalties and min_p are served on both
+    routes, for every sample of n (the engine's tests check their arithmetic)."""
+    body = {"prompt": PROMPT, "max_tokens": 6, "temperature": 0, "ignore_eos": True}
+    forced = post(srv, "/v1/completions", body | {"logit_bias": {"500": 100}})
+    assert forced.status_code == 200, forced.text
+    text = httpx.post(srv.url + "/detokenize", json={"tokens": [500] * 6}).json()["prompt"]
+    assert forced.json()["choices"][0]["text"] == text
+    plain = post(srv, "/v1/completions", body | {"max_tokens": 16}).json()
+    repeats = post(srv, "/v1/completions", body | {"max_tokens": 16, "frequency_penalty": 2,
+                                                   "presence_penalty": 2}).json()
+    assert repeats["choices"][0]["text"] != plain["choices"][0]["text"]
+    chat = {"messages": [{"role": "user", "content": PROMPT}], "max_tokens": 8, "n": 2,
+            "seed": 1, "repetition_penalty": 1.3, "min_p": 0.1, "presence_penalty": -0.5,
+            "logit_bias": {"7": -100}}
+    r = post(srv, "/v1/chat/completions", chat)
+    assert r.status_code == 200, r.text
+    assert len(r.json()["choices"]) == 2 and r.json()["usage"]["completion_tokens"] > 0
 
 
 def test_continuous_usage_comes_with_the_final_usage_only(srv):
@@ -276,8 +303,11 @@ def test_published_schema_states_what_is_rejected(schema):
     chat = schema["components"]["schemas"]["ChatCompletionRequest"]
     assert chat["properties"]["messages"]["minItems"] == 1
     # What is not implemented is stated: its one accepted value, or null only.
-    consts = [a for a in req["properties"]["min_p"]["anyOf"] if "const" in a]
-    assert consts == [{"type": "number", "const": 0.0}]
+    consts = [a for a in req["properties"]["use_beam_search"]["anyOf"] if "const" in a]
+    assert consts == [{"type": "boolean", "const": False}]
+    bias = req["properties"]["logit_bias"]["anyOf"][0]  # token ids of the vocabulary only
+    assert bias["propertyNames"]["pattern"].endswith("|1333)$")
+    assert bias["maxProperties"] == 300
     assert req["properties"]["guided_json"]["type"] == "null"
     assert chat["properties"]["tools"]["anyOf"][0]["maxItems"] == 0
     for path in ("/v1/completions", "/v1/chat/completions"):

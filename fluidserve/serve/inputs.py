@@ -19,6 +19,7 @@ import logging
 import math
 import multiprocessing
 import os
+import re
 from concurrent.futures import ProcessPoolExecutor, ThreadPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
 from functools import cache
@@ -144,6 +145,12 @@ def validation_error(errors: list) -> ApiError:
     loc = [str(x) for x in first.get("loc", ()) if not _union_tag(x)]
     msg = str(first.get("msg", "invalid request")).removeprefix("Value error, ")
     where = ".".join(loc)
+    if loc[:1] == ["logit_bias"] and first["loc"][-1] == "[key]":  # (a key may look like a tag)
+        top = re.search(r"\|(\d+)\)\$", str(first.get("ctx", {}).get("pattern", "")))
+        return ApiError(400, f"logit_bias: {first['loc'][-2]!r} is not a token id of this model"
+                        f" (a decimal integer from 0 to"
+                        f" {top.group(1) if top else 'its vocabulary size - 1'}, no leading zeros)",
+                        param="logit_bias")
     if first.get("type") == "too_long" and first.get("ctx", {}).get("max_length") == 0 \
             and loc not in (["prompt"], ["messages"]):  # (those: a one-token window's)
         return ApiError(400, f"{where}: not supported (absent or empty only)", param=where)

@@ -26,7 +26,7 @@ from pydantic import (
     create_model,
 )
 
-from fluidserve.sampling_params import MAX_LOGPROBS, SamplingParams
+from fluidserve.sampling_params import MAX_LOGIT_BIAS, MAX_LOGPROBS, SamplingParams
 
 MAX_STOP = 16
 MAX_STOP_TOKEN_IDS = 1024
@@ -79,6 +79,50 @@ One = Annotated[Only(int, 1, "integer"), BeforeValidator(_integral)]
 Unsupported = Annotated[Any, AfterValidator(_null), WithJsonSchema({"type": "null"})]
 NOT_SUPPORTED = "Not supported: must be null or absent."
 NoItems = Annotated[list[Any], Field(max_length=0)]
+
+
+Penalty = Annotated[float, Field(ge=-2.0, le=2.0)]
+MAX_LOGIT_BIAS_TOKENS = 300  # (OpenAI's bound)
+
+
+def id_pattern(top: int | None) -> str:
+    """A regular expression for the decimal integers 0..top (any if None), no leading zeros:
+    a token id as a JSON object's key, which JSON Schema can bound only by its pattern."""
+    if top is None:
+        return "^(0|[1-9][0-9]*)$"
+    def any_digits(n: int) -> str:
+        return "" if n == 0 else "[0-9]" if n == 1 else f"[0-9]{{{n}}}"
+
+    digits = str(top)
+    alts = ["0"] if top > 0 else []  # (the top itself is the last alternative)
+    alts += ["[1-9]" + any_digits(n - 1) for n in range(1, len(digits))]  # fewer digits
+    for i, d in enumerate(map(int, digits)):  # top's first i digits, then a smaller one
+        low = 1 if i == 0 else 0
+        if d > low:
+            alts.append(digits[:i] + (f"[{low}-{d - 1}]" if d - 1 > low else str(low))
+                        + any_digits(len(digits) - i - 1))
+    alts.append(digits)
+    return f"^({'|'.join(alts)})$"
+
+
+def _few_biases(value):
+    # Before its entries are checked: a 300k-entry map is one error, not 300k.
+    if isinstance(value, dict) and len(value) > MAX_LOGIT_BIAS_TOKENS:
+        raise ValueError(f"at most {MAX_LOGIT_BIAS_TOKENS} tokens, got {len(value)}")
+    return value
+
+
+def LogitBias(top_id: int | None) -> Any:  # noqa: N802 - a type
+    """``logit_bias``: token ids up to ``top_id`` to biases."""
+    pattern = id_pattern(top_id)
+    bias = Annotated[float, Field(ge=-MAX_LOGIT_BIAS, le=MAX_LOGIT_BIAS)]
+    return Annotated[dict[Annotated[str, Field(pattern=pattern)], bias],
+                     BeforeValidator(_few_biases),
+                     WithJsonSchema({"type": "object", "maxProperties": MAX_LOGIT_BIAS_TOKENS,
+                                     "propertyNames": {"pattern": pattern},
+                                     "additionalProperties": {
+                                         "type": "number", "minimum": -MAX_LOGIT_BIAS,
+                                         "maximum": MAX_LOGIT_BIAS}})]
 
 
 class ApiError(Exception):
@@ -136,22 +180,28 @@ class _Common(BaseModel):
         None, description="Only with stream=true.")
     ignore_eos: bool = False
     user: str | None = None
-    presence_penalty: Only(float, 0.0, "number") | None = Field(
-        None, description="Only 0 is supported.")
-    frequency_penalty: Only(float, 0.0, "number") | None = Field(
-        None, description="Only 0 is supported.")
-    # Any values: a 300k-entry map is refused for its size, not after 300k checks.
-    logit_bias: Annotated[dict[str, Any], Field(max_length=0)] | None = Field(
-        None, description="Not supported: must be empty.")
+    presence_penalty: Penalty | None = Field(
+        None, description="Subtracted from the logit of every token already in the output"
+        " (0: off).")
+    frequency_penalty: Penalty | None = Field(
+        None, description="Times a token's count in the output so far, subtracted from its"
+        " logit (0: off).")
+    repetition_penalty: Annotated[float, Field(gt=0.0)] | None = Field(
+        None, description="vLLM's (CTRL's): the logit of every token in the prompt or the"
+        " output is divided by it if positive, else multiplied by it (1: off).")
+    min_p: Annotated[float, Field(ge=0.0, le=1.0)] | None = Field(
+        None, description="After the temperature, tokens less likely than min_p times the most"
+        " likely one are not sampled (0: off).")
+    logit_bias: LogitBias(None) | None = Field(
+        None, description=f"Token id (a string) -> a number in [-{MAX_LOGIT_BIAS:g},"
+        f" {MAX_LOGIT_BIAS:g}] added to its logit before any penalty, greedy too; at most"
+        f" {MAX_LOGIT_BIAS_TOKENS} tokens.")
     return_metrics: bool = False  # fluidserve extension: server-side timings in the response
     # Parameters of the OpenAI API and vLLM's extensions that this server does not implement:
     # only their neutral values are accepted, so a client never gets output made under other
     # rules than it asked for.
     response_format: TextFormat | None = Field(
         None, description='Only {"type": "text"}: no JSON mode or JSON schema.')
-    repetition_penalty: Only(float, 1.0, "number") | None = Field(
-        None, description="Only 1 is supported.")
-    min_p: Only(float, 0.0, "number") | None = Field(None, description="Only 0 is supported.")
     use_beam_search: OnlyFalse | None = Field(None, description="Only false is supported.")
     include_stop_str_in_output: OnlyFalse | None = Field(
         None, description="Only false is supported: a matched stop string is left out.")
@@ -182,6 +232,12 @@ class _Common(BaseModel):
             ignore_eos=self.ignore_eos,
             logprobs=logprobs,
             min_tokens=self.min_tokens,
+            presence_penalty=self.presence_penalty or 0.0,
+            frequency_penalty=self.frequency_penalty or 0.0,
+            repetition_penalty=1.0 if self.repetition_penalty is None
+            else self.repetition_penalty,
+            min_p=self.min_p or 0.0,
+            logit_bias={int(t): b for t, b in (self.logit_bias or {}).items()},
         )
 
     @property
@@ -362,8 +418,10 @@ def request_models(limits: Limits) -> tuple[type[CompletionRequest], type[ChatCo
     stop_ids_field = CompletionRequest.model_fields["stop_token_ids"]
     stop_ids = (Annotated[list[token], Field(max_length=MAX_STOP_TOKEN_IDS)] | None,
                 Field(None, description=stop_ids_field.description))
+    bias = (LogitBias(vocab - 1 if vocab else None) | None,
+            Field(None, description=CompletionRequest.model_fields["logit_bias"].description))
     completion = create_model(
-        "CompletionRequest", __base__=CompletionRequest,
+        "CompletionRequest", __base__=CompletionRequest, logit_bias=bias,
         prompt=(text | ids
                 | Annotated[list[text], Field(min_length=1, max_length=num_prompts,
                                               fail_fast=True)]
@@ -373,7 +431,7 @@ def request_models(limits: Limits) -> tuple[type[CompletionRequest], type[ChatCo
         max_tokens=(new_tokens, None), stop_token_ids=stop_ids,
         n=(samples, Field(None, description=CompletionRequest.model_fields["n"].description)))
     chat = create_model(
-        "ChatCompletionRequest", __base__=ChatCompletionRequest,
+        "ChatCompletionRequest", __base__=ChatCompletionRequest, logit_bias=bias,
         # Every message takes at least one token of the prompt (its role, as the template
         # renders it).
         messages=(Annotated[list[message], Field(min_length=1, max_length=room,

@@ -44,15 +44,23 @@ def _cmd_generate(args: argparse.Namespace) -> int:
         print("fluidserve: error: give at least one --prompt or --prompt-file", file=sys.stderr)
         return 2
     cfg = engine_config_from_args(args)
-    params = SamplingParams(
-        max_tokens=g.max_tokens,
-        temperature=g.temperature,
-        top_p=g.top_p,
-        top_k=g.top_k,
-        seed=g.sampling_seed,
-        stop=g.stop,
-        ignore_eos=g.ignore_eos,
-    )
+    try:
+        params = SamplingParams(
+            max_tokens=g.max_tokens,
+            temperature=g.temperature,
+            top_p=g.top_p,
+            top_k=g.top_k,
+            seed=g.sampling_seed,
+            stop=g.stop,
+            ignore_eos=g.ignore_eos,
+            repetition_penalty=g.repetition_penalty,
+            frequency_penalty=g.frequency_penalty,
+            presence_penalty=g.presence_penalty,
+            min_p=g.min_p,
+        )
+    except ValueError as e:
+        print(f"fluidserve: error: {e}", file=sys.stderr)
+        return 2
     with LLM(config=cfg) as llm:  # (closing stops the worker ranks of -tp / -pp)
         t0 = time.perf_counter()
         outs = llm.generate(prompts, params, use_tqdm=len(prompts) > 1 and not g.json)

@@ -177,6 +177,14 @@ class GenerateConfig:
     sampling_seed: int | None = knob(None, "Per-request sampling seed.")
     stop: tuple[str, ...] = knob((), "Stop string (repeatable).", repeat=True)
     ignore_eos: bool = knob(False, "Keep generating past EOS.")
+    repetition_penalty: float = knob(
+        1.0, "Divide the positive logits, multiply the negative ones, of every token in the"
+        " prompt or the output by this (1 = off; vLLM's).")
+    frequency_penalty: float = knob(
+        0.0, "Subtract this times a token's count in the output from its logit, in [-2, 2].")
+    presence_penalty: float = knob(
+        0.0, "Subtract this from the logit of a token in the output, in [-2, 2].")
+    min_p: float = knob(0.0, "Sample only tokens at least this times as likely as the best.")
 
 
 @dataclass(frozen=True)

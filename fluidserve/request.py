@@ -51,6 +51,14 @@ class Request:
     # sampler reads the whole prompt every step, which then costs a copy, not a conversion
     # of every token (nor, to another process, a pickled list).
     prompt_array: array | None = None
+    # With params.prompt_logprobs: entry i is prompt token i + 1's (logprob, [(id, logprob)])
+    prompt_logprobs: list | None = None
+
+    @property
+    def needs_prompt_logprobs(self) -> bool:
+        """Whether its prefill computes its prompt's logprobs: asked for, and not returned
+        yet (they go with the first output token)."""
+        return self.params.prompt_logprobs is not None and not self.output_token_ids
 
     def shift_times(self, dt: float) -> None:
         """Move every timestamp by ``dt`` (onto another process's clock)."""

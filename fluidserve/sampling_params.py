@@ -49,6 +49,10 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     min_p: float = 0.0
     logit_bias: tuple[tuple[int, float], ...] = ()  # (a dict is taken too)
+    # The logprob of every prompt token but the first (that of the token given the ones
+    # before it), and this many most likely tokens at each position: computed once, by the
+    # prefill (never from a cached prefix), and returned with the first output token.
+    prompt_logprobs: int | None = None
     extra: dict = field(default_factory=dict, compare=False, hash=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -78,8 +82,10 @@ class SamplingParams:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
         if self.top_k == 0 or self.top_k < -1:
             raise ValueError(f"top_k must be -1 (disabled) or >= 1, got {self.top_k}")
-        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
-            raise ValueError(f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs}")
+        for name in ("logprobs", "prompt_logprobs"):
+            k = getattr(self, name)
+            if k is not None and not 0 <= k <= MAX_LOGPROBS:
+                raise ValueError(f"{name} must be in [0, {MAX_LOGPROBS}], got {k}")
         if any(not s for s in self.stop):
             raise ValueError("stop strings must be non-empty")
         if not 0 <= self.min_tokens <= self.max_tokens:

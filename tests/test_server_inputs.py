@@ -9,6 +9,7 @@ import unicodedata
 
 import httpx
 import pytest
+import torch
 
 from fluidserve.serve.inputs import chars_per_token
 
@@ -266,6 +267,50 @@ def test_logit_bias_and_penalties_change_what_is_served(srv):
     r = post(srv, "/v1/chat/completions", chat)
     assert r.status_code == 200, r.text
     assert len(r.json()["choices"]) == 2 and r.json()["usage"]["completion_tokens"] > 0
+
+
+def test_echo_returns_the_prompt_and_its_logprobs_as_lm_eval_reads_them(srv, tiny_model_dir):
+    """lm-evaluation-harness's loglikelihood: token-id prompts, echo, logprobs 1, one token:
+    token_logprobs[ctxlen:-1] are the continuation's, top_logprobs say whether it was greedy.
+    Streamed, the prompt comes in each choice's first chunk."""
+    import transformers as tf
+
+    prompts = [[1, 50, 60, 70, 80, 90], [1, 300, 301]]
+    body = {"prompt": prompts, "max_tokens": 2, "temperature": 0, "logprobs": 2, "echo": True,
+            "ignore_eos": True}
+    r = post(srv, "/v1/completions", body)
+    assert r.status_code == 200, r.text
+    model = tf.AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
+    for choice, ids in zip(r.json()["choices"], prompts, strict=True):
+        lp = choice["logprobs"]
+        assert len(lp["tokens"]) == len(ids) + 2 and lp["token_logprobs"][0] is None
+        assert lp["top_logprobs"][0] is None and lp["text_offset"][0] == 0
+        with torch.no_grad():
+            want = model(torch.tensor([ids])).logits[0].log_softmax(-1)
+        for i in range(1, len(ids)):
+            assert lp["token_logprobs"][i] == pytest.approx(float(want[i - 1, ids[i]]),
+                                                            abs=1e-3)
+            assert len(lp["top_logprobs"][i]) in (2, 3)  # the token itself, and the top 2
+        prompt_text = httpx.post(srv.url + "/detokenize", json={"tokens": ids}).json()["prompt"]
+        assert choice["text"].startswith(prompt_text)
+        plain = post(srv, "/v1/completions", body | {"prompt": ids, "echo": False}).json()
+        assert choice["text"] == prompt_text + plain["choices"][0]["text"]
+        assert lp["token_logprobs"][len(ids):] == plain["choices"][0]["logprobs"][
+            "token_logprobs"]
+    # streamed: the same text and logprobs, the prompt's first
+    with httpx.stream("POST", srv.url + "/v1/completions", json=body | {"stream": True},
+                      timeout=60) as s:
+        chunks = [json.loads(x[6:]) for x in s.iter_lines() if x.startswith("data: {")]
+    for k, choice in enumerate(r.json()["choices"]):
+        mine = [c["choices"][0] for c in chunks if c["choices"][0]["index"] == k]
+        assert "".join(c["text"] for c in mine) == choice["text"]
+        assert sum((c["logprobs"]["token_logprobs"] for c in mine), []) \
+            == choice["logprobs"]["token_logprobs"]
+        assert len(mine[0]["logprobs"]["tokens"]) == len(prompts[k]) + 1
+    # echo without logprobs: the text alone
+    r = post(srv, "/v1/completions", {"prompt": PROMPT, "max_tokens": 3, "echo": True})
+    assert r.json()["choices"][0]["text"].startswith(PROMPT)
+    assert r.json()["choices"][0]["logprobs"] is None
 
 
 def test_continuous_usage_comes_with_the_final_usage_only(srv):

@@ -180,6 +180,9 @@ class EngineCore:
         p = msg.params
         if self.vocab_size is not None and p.logit_bias and p.logit_bias[-1][0] >= self.vocab_size:
             raise RequestRejected(f"logit_bias token ids must be in [0, {self.vocab_size})")
+        if p.prompt_logprobs is not None and self.config.disagg.disaggregate:
+            raise RequestRejected("prompt logprobs are not computed by disaggregated instances"
+                                  " (the prefill instance would have to send them on)")
         if any(c.request_id == msg.request_id for plan, _, _ in self.in_flight
                for c in plan.chunks):
             raise RequestRejected(f"request id {msg.request_id!r} is still in a batch in"
@@ -299,6 +302,8 @@ class EngineCore:
         self._changed = True
         if self.budget is not None and self.budget.learns_gaps:
             self.budget.observe_gaps(plan, self._token_gaps(plan, end))
+        if result.prompt_logprobs:
+            self._keep_prompt_logprobs(plan, result)
         touched = self.scheduler.update(plan, result, end)
         self.telemetry.record_iteration(plan, start, end - start)
         if end - start > STALL_HINT_S and self.emit_outputs:
@@ -331,10 +336,26 @@ class EngineCore:
             if first or req.status.finished:
                 d.scheduling_delay = req.first_scheduled_time - req.arrival_time
                 d.num_cached_tokens = req.num_cached_tokens
+            if first and req.params.prompt_logprobs is not None:
+                d.prompt_logprobs, req.prompt_logprobs = req.prompt_logprobs or [], None
             if req.status.finished:
                 self._record_finished(req)
             deltas.append(d)
         return self.make_outputs(deltas)
+
+    def _keep_prompt_logprobs(self, plan: SchedulerOutput, result: RunnerOutput) -> None:
+        """Write each chunk's prompt logprobs into its request, at the chunk's positions (a
+        chunk recomputed after a preemption writes the same entries again; one of an
+        earlier admission still in flight is dropped, as its tokens are)."""
+        chunks = {c.request_id: c for c in plan.chunks if c.prompt_targets}
+        for rid, entries in result.prompt_logprobs.items():
+            req, c = self.scheduler.requests.get(rid), chunks.get(rid)
+            if req is None or c is None or c.epoch != req.num_preemptions:
+                continue
+            if req.prompt_logprobs is None:
+                req.prompt_logprobs = []
+            if c.start <= len(req.prompt_logprobs):
+                req.prompt_logprobs[c.start:c.start + len(entries)] = entries
 
     def _hint_stall(self, plan: SchedulerOutput, seconds: float) -> None:
         """Say once that a fixed budget's prefill work stalled running streams, and what

@@ -408,12 +408,12 @@ class MultiprocExecutor(FailsInFlightOnDeath):
                               else f"worker rank {r}: its pipe closed")
                     return
                 if kind == "result":
-                    (tokens, logprobs), seconds = body
+                    result, seconds = body
                     with self._lock:
                         if not self._pending:  # shut down meanwhile: the batch has failed
                             continue
                         fut, rids = self._pending.popleft()
-                    fut.set_result(runner_output(rids, tokens, logprobs, seconds))
+                    fut.set_result(runner_output(rids, result, seconds))
                     continue
                 if kind == "stats":
                     self._stats.append(body)

@@ -23,6 +23,9 @@ class CompletionOutput:
     metrics: RequestLatency | None = None
     logprobs: list = field(default_factory=list)
     num_cached_tokens: int | None = None  # with prefix caching: prompt tokens found cached
+    # With SamplingParams.prompt_logprobs: for each prompt token from the second on, its
+    # (logprob, [(id, logprob), ...]) given the tokens before it
+    prompt_logprobs: list | None = None
 
 
 class LLM:
@@ -73,6 +76,7 @@ class LLM:
         order, reqs = [], {}
         texts: dict[str, list[str]] = {}
         logprobs: dict[str, list] = {}
+        prompt_logprobs: dict[str, list] = {}
         bar = None
         try:  # a prompt refused, an interrupt, a dead executor: nothing is left running
             for prompt, p in zip(prompts, params, strict=True):
@@ -89,6 +93,8 @@ class LLM:
                         continue
                     texts[out.request_id].append(out.new_text)
                     logprobs[out.request_id].extend(out.new_logprobs)
+                    if out.prompt_logprobs is not None:
+                        prompt_logprobs[out.request_id] = out.prompt_logprobs
                     if out.finished and bar is not None:
                         bar.update(1)
         except BaseException:
@@ -98,10 +104,12 @@ class LLM:
         finally:
             if bar is not None:
                 bar.close()
-        return [self._result(reqs[rid], "".join(texts[rid]), logprobs[rid]) for rid in order]
+        return [self._result(reqs[rid], "".join(texts[rid]), logprobs[rid],
+                             prompt_logprobs.get(rid)) for rid in order]
 
     @staticmethod
-    def _result(req, text: str, logprobs: list) -> CompletionOutput:
+    def _result(req, text: str, logprobs: list, prompt_logprobs: list | None
+                ) -> CompletionOutput:
         lat = request_latency(req.arrival_time, req.token_times, req.first_scheduled_time)
         return CompletionOutput(
             req.request_id,
@@ -113,6 +121,7 @@ class LLM:
             lat,
             logprobs,
             req.num_cached_tokens,
+            prompt_logprobs,
         )
 
 

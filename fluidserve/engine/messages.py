@@ -86,6 +86,8 @@ class RequestDelta:
     tbt: float | None = None
     # The error is the server's state (an instance that served it died), not the request's.
     unavailable: bool = False
+    # With the first token, if asked: the prompt's tokens' (logprob, top), from the second on
+    prompt_logprobs: list | None = None
 
     @property
     def finished(self) -> bool:

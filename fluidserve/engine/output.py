@@ -42,6 +42,7 @@ class RequestOutput:
     # The error is the server's state (shutting down, the engine core down), not the
     # request's: the API answers 503 and the client may retry elsewhere.
     unavailable: bool = False
+    prompt_logprobs: list | None = None  # with the first token, if asked
 
 
 @dataclass(slots=True)
@@ -99,6 +100,7 @@ class OutputProcessor:
                             delta.error, delta.num_prompt_tokens, st.num_output_tokens,
                             delta.new_logprobs, st.scheduling_delay if done else None,
                             st.num_cached_tokens if done else None, delta.unavailable)
+        out.prompt_logprobs = delta.prompt_logprobs
         if out.finished:
             del self._states[delta.request_id]
         return out, stopped and not delta.finished

@@ -155,8 +155,8 @@ class RayExecutor(FailsInFlightOnDeath):
             if fut.done():
                 return
             try:
-                (tokens, logprobs), seconds = rf.result()
-                out = runner_output(rids, tokens, logprobs, seconds)
+                result, seconds = rf.result()
+                out = runner_output(rids, result, seconds)
             except Exception as e:
                 why = f"a Ray worker rank failed: {describe(e)}"
                 settle(fut, error=ExecutorDead(why))  # no longer pending: _die would not

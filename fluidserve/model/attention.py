@@ -67,6 +67,10 @@ class AttentionMetadata:
     runs: list[tuple[int, int, int]]  # (q_start, q_len, ctx_len) per run, on the host
     backend: str = "native"  # native (compiled CPU kernels) | triton | eager
     tiles: object = None  # triton: the launch grid (triton_ops.AttentionTiles)
+    # Whether every row whose logits the step needs ends its run (the sampled rows), so the
+    # last layer may compute those rows alone (``sampled_rows_metadata``); not with rows of
+    # prompt logprobs.
+    last_rows_only: bool = True
 
     @property
     def compiled(self) -> bool:

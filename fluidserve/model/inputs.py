@@ -57,6 +57,17 @@ class Penalties:
 
 
 @dataclass
+class PromptRows:
+    """The logits rows of a step after its sampled ones: positions of prefill chunks whose
+    request asked for its prompt's logprobs, chunk by chunk; each predicts a prompt token."""
+
+    request_ids: list[str]
+    counts: list[int]  # rows of each request's chunk
+    ks: list[int]  # top entries each request asked for
+    targets: np.ndarray  # [rows] int64: the prompt token each row predicts
+
+
+@dataclass
 class SamplingMetadata:
     """One entry per sampled row (a chunk that ends a request's known tokens)."""
 
@@ -71,6 +82,7 @@ class SamplingMetadata:
     min_p: list[float] = field(default_factory=list)  # per row; [] if none filters by it
     logit_bias: list[tuple[tuple[int, float], ...]] = field(default_factory=list)  # ditto
     penalties: Penalties | None = None  # None if no row asks for a penalty
+    prompt: PromptRows | None = None  # None if no chunk computes prompt logprobs
 
     @property
     def all_greedy(self) -> bool:
@@ -85,7 +97,9 @@ class StepInputs:
     cu_q: np.ndarray  # [S + 1] int32: run s holds tokens cu_q[s] .. cu_q[s+1]-1
     ctx_lens: np.ndarray  # [S] int32: the run's last position + 1
     block_tables: np.ndarray  # [S, max_blocks] int32, padded with block 0
-    logits_idx: np.ndarray  # [R] int64: batch positions whose next-token logits are sampled
+    # [R (+ E)] int64: batch positions whose next-token logits are sampled (then those of
+    # ``sampling.prompt``'s rows)
+    logits_idx: np.ndarray
     sampling: SamplingMetadata
 
     @property
@@ -113,6 +127,8 @@ def prepare_inputs(plan: SchedulerOutput, block_size: int, rows: dict[str, int] 
     logits_idx: list[int] = []
     tables: list[tuple[int, ...]] = []
     sampled = []
+    prompt_rows: list[int] = []  # (after the sampled rows)
+    prompt_chunks = []
     for c in plan.chunks:
         q0, n = len(ids), len(c.token_ids)
         if rows is not None and c.token_ids[0] < 0:  # (only a decode's can be)
@@ -127,6 +143,9 @@ def prepare_inputs(plan: SchedulerOutput, block_size: int, rows: dict[str, int] 
         if c.samples:
             logits_idx.append(q0 + n - 1)
             sampled.append(c)
+        if c.prompt_targets:
+            prompt_rows.extend(range(q0, q0 + len(c.prompt_targets)))
+            prompt_chunks.append(c)
     width = max(map(len, tables))
     table_arr = np.zeros((len(tables), width), dtype=np.int32)
     for i, t in enumerate(tables):
@@ -149,6 +168,13 @@ def prepare_inputs(plan: SchedulerOutput, block_size: int, rows: dict[str, int] 
             sampling.logit_bias = [x.logit_bias for x in p]
         if any(c.penalized is not None for c in sampled):
             sampling.penalties = Penalties.build(sampled, rows)
+    if prompt_chunks:
+        sampling.prompt = PromptRows(
+            [c.request_id for c in prompt_chunks], [len(c.prompt_targets) for c in prompt_chunks],
+            [c.params.prompt_logprobs for c in prompt_chunks],
+            np.fromiter((t for c in prompt_chunks for t in c.prompt_targets), np.int64,
+                        len(prompt_rows)))
+        logits_idx += prompt_rows
     return StepInputs(np.asarray(ids, dtype=np.int64), pos_arr, slots, cu_q,
                       np.asarray(ctxs, dtype=np.int32), table_arr,
                       np.asarray(logits_idx, dtype=np.int64), sampling)

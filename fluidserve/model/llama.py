@@ -317,7 +317,7 @@ class LlamaForCausalLM(nn.Module):
         """The rows the last layer computes past its keys and values, where fewer than all
         (this stage holds the last layer, the layers run on kernels); else None."""
         if not (SAMPLED_ROWS_ONLY and self.shard.last and self.layers and meta.compiled
-                and len(logits_idx) < x.shape[0]):
+                and meta.last_rows_only and len(logits_idx) < x.shape[0]):
             return None
         attn = self.layers[-1].self_attn
         return SampledRows(logits_idx, sampled_rows_metadata(meta, logits_idx,

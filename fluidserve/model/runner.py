@@ -13,6 +13,7 @@ from fluidserve.model.arch import read_arch
 from fluidserve.model.inputs import prepare_inputs
 from fluidserve.model.loader import resolve_dtype
 from fluidserve.model.worker import (
+    StepResult,
     Worker,
     WorkerSpec,
     choose_attention,  # noqa: F401 - re-exported for tests
@@ -23,11 +24,10 @@ from fluidserve.model.worker import (
 log = logging.getLogger(__name__)
 
 
-def runner_output(request_ids: list[str], tokens: list[int], logprobs: list, seconds: float
-                  ) -> RunnerOutput:
-    sampled = dict(zip(request_ids, tokens, strict=True))
-    lps = {r: lp for r, lp in zip(request_ids, logprobs, strict=True) if lp is not None}
-    return RunnerOutput(sampled, seconds, lps)
+def runner_output(request_ids: list[str], result: StepResult, seconds: float) -> RunnerOutput:
+    sampled = dict(zip(request_ids, result.tokens, strict=True))
+    lps = {r: lp for r, lp in zip(request_ids, result.logprobs, strict=True) if lp is not None}
+    return RunnerOutput(sampled, seconds, lps, prompt_logprobs=result.prompt_logprobs)
 
 
 class ModelExecutor:
@@ -124,7 +124,7 @@ class ModelExecutor:
         ids = inputs.sampling.request_ids
         if self.resolves_placeholders:
             self._rows = {rid: i for i, rid in enumerate(ids)}
-        return lambda: runner_output(ids, *collect(), time.perf_counter() - t0)
+        return lambda: runner_output(ids, collect(), time.perf_counter() - t0)
 
     def forward(self, plan: SchedulerOutput):
         """Run the batch (writing its KV); [S, vocab] logits of the sampling chunks."""

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from fluidserve.model.host_memory import to_device
-from fluidserve.model.inputs import Penalties, SamplingMetadata
+from fluidserve.model.inputs import Penalties, PromptRows, SamplingMetadata
 
 _MASK64 = (1 << 64) - 1
 
@@ -83,6 +83,7 @@ class DeviceSample:
     chosen: torch.Tensor | None = None  # [len(rows)] logprob of each sampled token
     top_v: torch.Tensor | None = None  # [len(rows), max(ks)]
     top_i: torch.Tensor | None = None
+    prompt: DevicePromptLogprobs | None = None
 
     def copy_to_host(self) -> DeviceSample:
         """Its tensors copied into pinned host memory, asynchronously: read them after the
@@ -93,8 +94,48 @@ class DeviceSample:
             h = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
             return h.copy_(t, non_blocking=True)
 
+        p = self.prompt
         return DeviceSample(host(self.tokens), self.rows, self.ks, host(self.chosen),
-                            host(self.top_v), host(self.top_i))
+                            host(self.top_v), host(self.top_i), p and DevicePromptLogprobs(
+                                p.rows, host(p.chosen), host(p.top_v), host(p.top_i)))
+
+
+@dataclass
+class DevicePromptLogprobs:
+    """A step's prompt logprobs (``SamplingMetadata.prompt``) as tensors: of each row's
+    target token, and each row's top entries."""
+
+    rows: PromptRows
+    chosen: torch.Tensor  # [E]
+    top_v: torch.Tensor  # [E, max(ks)]
+    top_i: torch.Tensor
+
+    ROWS_AT_ONCE = 256  # float32 log-softmax rows held at once (a prompt chunk has many)
+
+    @classmethod
+    def compute(cls, logits: torch.Tensor, rows: PromptRows) -> DevicePromptLogprobs:
+        """From the step's logits rows after the sampled ones, queued on their device."""
+        targets = to_device(rows.targets, logits.device, torch.int64)
+        k = max(rows.ks)
+        chosen, top_v, top_i = [], [], []
+        for a in range(0, len(targets), cls.ROWS_AT_ONCE):
+            lp = torch.log_softmax(logits[a:a + cls.ROWS_AT_ONCE].float(), dim=-1)
+            chosen.append(lp.gather(1, targets[a:a + cls.ROWS_AT_ONCE, None]).squeeze(1))
+            v, i = torch.topk(lp, k) if k else (lp[:, :0], lp[:, :0].long())
+            top_v.append(v)
+            top_i.append(i)
+        return cls(rows, torch.cat(chosen), torch.cat(top_v), torch.cat(top_i))
+
+    def to_host(self) -> dict[str, list[Logprobs]]:
+        """Request id -> the (logprob, top) of its chunk's targets, in order."""
+        chosen, top_v, top_i = self.chosen.tolist(), self.top_v.tolist(), self.top_i.tolist()
+        out, at = {}, 0
+        for rid, n, k in zip(self.rows.request_ids, self.rows.counts, self.rows.ks,
+                             strict=True):
+            out[rid] = [(chosen[j], list(zip(top_i[j][:k], top_v[j][:k], strict=True)))
+                        for j in range(at, at + n)]
+            at += n
+        return out
 
 
 def sample_on_device(logits: torch.Tensor, meta: SamplingMetadata,
@@ -102,7 +143,18 @@ def sample_on_device(logits: torch.Tensor, meta: SamplingMetadata,
     """logits: [S, V], one row per sampled request. Queues the sampling on the logits' device
     and returns without waiting for it (every choice that depends on the batch's parameters
     is made on the host). ``last_tokens`` (asynchronous scheduling): the step before's
-    sampled tokens, where the penalties read the ones still in flight."""
+    sampled tokens, where the penalties read the ones still in flight. Rows after the
+    sampled ones are ``meta.prompt``'s: their prompt logprobs are computed too."""
+    if meta.prompt is None:
+        return _sample_on_device(logits, meta, last_tokens)
+    n = len(meta.request_ids)
+    s = _sample_on_device(logits[:n], meta, last_tokens)
+    s.prompt = DevicePromptLogprobs.compute(logits[n:], meta.prompt)
+    return s
+
+
+def _sample_on_device(logits: torch.Tensor, meta: SamplingMetadata,
+                      last_tokens: torch.Tensor | None) -> DeviceSample:
     dev = logits.device
     raw = logits  # logprobs are the model's, bans, biases and penalties or not
     if meta.logit_bias or meta.penalties is not None:
@@ -231,6 +283,11 @@ def ban_tokens(logits: torch.Tensor, banned: list[tuple[int, ...]]) -> torch.Ten
 
 
 Logprobs = tuple[float, list[tuple[int, float]]]
+
+
+def prompt_logprobs_to_host(s: DeviceSample) -> dict[str, list[Logprobs]]:
+    """Request id -> its prompt logprobs of this step (empty if none asked)."""
+    return s.prompt.to_host() if s.prompt is not None else {}
 
 
 def to_host(s: DeviceSample) -> tuple[list[int], list[Logprobs | None]]:

@@ -14,6 +14,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 
@@ -42,9 +43,23 @@ from fluidserve.model.linear import (
 )
 from fluidserve.model.llama import Shard, TensorParallel
 from fluidserve.model.loader import DTYPES, load_model, resolve_dtype
-from fluidserve.model.sampler import resolve_placeholders, sample_on_device, to_host
+from fluidserve.model.sampler import (
+    prompt_logprobs_to_host,
+    resolve_placeholders,
+    sample_on_device,
+    to_host,
+)
 
 log = logging.getLogger(__name__)
+
+
+class StepResult(NamedTuple):
+    """A step's results on the host, as the sampling worker returns them: one token (and
+    logprobs, or None) per sampled row, and the prompt logprobs of the step's chunks."""
+
+    tokens: list[int]
+    logprobs: list
+    prompt_logprobs: dict[str, list]
 
 
 @dataclass(frozen=True)
@@ -227,6 +242,7 @@ class Worker:
             block_size=self.spec.block_size,
             runs=inputs.runs() if self.attention == "eager" else [],
             backend=self.attention,
+            last_rows_only=inputs.sampling.prompt is None,
         )
         if self.attention == "triton":
             from fluidserve.kernels.triton_ops import attention_tiles
@@ -253,12 +269,12 @@ class Worker:
             self.comm_wait += time.perf_counter() - t
         return out
 
-    def execute(self, inputs: StepInputs) -> tuple[list[int], list] | None:
+    def execute(self, inputs: StepInputs) -> StepResult | None:
         """Run the step; the sampled tokens and logprobs on the sampling worker, else None."""
         collect = self.launch(inputs)
         return collect() if collect is not None else None
 
-    def launch(self, inputs: StepInputs) -> Callable[[], tuple[list[int], list]] | None:
+    def launch(self, inputs: StepInputs) -> Callable[[], StepResult] | None:
         """Queue the step (forward pass, sampling, the copy of its tokens to the host) and
         return, on the sampling worker, the call that waits for its tokens and logprobs; on
         a CPU the step has run by then. With asynchronous scheduling the sampled tokens also
@@ -275,14 +291,14 @@ class Worker:
                                      f" {len(self.last_tokens)} of max_num_seqs")
                 self.last_tokens[:n].copy_(sampled.tokens)
         if self.device.type != "cuda":
-            return lambda: to_host(sampled)
+            return lambda: StepResult(*to_host(sampled), prompt_logprobs_to_host(sampled))
         host = sampled.copy_to_host()
         done = torch.cuda.Event()
         done.record()
 
-        def collect() -> tuple[list[int], list]:
+        def collect() -> StepResult:
             done.synchronize()
-            return to_host(host)
+            return StepResult(*to_host(host), prompt_logprobs_to_host(host))
 
         return collect
 

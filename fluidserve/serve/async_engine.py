@@ -182,7 +182,8 @@ class AsyncEngine:
             if not self._streams and self._adds_acked == self._adds_sent:
                 self._last_progress = time.monotonic()
             for request_id, prompt_ids, params in requests:
-                texts = params.logprobs is not None and self.tokenizer is not None
+                texts = (params.logprobs is not None or params.prompt_logprobs is not None) \
+                    and self.tokenizer is not None
                 self._streams[request_id] = (loop, queue, texts)
                 self._outputs.add(request_id, params, prompt_ids)
             self._adds_sent += len(requests)
@@ -281,7 +282,7 @@ class AsyncEngine:
 
     def _texts(self, out: RequestOutput) -> dict[int, str]:
         ids = set(out.new_token_ids)
-        for _, top in out.new_logprobs:
+        for _, top in out.new_logprobs + (out.prompt_logprobs or []):
             ids.update(i for i, _ in top)
         return {i: self.tokenizer.decode([i], skip_special_tokens=False) for i in ids}
 

@@ -181,12 +181,36 @@ async def generate(state: ServerState, body, request: Request, chat: bool) -> Re
     state.admitting += choices  # a drain waits for these too
     try:
         prompts = [await chat_ids(state, body)] if chat else await completion_ids(state, body)
+        if not chat and body.echo:
+            echoes = await _echoes(state, body, prompts)
         handle, ctxs = admit(state, body, prompts, chat)
+        if not chat and body.echo:
+            for ctx, (text, ids, texts) in zip(ctxs.values(), (
+                    e for e in echoes for _ in range(body.num_samples)), strict=True):
+                ctx.echo, ctx.echo_ids = text, ids
+                handle.token_texts.update(texts)
     finally:
         state.admitting -= choices
     if body.streaming:
         return StreamingResponse(_sse(handle, ctxs, body), media_type="text/event-stream")
     return await _complete(handle, ctxs, request, body)
+
+
+async def _echoes(state: ServerState, body: CompletionRequest, prompts: list[list[int]]
+                  ) -> list[tuple[str, list[int], dict[int, str]]]:
+    """For ``echo``: each prompt's text (a prompt of ids decoded), ids, and its tokens' texts
+    (decoded off the event loop)."""
+    tok = state.prompts.tokenizer
+    if tok is None:
+        return [(p if isinstance(p, str) else "", ids, {}) for p, ids in zip(
+            body.prompts, prompts, strict=True)]
+
+    def decode() -> list:
+        return [(p if isinstance(p, str) else tok.decode(ids, skip_special_tokens=False), ids,
+                 {t: tok.decode([t], skip_special_tokens=False) for t in set(ids)})
+                for p, ids in zip(body.prompts, prompts, strict=True)]
+
+    return await asyncio.to_thread(decode)
 
 
 def num_choices(body: CompletionRequest | ChatCompletionRequest) -> int:

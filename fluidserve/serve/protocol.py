@@ -221,6 +221,7 @@ class _Common(BaseModel):
     prompt_embeds: Unsupported = Field(None, description=NOT_SUPPORTED)
 
     def sampling_params(self, max_tokens: int, logprobs: int | None) -> SamplingParams:
+        echo = getattr(self, "echo", False) and logprobs is not None  # (completions only)
         return SamplingParams(
             max_tokens=max_tokens,
             temperature=1.0 if self.temperature is None else self.temperature,
@@ -238,6 +239,7 @@ class _Common(BaseModel):
             else self.repetition_penalty,
             min_p=self.min_p or 0.0,
             logit_bias={int(t): b for t, b in (self.logit_bias or {}).items()},
+            prompt_logprobs=logprobs if echo else None,
         )
 
     @property
@@ -270,7 +272,11 @@ class CompletionRequest(_Common):
         " prompts (choice index = prompt index × n + sample index). Each must fit the context"
         " window once tokenized (else 400 context_length_exceeded).")
     logprobs: Int(ge=0, le=MAX_LOGPROBS) | None = None
-    echo: OnlyFalse | None = Field(False, description="Not supported: must be false.")
+    echo: bool | None = Field(
+        False, description="The prompt before the completion, in the text and, with"
+        " logprobs, in the logprobs too: each prompt token's logprob given the tokens before"
+        " it (the first has none: null), as OpenAI returns them. Computed by the prefill, so"
+        " never from a cached prefix.")
     best_of: One | None = Field(
         None, description="Only 1, whatever n (as vLLM: no sample is generated but those"
         " returned; some clients send best_of 1 beside n).")

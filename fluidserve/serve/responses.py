@@ -37,8 +37,19 @@ class Context:
     _chars: int = 0
     scheduling_delay: float | None = None
     num_cached_tokens: int | None = None  # (with prefix caching)
+    # A completion's ``echo``: its prompt's text and ids, and, with logprobs, the prompt's
+    # entries (the first token's logprob and top are None)
+    echo: str | None = None
+    echo_ids: list[int] = field(default_factory=list)
+    prompt_entries: list = field(default_factory=list)
+    _echoed: bool = False  # (streamed: the prompt goes in the choice's first chunk)
 
     def add(self, out: RequestOutput) -> None:
+        if out.prompt_logprobs is not None and self.echo is not None:
+            ids = self.echo_ids
+            self.prompt_entries = [(ids[0], None, None)] + [
+                (t, lp, top) for t, (lp, top) in zip(ids[1:], out.prompt_logprobs, strict=True)]
+            self._chars = sum(len(self.token_text(t)) for t in ids)
         self.text += out.new_text
         self.token_ids += out.new_token_ids
         self._new_logprobs = [
@@ -71,9 +82,11 @@ def _completion_logprobs(ctx: Context, entries: list, offset: int) -> dict | Non
         pos += len(tok)
     return {
         "tokens": tokens,
-        "token_logprobs": [_lp(lp) for _, lp, _ in entries],
+        # (None: an echoed prompt's first token, which nothing predicts)
+        "token_logprobs": [None if lp is None else _lp(lp) for _, lp, _ in entries],
         # As OpenAI and vLLM: the sampled token too, first, so up to logprobs + 1 entries.
-        "top_logprobs": [{ctx.token_text(t): _lp(lp)} | {ctx.token_text(i): _lp(v) for i, v in top}
+        "top_logprobs": [None if lp is None else {ctx.token_text(t): _lp(lp)}
+                         | {ctx.token_text(i): _lp(v) for i, v in top}
                          for t, lp, top in entries],
         "text_offset": offsets,
     }
@@ -112,8 +125,12 @@ def stream_chunk(ctx: Context, out: RequestOutput) -> dict:
     if ctx.chat:
         delta = {"content": out.new_text} if out.new_text else {}
         return chat_chunk(ctx, delta, reason, _chat_logprobs(ctx, ctx._new_logprobs))
-    lp = _completion_logprobs(ctx, ctx._new_logprobs, ctx._offset)
-    choice = {"index": ctx.index, "text": out.new_text, "logprobs": lp, "finish_reason": reason}
+    text, entries, offset = out.new_text, ctx._new_logprobs, ctx._offset
+    if ctx.echo is not None and not ctx._echoed:
+        ctx._echoed = True
+        text, entries, offset = ctx.echo + text, ctx.prompt_entries + entries, 0
+    lp = _completion_logprobs(ctx, entries, offset)
+    choice = {"index": ctx.index, "text": text, "logprobs": lp, "finish_reason": reason}
     return _envelope(ctx, "text_completion", [choice], None)
 
 
@@ -152,8 +169,8 @@ def full_response(choices: list[Context]) -> dict:
         return _envelope(first, "chat.completion", items, total_usage(choices))
     items = [{
         "index": c.index,
-        "text": c.text,
-        "logprobs": _completion_logprobs(c, c.logprobs, 0),
+        "text": (c.echo or "") + c.text,
+        "logprobs": _completion_logprobs(c, c.prompt_entries + c.logprobs, 0),
         "finish_reason": c.finish_reason,
     } for c in choices]
     return _envelope(first, "text_completion", items, total_usage(choices))

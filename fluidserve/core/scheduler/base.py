@@ -78,9 +78,17 @@ class Batch:
                     req.prompt_array = array("q", req.prompt_token_ids)
                 prompt = req.prompt_array
             penalized = (prompt, tuple(out))
-        tokens = (out[-1],) if is_decode else tuple(req.token_slice(start, start + n))
-        return ScheduledChunk(req.request_id, start, tokens, table, samples, params, req.seed,
-                              len(out), is_decode, banned, req.num_preemptions, penalized)
+        if is_decode:
+            return ScheduledChunk(req.request_id, start, (out[-1],), table, True, params,
+                                  req.seed, len(out), True, banned, req.num_preemptions,
+                                  penalized)
+        targets = ()
+        if params.prompt_logprobs is not None and req.needs_prompt_logprobs:
+            targets = tuple(req.token_slice(start + 1, min(start + n + 1,
+                                                            req.num_prompt_tokens)))
+        return ScheduledChunk(req.request_id, start, tuple(req.token_slice(start, start + n)),
+                              table, samples, params, req.seed, len(out), False, banned,
+                              req.num_preemptions, penalized, targets)
 
 
 class Scheduler(ABC):
@@ -275,7 +283,7 @@ class Scheduler(ABC):
         if not bm.can_admit(req.request_id, req.num_tokens, prefix):
             return False
         if bm.prefix_caching and self.waits_for_coming_prefix \
-                and self._prefix_coming(req, len(prefix)):
+                and not req.needs_prompt_logprobs and self._prefix_coming(req, len(prefix)):
             return False
         if bm.prefix_caching:
             bm.adopt(req.request_id, prefix, req.num_tokens)
@@ -296,7 +304,8 @@ class Scheduler(ABC):
         """The blocks of ``req``'s longest cached prefix (none without prefix caching, or
         where even the longest could not make it fit)."""
         bm = self.bm
-        if not bm.prefix_caching or not bm.can_admit(req.request_id, req.num_tokens, None):
+        if not bm.prefix_caching or not bm.can_admit(req.request_id, req.num_tokens, None) \
+                or req.needs_prompt_logprobs:  # (its prefill computes every position)
             return ()
         return bm.match(req.token_slice(0, req.num_tokens))
 

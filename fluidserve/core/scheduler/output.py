@@ -36,6 +36,10 @@ class ScheduledChunk:
     # A sampling chunk of a request with a penalty: the tokens its sampler counts, (prompt,
     # output before the token it samples); the prompt is () without a repetition penalty
     penalized: tuple[Sequence[int], tuple[int, ...]] | None = None
+    # A prefill chunk of a request that wants its prompt's logprobs: the prompt tokens its
+    # first positions predict (the token after each), one per position up to the prompt's
+    # next-to-last
+    prompt_targets: tuple[int, ...] = ()
 
     @property
     def num_tokens(self) -> int:
@@ -109,4 +113,6 @@ class RunnerOutput:
     sampled: dict[str, int]
     execution_time: float
     logprobs: dict[str, tuple[float, list[tuple[int, float]]]] = field(default_factory=dict)
+    # request id -> the (logprob, top) of each of its chunk's prompt_targets
+    prompt_logprobs: dict[str, list] = field(default_factory=dict)
     finish_time: float | None = None  # on a virtual clock: when the batch completes

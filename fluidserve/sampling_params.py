@@ -53,6 +53,12 @@ class SamplingParams:
     # before it), and this many most likely tokens at each position: computed once, by the
     # prefill (never from a cached prefix), and returned with the first output token.
     prompt_logprobs: int | None = None
+    # Only these tokens may be sampled (None: any), before any bias or penalty, greedy too.
+    allowed_token_ids: tuple[int, ...] | None = None
+    # Output text: with the special tokens' text (EOS's, a chat template's markers), and with
+    # the stop string (or stop token's text) that ended it.
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
     extra: dict = field(default_factory=dict, compare=False, hash=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -60,6 +66,11 @@ class SamplingParams:
             object.__setattr__(self, "stop", (self.stop,))
         object.__setattr__(self, "stop", tuple(self.stop))
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+        if self.allowed_token_ids is not None:
+            object.__setattr__(self, "allowed_token_ids", tuple(sorted(set(
+                self.allowed_token_ids))))
+            if not self.allowed_token_ids or self.allowed_token_ids[0] < 0:
+                raise ValueError("allowed_token_ids must be token ids (>= 0), at least one")
         # Looked up for every sampled token: a set, however many ids were given.
         object.__setattr__(self, "stop_token_set", frozenset(self.stop_token_ids))
         bias = self.logit_bias.items() if isinstance(self.logit_bias, dict) else self.logit_bias
@@ -71,7 +82,7 @@ class SamplingParams:
         object.__setattr__(self, "penalizes", self.presence_penalty != 0.0
                            or self.frequency_penalty != 0.0 or self.repetition_penalty != 1.0)
         object.__setattr__(self, "adjusts_logits", self.penalizes or self.min_p > 0.0
-                           or bool(self.logit_bias))
+                           or bool(self.logit_bias) or self.allowed_token_ids is not None)
         if 0.0 < self.temperature < GREEDY_BELOW:
             object.__setattr__(self, "temperature", 0.0)
         if self.max_tokens < 1:

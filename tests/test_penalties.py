@@ -18,8 +18,11 @@ V = 40
 
 
 def reference_adjust(logits: torch.Tensor, p: SamplingParams, prompt, output) -> torch.Tensor:
-    """One row, token by token, in float64: bias, then repetition, frequency, presence."""
+    """One row, token by token, in float64: allowed tokens, bias, then repetition,
+    frequency, presence."""
     x = logits.double().clone()
+    if p.allowed_token_ids is not None:
+        x[[t for t in range(len(x)) if t not in p.allowed_token_ids]] = float("-inf")
     for t, b in p.logit_bias:
         x[t] += b
     if p.repetition_penalty != 1.0:
@@ -45,6 +48,8 @@ def metadata(params: list[SamplingParams], histories: list, seeds=None, index=No
         meta.min_p = [p.min_p for p in params]
     if any(p.logit_bias for p in params):
         meta.logit_bias = [p.logit_bias for p in params]
+    if any(p.allowed_token_ids is not None for p in params):
+        meta.allowed = [p.allowed_token_ids for p in params]
     if any(c.penalized is not None for c in chunks):
         meta.penalties = Penalties.build(chunks, rows)
     return meta
@@ -60,6 +65,8 @@ CASES = [
     SamplingParams(logit_bias={3: 100.0, 7: -100.0, 39: 2.5}),
     SamplingParams(logit_bias={5: -3.0}, repetition_penalty=2.0, frequency_penalty=2.0,
                    presence_penalty=2.0),
+    SamplingParams(allowed_token_ids=[3, 9, 11, 12, 30, 39], logit_bias={9: 3.0, 4: 50.0},
+                   frequency_penalty=1.0, repetition_penalty=1.5),  # (4 is not allowed)
 ]
 
 
@@ -97,6 +104,7 @@ def test_adjusted_logits_match_the_per_token_reference(seed, path, monkeypatch):
     for i, (p, (prompt, output)) in enumerate(zip(CASES, hist, strict=True)):
         want = reference_adjust(logits[i], p, prompt, output)
         torch.testing.assert_close(got[i].double(), want, rtol=1e-6, atol=1e-5)
+    assert got[-1].isfinite().sum() == 6  # (only the allowed tokens)
     # bf16 logits come back adjusted in float32, from the same values
     low = adjust_logits(logits.bfloat16(), metadata(CASES, hist))
     for i, (p, (prompt, output)) in enumerate(zip(CASES, hist, strict=True)):
@@ -117,7 +125,8 @@ def test_a_penalized_pick_is_the_plain_pick_from_the_adjusted_logits(kernels, mo
                                  presence_penalty=c.presence_penalty,
                                  frequency_penalty=c.frequency_penalty,
                                  repetition_penalty=c.repetition_penalty,
-                                 logit_bias=c.logit_bias) for c in CASES]
+                                 logit_bias=c.logit_bias,
+                                 allowed_token_ids=c.allowed_token_ids) for c in CASES]
         seeds, index = list(range(100, 100 + len(CASES))), [len(h[1]) for h in hist]
         got, lps = sample(logits, metadata(params, hist, seeds, index))
         adjusted = torch.stack([reference_adjust(logits[i], p, *hist[i]).float()

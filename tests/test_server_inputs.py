@@ -100,7 +100,9 @@ HOSTILE = [
     ("guided json", "/v1/completions", {"prompt": "hi", "guided_json": {"type": "object"}}),
     ("guided choice", "/v1/chat/completions",
      {"messages": [{"role": "user", "content": "hi"}], "guided_choice": ["a", "b"]}),
-    ("special tokens kept", "/v1/completions", {"prompt": "hi", "skip_special_tokens": False}),
+    ("no allowed token", "/v1/completions", {"prompt": "hi", "allowed_token_ids": []}),
+    ("an allowed token past the vocabulary", "/v1/chat/completions",
+     {"messages": [{"role": "user", "content": "hi"}], "allowed_token_ids": [5, 1334]}),
     ("template kwargs", "/v1/chat/completions",
      {"messages": [{"role": "user", "content": "hi"}],
       "chat_template_kwargs": {"enable_thinking": False}}),
@@ -311,6 +313,34 @@ def test_echo_returns_the_prompt_and_its_logprobs_as_lm_eval_reads_them(srv, tin
     r = post(srv, "/v1/completions", {"prompt": PROMPT, "max_tokens": 3, "echo": True})
     assert r.json()["choices"][0]["text"].startswith(PROMPT)
     assert r.json()["choices"][0]["logprobs"] is None
+
+
+def test_allowed_tokens_special_tokens_and_the_stop_string_in_the_output(srv):
+    """allowed_token_ids holds greedy picks to its ids; forced to the end-of-sequence token,
+    a request stops at once, and its text is that token's only when special tokens are kept
+    and the stop is included; a stop string is kept at the end of the text when asked."""
+    body = {"prompt": PROMPT, "max_tokens": 8, "temperature": 0, "ignore_eos": True}
+    r = post(srv, "/v1/completions", body | {"allowed_token_ids": [500, 501], "logprobs": 0})
+    assert r.status_code == 200, r.text
+    tokens = r.json()["choices"][0]["logprobs"]["tokens"]
+    texts = {httpx.post(srv.url + "/detokenize", json={"tokens": [t]}).json()["prompt"]
+             for t in (500, 501)}
+    assert set(tokens) <= texts and len(tokens) == 8
+    eos = {"prompt": PROMPT, "max_tokens": 8, "temperature": 0, "allowed_token_ids": [2]}
+    eos_text = httpx.post(srv.url + "/detokenize", json={"tokens": [2]}).json()["prompt"]
+    assert eos_text  # (the tiny model's end of sequence, "</s>")
+    for extra, text in (({}, ""), ({"skip_special_tokens": False}, ""),
+                        ({"skip_special_tokens": False, "include_stop_str_in_output": True},
+                         eos_text)):
+        choice = post(srv, "/v1/completions", eos | extra).json()["choices"][0]
+        assert (choice["text"], choice["finish_reason"]) == (text, "stop"), extra
+    plain = post(srv, "/v1/completions", body | {"max_tokens": 12}).json()["choices"][0]["text"]
+    stop = plain[4:7]
+    cut = post(srv, "/v1/completions", body | {"max_tokens": 12, "stop": stop}).json()
+    kept = post(srv, "/v1/completions", body | {"max_tokens": 12, "stop": stop,
+                                                "include_stop_str_in_output": True}).json()
+    assert kept["choices"][0]["text"] == cut["choices"][0]["text"] + stop
+    assert plain.startswith(kept["choices"][0]["text"])
 
 
 def test_continuous_usage_comes_with_the_final_usage_only(srv):

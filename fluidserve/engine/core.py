@@ -180,6 +180,9 @@ class EngineCore:
         p = msg.params
         if self.vocab_size is not None and p.logit_bias and p.logit_bias[-1][0] >= self.vocab_size:
             raise RequestRejected(f"logit_bias token ids must be in [0, {self.vocab_size})")
+        if self.vocab_size is not None and p.allowed_token_ids \
+                and p.allowed_token_ids[-1] >= self.vocab_size:
+            raise RequestRejected(f"allowed_token_ids must be in [0, {self.vocab_size})")
         if p.prompt_logprobs is not None and self.config.disagg.disaggregate:
             raise RequestRejected("prompt logprobs are not computed by disaggregated instances"
                                   " (the prefill instance would have to send them on)")

@@ -62,7 +62,7 @@ class OutputProcessor:
 
     def add(self, request_id: str, params: SamplingParams, prompt_ids: Sequence[int] = ()
             ) -> None:
-        detok = IncrementalDetokenizer(self.tokenizer, prompt_ids) \
+        detok = IncrementalDetokenizer(self.tokenizer, prompt_ids, params.skip_special_tokens) \
             if self.tokenizer is not None else None
         self._states[request_id] = _State(params, detok)
 
@@ -89,8 +89,8 @@ class OutputProcessor:
         reason, stopped = delta.finish_reason, False
         text = ""
         ids = delta.new_token_ids
-        if reason == "stop":  # the last token is the stop token: its text is not output
-            ids = ids[:-1]
+        if reason == "stop" and not st.params.include_stop_str_in_output:
+            ids = ids[:-1]  # the last token is the stop token: its text is not output
         if st.detok is not None and (ids or delta.finished):
             text, stopped = self._advance_text(st, ids, delta.finished)
         if stopped and reason != "error":
@@ -117,10 +117,12 @@ class OutputProcessor:
             # A match must end in the new text: one found in older text was either there
             # before min_tokens allowed it, or is already past (the hold-back below keeps
             # the start of any match that can still complete from being emitted).
-            hits = [i for i in (text.find(s, max(0, before - len(s) + 1)) for s in stops)
-                    if i >= 0]
-            if hits:
-                det.text = text = text[: min(hits)]
+            hits = [(i, i + len(s)) for i, s in ((text.find(s, max(0, before - len(s) + 1)), s)
+                                                 for s in stops) if i >= 0]
+            if hits:  # (the first match ends the text, before it or, if asked, after it)
+                start, end = min(hits)
+                det.text = text = text[: end if st.params.include_stop_str_in_output
+                                       else start]
                 stopped = True
         # While a stop string could still complete, hold back a possible partial match.
         hold = 0 if finished or stopped or not stops else max(len(s) for s in stops) - 1

@@ -81,6 +81,7 @@ class SamplingMetadata:
     banned: list[tuple[int, ...]] = field(default_factory=list)  # per row; [] if none bans
     min_p: list[float] = field(default_factory=list)  # per row; [] if none filters by it
     logit_bias: list[tuple[tuple[int, float], ...]] = field(default_factory=list)  # ditto
+    allowed: list[tuple[int, ...] | None] = field(default_factory=list)  # ditto
     penalties: Penalties | None = None  # None if no row asks for a penalty
     prompt: PromptRows | None = None  # None if no chunk computes prompt logprobs
 
@@ -166,6 +167,8 @@ def prepare_inputs(plan: SchedulerOutput, block_size: int, rows: dict[str, int] 
             sampling.min_p = [x.min_p for x in p]
         if any(x.logit_bias for x in p):
             sampling.logit_bias = [x.logit_bias for x in p]
+        if any(x.allowed_token_ids is not None for x in p):
+            sampling.allowed = [x.allowed_token_ids for x in p]
         if any(c.penalized is not None for c in sampled):
             sampling.penalties = Penalties.build(sampled, rows)
     if prompt_chunks:

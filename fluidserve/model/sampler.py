@@ -157,7 +157,7 @@ def _sample_on_device(logits: torch.Tensor, meta: SamplingMetadata,
                       last_tokens: torch.Tensor | None) -> DeviceSample:
     dev = logits.device
     raw = logits  # logprobs are the model's, bans, biases and penalties or not
-    if meta.logit_bias or meta.penalties is not None:
+    if meta.logit_bias or meta.allowed or meta.penalties is not None:
         logits = adjust_logits(logits, meta, last_tokens)
     if meta.banned:
         logits = ban_tokens(logits, meta.banned)
@@ -189,12 +189,22 @@ def resolve_placeholders(tokens: torch.Tensor, last: torch.Tensor) -> torch.Tens
 
 def adjust_logits(logits: torch.Tensor, meta: SamplingMetadata,
                   last_tokens: torch.Tensor | None = None) -> torch.Tensor:
-    """A float32 copy of ``logits`` with each row's ``logit_bias`` added and then its
-    penalties applied (repetition, frequency, presence: ``SamplingParams`` says how)."""
+    """A float32 copy of ``logits``: only each row's ``allowed_token_ids`` left above -inf,
+    its ``logit_bias`` added, and then its penalties applied (repetition, frequency, presence:
+    ``SamplingParams`` says how)."""
     out = logits.float()
     if out is logits:
         out = logits.clone()
     dev, v = out.device, out.shape[-1]
+    if meta.allowed:
+        rows = [r for r, a in enumerate(meta.allowed) if a is not None]
+        pairs = [(j, t) for j, r in enumerate(rows) for t in meta.allowed[r] if t < v]
+        keep = torch.zeros(len(rows), v, dtype=torch.bool, device=dev)
+        if pairs:
+            where = to_device(pairs, dev, torch.int64)
+            keep[where[:, 0], where[:, 1]] = True
+        idx = to_device(rows, dev, torch.int64)
+        out.index_copy_(0, idx, out.index_select(0, idx).masked_fill_(~keep, float("-inf")))
     if meta.logit_bias:
         pairs = [(r, t, b) for r, bias in enumerate(meta.logit_bias) for t, b in bias if t < v]
         if pairs:

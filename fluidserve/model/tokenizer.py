@@ -111,8 +111,10 @@ class IncrementalDetokenizer:
 
     CONTEXT = 5  # prompt tokens decoded before the output (vLLM's initial offset)
 
-    def __init__(self, tokenizer: Tokenizer, context: Sequence[int] = ()) -> None:
+    def __init__(self, tokenizer: Tokenizer, context: Sequence[int] = (),
+                 skip_special_tokens: bool = True) -> None:
         self.tok = tokenizer
+        self.skip_special = skip_special_tokens
         self.ids: list[int] = list(context[-self.CONTEXT:]) if context else []
         self.text = ""
         self._prefix = 0  # ids[_prefix:_read] decode to the last few emitted characters
@@ -120,8 +122,8 @@ class IncrementalDetokenizer:
 
     def push(self, token_ids: list[int]) -> str:
         self.ids.extend(token_ids)
-        prefix_text = self.tok.decode(self.ids[self._prefix : self._read])
-        full = self.tok.decode(self.ids[self._prefix :])
+        prefix_text = self.tok.decode(self.ids[self._prefix : self._read], self.skip_special)
+        full = self.tok.decode(self.ids[self._prefix :], self.skip_special)
         if full.endswith("\ufffd") or len(full) <= len(prefix_text):
             return ""
         delta = full[len(prefix_text) :]

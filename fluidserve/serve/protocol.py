@@ -82,6 +82,8 @@ NoItems = Annotated[list[Any], Field(max_length=0)]
 
 
 Penalty = Annotated[float, Field(ge=-2.0, le=2.0)]
+ALLOWED_TOKEN_IDS = ("Only these token ids may be sampled, greedy too (vLLM's; applied before"
+                     " logit_bias and the penalties).")
 MAX_LOGIT_BIAS_TOKENS = 300  # (OpenAI's bound)
 
 
@@ -192,6 +194,14 @@ class _Common(BaseModel):
     min_p: Annotated[float, Field(ge=0.0, le=1.0)] | None = Field(
         None, description="After the temperature, tokens less likely than min_p times the most"
         " likely one are not sampled (0: off).")
+    allowed_token_ids: Annotated[list[Int(ge=0)], Field(min_length=1, fail_fast=True)] \
+        | None = Field(None, description=ALLOWED_TOKEN_IDS)
+    include_stop_str_in_output: bool | None = Field(
+        None, description="The stop string (or stop token's text) that ended the output, at"
+        " its end (default: left out).")
+    skip_special_tokens: bool | None = Field(
+        None, description="Leave special tokens' text (EOS, a chat template's markers) out of"
+        " the output (default: true).")
     logit_bias: LogitBias(None) | None = Field(
         None, description=f"Token id (a string) -> a number in [-{MAX_LOGIT_BIAS:g},"
         f" {MAX_LOGIT_BIAS:g}] added to its logit before any penalty, greedy too; at most"
@@ -203,16 +213,12 @@ class _Common(BaseModel):
     response_format: TextFormat | None = Field(
         None, description='Only {"type": "text"}: no JSON mode or JSON schema.')
     use_beam_search: OnlyFalse | None = Field(None, description="Only false is supported.")
-    include_stop_str_in_output: OnlyFalse | None = Field(
-        None, description="Only false is supported: a matched stop string is left out.")
-    skip_special_tokens: OnlyTrue | None = Field(None, description="Only true is supported.")
     prompt_logprobs: Unsupported = Field(None, description=NOT_SUPPORTED)
     guided_json: Unsupported = Field(None, description=NOT_SUPPORTED)
     guided_regex: Unsupported = Field(None, description=NOT_SUPPORTED)
     guided_choice: Unsupported = Field(None, description=NOT_SUPPORTED)
     guided_grammar: Unsupported = Field(None, description=NOT_SUPPORTED)
     structured_outputs: Unsupported = Field(None, description=NOT_SUPPORTED)
-    allowed_token_ids: Unsupported = Field(None, description=NOT_SUPPORTED)
     bad_words: NoItems | None = Field(None, description="Not supported: must be empty.")
     truncate_prompt_tokens: Unsupported = Field(None, description=NOT_SUPPORTED)
     return_tokens_as_token_ids: OnlyFalse | None = Field(
@@ -240,6 +246,10 @@ class _Common(BaseModel):
             min_p=self.min_p or 0.0,
             logit_bias={int(t): b for t, b in (self.logit_bias or {}).items()},
             prompt_logprobs=logprobs if echo else None,
+            allowed_token_ids=None if self.allowed_token_ids is None
+            else tuple(self.allowed_token_ids),
+            skip_special_tokens=self.skip_special_tokens is not False,
+            include_stop_str_in_output=bool(self.include_stop_str_in_output),
         )
 
     @property
@@ -426,8 +436,11 @@ def request_models(limits: Limits) -> tuple[type[CompletionRequest], type[ChatCo
                 Field(None, description=stop_ids_field.description))
     bias = (LogitBias(vocab - 1 if vocab else None) | None,
             Field(None, description=CompletionRequest.model_fields["logit_bias"].description))
+    allowed = (Annotated[list[token], Field(min_length=1, max_length=vocab, fail_fast=True)]
+               | None, Field(None, description=ALLOWED_TOKEN_IDS))
     completion = create_model(
         "CompletionRequest", __base__=CompletionRequest, logit_bias=bias,
+        allowed_token_ids=allowed,
         prompt=(text | ids
                 | Annotated[list[text], Field(min_length=1, max_length=num_prompts,
                                               fail_fast=True)]
@@ -438,6 +451,7 @@ def request_models(limits: Limits) -> tuple[type[CompletionRequest], type[ChatCo
         n=(samples, Field(None, description=CompletionRequest.model_fields["n"].description)))
     chat = create_model(
         "ChatCompletionRequest", __base__=ChatCompletionRequest, logit_bias=bias,
+        allowed_token_ids=allowed,
         # Every message takes at least one token of the prompt (its role, as the template
         # renders it).
         messages=(Annotated[list[message], Field(min_length=1, max_length=room,

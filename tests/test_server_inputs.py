@@ -103,9 +103,11 @@ HOSTILE = [
     ("no allowed token", "/v1/completions", {"prompt": "hi", "allowed_token_ids": []}),
     ("an allowed token past the vocabulary", "/v1/chat/completions",
      {"messages": [{"role": "user", "content": "hi"}], "allowed_token_ids": [5, 1334]}),
-    ("template kwargs", "/v1/chat/completions",
+    ("template kwargs that set the rendering", "/v1/chat/completions",
      {"messages": [{"role": "user", "content": "hi"}],
-      "chat_template_kwargs": {"enable_thinking": False}}),
+      "chat_template_kwargs": {"return_tensors": "pt"}}),
+    ("a final message continued and a new turn opened", "/v1/chat/completions",
+     {"messages": [{"role": "user", "content": "hi"}], "continue_final_message": True}),
     ("no special tokens", "/v1/completions", {"prompt": "hi", "add_special_tokens": False}),
     ("tokens as ids", "/v1/completions", {"prompt": "hi", "logprobs": 1,
                                            "return_tokens_as_token_ids": True}),
@@ -341,6 +343,34 @@ def test_allowed_tokens_special_tokens_and_the_stop_string_in_the_output(srv):
                                                 "include_stop_str_in_output": True}).json()
     assert kept["choices"][0]["text"] == cut["choices"][0]["text"] + stop
     assert plain.startswith(kept["choices"][0]["text"])
+
+
+def test_the_chat_template_options_render_as_transformers_renders_them(srv, tiny_model_dir):
+    """add_generation_prompt false, continue_final_message (the reply goes on with the last
+    message) and template variables: /tokenize and the served prompt both render them as
+    transformers' apply_chat_template does."""
+    import transformers as tf
+
+    hf = tf.AutoTokenizer.from_pretrained(tiny_model_dir)
+    messages = [{"role": "user", "content": "Tell me a story"},
+                {"role": "assistant", "content": "Once upon a"}]
+    for options, kw in (({}, {"add_generation_prompt": True}),
+                        ({"add_generation_prompt": False}, {"add_generation_prompt": False}),
+                        ({"add_generation_prompt": False, "continue_final_message": True},
+                         {"continue_final_message": True}),
+                        ({"chat_template_kwargs": {"enable_thinking": False}},
+                         {"add_generation_prompt": True, "enable_thinking": False})):
+        text = hf.apply_chat_template(messages, tokenize=False, **kw)
+        want = hf.encode(text, add_special_tokens=False)
+        got = post(srv, "/tokenize", {"messages": messages} | options).json()
+        assert got["tokens"] == want, options
+        served = post(srv, "/v1/chat/completions", {"messages": messages, "max_tokens": 1}
+                      | options).json()
+        assert served["usage"]["prompt_tokens"] == len(want), options
+    ends = [post(srv, "/tokenize", {"messages": messages} | o).json()["tokens"] for o in (
+        {"add_generation_prompt": False},
+        {"add_generation_prompt": False, "continue_final_message": True})]
+    assert len(ends[1]) < len(ends[0])  # (the last turn left open: no end-of-turn after it)
 
 
 def test_continuous_usage_comes_with_the_final_usage_only(srv):
@@ -669,8 +699,10 @@ def test_tokenize_and_detokenize_answer_as_vllms_do(srv, schema):
             # What would change the result and is not done: refused, never ignored.
             ("/tokenize", {"messages": messages, "add_special_tokens": True}, 400,
              "add_special_tokens"),
-            ("/tokenize", {"messages": messages, "add_generation_prompt": False}, 400,
-             "add_generation_prompt"),
+            ("/tokenize", {"messages": messages, "continue_final_message": True}, 400,
+             "continue_final_message"),
+            ("/tokenize", {"messages": messages, "chat_template_kwargs": {"tokenize": True}},
+             400, "chat_template_kwargs"),
             ("/tokenize", {"messages": messages, "chat_template": "{{ x }}"}, 400,
              "chat_template")):
         err = assert_error(post(srv, path, bad), status, schema)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from functools import cache
 from pathlib import Path
 
 from fluidserve.model.arch import ModelLoadError
@@ -89,14 +90,42 @@ class Tokenizer:
         return self.hf.decode(ids, skip_special_tokens=skip_special_tokens,
                               clean_up_tokenization_spaces=False)
 
-    def chat(self, messages: list[dict]) -> list[int]:
-        """Token ids of a conversation rendered with the chat template, ready for a reply."""
+    def chat(self, messages: list[dict], add_generation_prompt: bool = True,
+             continue_final_message: bool = False, template_kwargs: dict | None = None
+             ) -> list[int]:
+        """Token ids of a conversation rendered with the chat template: ready for a reply
+        (``add_generation_prompt``: the assistant's turn opened), or for the last message to
+        go on (``continue_final_message``: its turn left open). ``template_kwargs``: more
+        variables for the template (``enable_thinking``, ...); a name that is one of
+        ``apply_chat_template``'s own parameters is refused (ValueError)."""
+        extra = template_kwargs or {}
+        if clash := sorted(set(extra) & chat_template_parameters()):
+            raise TemplateKwargsError(
+                f"chat_template_kwargs: {', '.join(clash)} would set a parameter of the"
+                " template's rendering, not a variable of the template")
         template = None if self.has_chat_template else DEFAULT_CHAT_TEMPLATE
         text = self.hf.apply_chat_template(
-            messages, tokenize=False, add_generation_prompt=True, chat_template=template
+            messages, tokenize=False, add_generation_prompt=add_generation_prompt,
+            continue_final_message=continue_final_message, chat_template=template, **extra
         )
         # Templates carry their own special tokens (BOS included when they want one).
         return self.encode(text, add_special_tokens=not self.has_chat_template)
+
+
+class TemplateKwargsError(ValueError):
+    """A chat template variable that would set one of the rendering's own parameters."""
+
+
+@cache
+def chat_template_parameters() -> frozenset[str]:
+    """The named parameters of transformers' ``apply_chat_template`` (none of them may come
+    as a template variable: ``tokenize``, ``return_tensors``...)."""
+    import inspect
+
+    from transformers import PreTrainedTokenizerBase
+
+    params = inspect.signature(PreTrainedTokenizerBase.apply_chat_template).parameters
+    return frozenset(n for n, p in params.items() if p.kind is not p.VAR_KEYWORD) - {"self"}
 
 
 class IncrementalDetokenizer:

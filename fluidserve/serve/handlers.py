@@ -19,6 +19,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from fluidserve.config import ServerConfig
 from fluidserve.core.admission import admissible_blocks, admission_error, cache_room
+from fluidserve.model.tokenizer import TemplateKwargsError
 from fluidserve.sampling_params import SamplingParams
 from fluidserve.serve import responses as R
 from fluidserve.serve.async_engine import AsyncEngine, Handle
@@ -117,13 +118,15 @@ async def chat_ids(state: ServerState, body: ChatCompletionRequest) -> list[int]
     # Each message takes a token at least (its role, as the template renders it), so that
     # many fewer tokens are left for the text.
     _check_chars(state, sum(len(m["content"]) for m in messages), "messages", len(messages))
-    return await _render(state, messages)
+    return await _render(state, messages, body.template_options())
 
 
-async def _render(state: ServerState, messages: list[dict]) -> list[int]:
-    """A conversation's ids, as the chat template renders it."""
+async def _render(state: ServerState, messages: list[dict], options: dict) -> list[int]:
+    """A conversation's ids, as the chat template renders it with ``options``."""
     try:
-        return await state.prompts.chat(messages)
+        return await state.prompts.chat(messages, **options)
+    except TemplateKwargsError as e:
+        raise ApiError(400, str(e), param="chat_template_kwargs") from None
     except (ValueError, TypeError, jinja2.TemplateError) as e:
         raise ApiError(400, f"cannot apply the chat template: {e}", param="messages") from None
 
@@ -152,7 +155,10 @@ async def tokenize(state: ServerState, body: TokenizeRequest) -> dict:
     if body.prompt is not None:
         ids = await state.prompts.encode(body.prompt, body.add_special_tokens is not False)
     else:
-        ids = await _render(state, [{"role": m.role, "content": m.text()} for m in body.messages])
+        if (fault := cross_field_error(body)) is not None:
+            raise ApiError(400, fault[1], param=fault[0])
+        ids = await _render(state, [{"role": m.role, "content": m.text()} for m in body.messages],
+                            body.template_options())
     strs = state.prompts.tokenizer.hf.convert_ids_to_tokens(ids) if body.return_token_strs \
         else None
     return {"count": len(ids), "max_model_len": state.max_model_len, "tokens": ids,
@@ -207,7 +213,7 @@ async def _echoes(state: ServerState, body: CompletionRequest, prompts: list[lis
 
     def decode() -> list:
         return [(p if isinstance(p, str) else tok.decode(ids, skip_special_tokens=False), ids,
-                 {t: tok.decode([t], skip_special_tokens=False) for t in set(ids)})
+                 state.prompts.token_texts(set(ids)))
                 for p, ids in zip(body.prompts, prompts, strict=True)]
 
     return await asyncio.to_thread(decode)

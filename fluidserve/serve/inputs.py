@@ -22,7 +22,7 @@ import os
 import re
 from concurrent.futures import ProcessPoolExecutor, ThreadPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
-from functools import cache
+from functools import cache, partial
 
 import pydantic_core
 from pydantic import BaseModel, ValidationError
@@ -243,8 +243,9 @@ class PromptTokenizer:
     async def decode(self, ids: list[int]) -> str:
         return await self._run(self.tokenizer.decode, ids, False)
 
-    async def chat(self, messages: list[dict]) -> list[int]:
-        return await self._run(self.tokenizer.chat, messages)
+    async def chat(self, messages: list[dict], **options) -> list[int]:
+        """``Tokenizer.chat`` (``options``: its rendering options)."""
+        return await self._run(partial(self.tokenizer.chat, messages, **options))
 
     def token_texts(self, ids: set[int]) -> dict[int, str]:
         return {i: self.tokenizer.decode([i], skip_special_tokens=False) for i in ids}

@@ -236,19 +236,20 @@ def request_body(name: str) -> dict:
 
 
 # Constraints between fields, stated the way JSON Schema can (the server enforces the same).
-CROSS_FIELD = {  # field: (the field it needs true, the values of it that need it)
-    "stream_options": ("stream", {"type": "object", "anyOf": [  # (unknown keys ask nothing)
-        {"required": ["include_usage"]}, {"required": ["continuous_usage_stats"]}]}),
-    "top_logprobs": ("logprobs", {"type": "integer", "minimum": 1}),
+CROSS_FIELD = {  # field: (the field it needs, at this value, the values of it that need it)
+    "stream_options": ("stream", True, {"type": "object", "anyOf": [  # (unknown keys ask
+        {"required": ["include_usage"]}, {"required": ["continuous_usage_stats"]}]}),  # none)
+    "top_logprobs": ("logprobs", True, {"type": "integer", "minimum": 1}),
+    "continue_final_message": ("add_generation_prompt", False, {"const": True}),
 }
 
 
 def _cross_field(schema: dict) -> None:
     rules = []
-    for field, (needs, values) in CROSS_FIELD.items():
+    for field, (needs, value, values) in CROSS_FIELD.items():
         if field in schema["properties"] and needs in schema["properties"]:
             present = {"properties": {field: values}, "required": [field]}
-            rules.append({"if": present, "then": {"properties": {needs: {"const": True}},
+            rules.append({"if": present, "then": {"properties": {needs: {"const": value}},
                                                   "required": [needs]}})
     if rules:
         schema["allOf"] = rules

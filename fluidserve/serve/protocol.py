@@ -330,13 +330,22 @@ class _TemplateFields(BaseModel):
 
     model_config = ConfigDict(extra="ignore", strict=True)
 
-    add_generation_prompt: OnlyTrue | None = Field(
-        None, description="Only true: the chat template always opens the assistant's turn.")
-    continue_final_message: OnlyFalse | None = Field(
-        None, description="Only false is supported.")
+    add_generation_prompt: bool | None = Field(
+        None, description="Open the assistant's turn after the messages (default: true).")
+    continue_final_message: bool | None = Field(
+        None, description="Leave the last message's turn open, for the reply to go on with it"
+                          " (needs add_generation_prompt false, as in vLLM).")
     chat_template: Unsupported = Field(
         None, description="Not supported: the model's own template is used.")
-    chat_template_kwargs: Unsupported = Field(None, description=NOT_SUPPORTED)
+    chat_template_kwargs: Annotated[dict[str, Any], Field(max_length=64)] | None = Field(
+        None, description="More variables for the chat template (enable_thinking, ...); not"
+                          " the names of apply_chat_template's own parameters.")
+
+    def template_options(self) -> dict:
+        """``Tokenizer.chat``'s rendering options."""
+        return {"add_generation_prompt": self.add_generation_prompt is not False,
+                "continue_final_message": bool(self.continue_final_message),
+                "template_kwargs": self.chat_template_kwargs}
 
 
 class ChatCompletionRequest(_Common, _TemplateFields):
@@ -476,9 +485,13 @@ def cross_field_error(body: Any) -> tuple[str, str] | None:
     field at fault and what is wrong."""
     # As vLLM has them: an empty stream_options, or top_logprobs 0, asks for nothing, and
     # clients that send every field at its default send them.
-    if body.stream_options is not None and body.stream_options.model_fields_set \
-            and not body.stream:
+    options = getattr(body, "stream_options", None)
+    if options is not None and options.model_fields_set and not body.stream:
         return "stream_options", "stream_options is only allowed when stream is true"
+    if getattr(body, "continue_final_message", None) \
+            and getattr(body, "add_generation_prompt", None) is not False:
+        return "continue_final_message", ("continue_final_message needs add_generation_prompt"
+                                          " false: the last turn goes on, no new one opens")
     if getattr(body, "top_logprobs", None) and not body.logprobs:
         return "top_logprobs", "top_logprobs above 0 requires logprobs=true"
     return None

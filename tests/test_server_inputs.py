@@ -108,9 +108,6 @@ HOSTILE = [
       "chat_template_kwargs": {"return_tensors": "pt"}}),
     ("a final message continued and a new turn opened", "/v1/chat/completions",
      {"messages": [{"role": "user", "content": "hi"}], "continue_final_message": True}),
-    ("no special tokens", "/v1/completions", {"prompt": "hi", "add_special_tokens": False}),
-    ("tokens as ids", "/v1/completions", {"prompt": "hi", "logprobs": 1,
-                                           "return_tokens_as_token_ids": True}),
     ("logits processors", "/v1/completions", {"prompt": "hi", "logits_processors": ["m.f"]}),
     ("prompt embeddings", "/v1/completions", {"prompt": "hi", "prompt_embeds": "AAAA"}),
     ("audio out", "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}],
@@ -371,6 +368,37 @@ def test_the_chat_template_options_render_as_transformers_renders_them(srv, tiny
         {"add_generation_prompt": False},
         {"add_generation_prompt": False, "continue_final_message": True})]
     assert len(ends[1]) < len(ends[0])  # (the last turn left open: no end-of-turn after it)
+
+
+def test_special_tokens_added_or_not_and_tokens_shown_as_ids(srv):
+    """add_special_tokens: a completion's text prompt without BOS, a conversation with it
+    (as /tokenize counts them); return_tokens_as_token_ids: logprobs name tokens by id."""
+    def prompt_tokens(path, body) -> int:
+        r = post(srv, path, body | {"max_tokens": 1})
+        assert r.status_code == 200, r.text
+        return r.json()["usage"]["prompt_tokens"]
+
+    plain = prompt_tokens("/v1/completions", {"prompt": PROMPT})
+    assert prompt_tokens("/v1/completions", {"prompt": [PROMPT, PROMPT],
+                                             "add_special_tokens": False}) == 2 * (plain - 1)
+    tokenized = post(srv, "/tokenize", {"prompt": PROMPT, "add_special_tokens": False}).json()
+    assert tokenized["count"] == plain - 1
+    messages = [{"role": "user", "content": PROMPT}]
+    chat = prompt_tokens("/v1/chat/completions", {"messages": messages})
+    assert prompt_tokens("/v1/chat/completions", {"messages": messages,
+                                                  "add_special_tokens": True}) == chat + 1
+    assert post(srv, "/tokenize", {"messages": messages, "add_special_tokens": True}
+                ).json()["count"] == chat + 1
+    r = post(srv, "/v1/completions", {"prompt": PROMPT, "max_tokens": 3, "temperature": 0,
+                                      "logprobs": 1, "return_tokens_as_token_ids": True})
+    lp = r.json()["choices"][0]["logprobs"]
+    assert all(t.startswith("token_id:") for t in lp["tokens"])
+    assert all(k.startswith("token_id:") for top in lp["top_logprobs"] for k in top)
+    r = post(srv, "/v1/chat/completions", {"messages": messages, "max_tokens": 2,
+                                           "logprobs": True, "top_logprobs": 1,
+                                           "return_tokens_as_token_ids": True})
+    content = r.json()["choices"][0]["logprobs"]["content"]
+    assert all(c["token"].startswith("token_id:") for c in content)
 
 
 def test_continuous_usage_comes_with_the_final_usage_only(srv):
@@ -697,8 +725,6 @@ def test_tokenize_and_detokenize_answer_as_vllms_do(srv, schema):
             ("/detokenize", {"tokens": [1, 10**6]}, 400, "tokens.1"),
             ("/detokenize", {"tokens": "abc"}, 400, "tokens"),
             # What would change the result and is not done: refused, never ignored.
-            ("/tokenize", {"messages": messages, "add_special_tokens": True}, 400,
-             "add_special_tokens"),
             ("/tokenize", {"messages": messages, "continue_final_message": True}, 400,
              "continue_final_message"),
             ("/tokenize", {"messages": messages, "chat_template_kwargs": {"tokenize": True}},

@@ -91,13 +91,15 @@ class Tokenizer:
                               clean_up_tokenization_spaces=False)
 
     def chat(self, messages: list[dict], add_generation_prompt: bool = True,
-             continue_final_message: bool = False, template_kwargs: dict | None = None
-             ) -> list[int]:
+             continue_final_message: bool = False, template_kwargs: dict | None = None,
+             add_special_tokens: bool = False) -> list[int]:
         """Token ids of a conversation rendered with the chat template: ready for a reply
         (``add_generation_prompt``: the assistant's turn opened), or for the last message to
         go on (``continue_final_message``: its turn left open). ``template_kwargs``: more
         variables for the template (``enable_thinking``, ...); a name that is one of
-        ``apply_chat_template``'s own parameters is refused (ValueError)."""
+        ``apply_chat_template``'s own parameters is refused (ValueError).
+        ``add_special_tokens``: the tokenizer's (BOS) before the text too, as it always
+        adds them to the default template's."""
         extra = template_kwargs or {}
         if clash := sorted(set(extra) & chat_template_parameters()):
             raise TemplateKwargsError(
@@ -109,7 +111,8 @@ class Tokenizer:
             continue_final_message=continue_final_message, chat_template=template, **extra
         )
         # Templates carry their own special tokens (BOS included when they want one).
-        return self.encode(text, add_special_tokens=not self.has_chat_template)
+        return self.encode(text, add_special_tokens=add_special_tokens
+                           or not self.has_chat_template)
 
 
 class TemplateKwargsError(ValueError):

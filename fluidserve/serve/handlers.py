@@ -92,10 +92,11 @@ async def completion_ids(state: ServerState, body: CompletionRequest) -> list[li
                 _check_chars(state, len(prompt), "prompt")
 
     texts = [p for p in prompts if isinstance(p, str)]
+    special = body.add_special_tokens is not False
     if len(texts) == 1:
-        encoded = iter([await state.prompts.encode(texts[0])])
+        encoded = iter([await state.prompts.encode(texts[0], special)])
     else:
-        encoded = iter(await state.prompts.encode_many(texts) if texts else [])
+        encoded = iter(await state.prompts.encode_many(texts, special) if texts else [])
     # (token ids: the schema bounds them and their number)
     return [next(encoded) if isinstance(p, str) else list(p) for p in prompts]
 
@@ -148,9 +149,6 @@ async def tokenize(state: ServerState, body: TokenizeRequest) -> dict:
     _check_model(state, body.model)
     if (body.prompt is None) == (body.messages is None):
         raise ApiError(400, "give either prompt or messages", param="prompt")
-    if body.messages is not None and body.add_special_tokens:
-        raise ApiError(400, "with messages, add_special_tokens is only false: the chat template"
-                       " places the special tokens", param="add_special_tokens")
     _need_tokenizer(state)
     if body.prompt is not None:
         ids = await state.prompts.encode(body.prompt, body.add_special_tokens is not False)
@@ -248,8 +246,9 @@ def admit(state: ServerState, body, prompts: list[list[int]], chat: bool
         raise ApiError(503, f"the engine is down: {e}", "service_unavailable") from None
     texts = handle.token_texts if state.prompts.tokenizer is not None else None
     created = R.now()
+    as_ids = bool(body.return_tokens_as_token_ids)
     return handle, {child: R.Context(rid, state.model_name, created, len(ids), chat, texts,
-                                     index=k, sample=k % n)
+                                     index=k, sample=k % n, ids_as_text=as_ids)
                     for k, (child, ids, _) in enumerate(children)}
 
 

@@ -235,10 +235,11 @@ class PromptTokenizer:
     async def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return await self._run(self.tokenizer.encode, text, add_special_tokens)
 
-    async def encode_many(self, texts: list[str]) -> list[list[int]]:
+    async def encode_many(self, texts: list[str], add_special_tokens: bool = True
+                          ) -> list[list[int]]:
         """Several texts in one job: a request of many prompts holds one tokenizing thread,
         not the queue of every other request's."""
-        return await self._run(self.tokenizer.encode_many, texts)
+        return await self._run(self.tokenizer.encode_many, texts, add_special_tokens)
 
     async def decode(self, ids: list[int]) -> str:
         return await self._run(self.tokenizer.decode, ids, False)

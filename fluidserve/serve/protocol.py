@@ -221,8 +221,8 @@ class _Common(BaseModel):
     structured_outputs: Unsupported = Field(None, description=NOT_SUPPORTED)
     bad_words: NoItems | None = Field(None, description="Not supported: must be empty.")
     truncate_prompt_tokens: Unsupported = Field(None, description=NOT_SUPPORTED)
-    return_tokens_as_token_ids: OnlyFalse | None = Field(
-        None, description="Only false is supported.")
+    return_tokens_as_token_ids: bool | None = Field(
+        None, description="Logprobs' tokens as 'token_id:{id}' strings, not their text.")
     logits_processors: Unsupported = Field(None, description=NOT_SUPPORTED)
     prompt_embeds: Unsupported = Field(None, description=NOT_SUPPORTED)
 
@@ -292,9 +292,9 @@ class CompletionRequest(_Common):
         " returned; some clients send best_of 1 beside n).")
     suffix: Annotated[str, Field(max_length=0)] | None = Field(
         None, description="Not supported: must be empty.")
-    add_special_tokens: OnlyTrue | None = Field(
-        None, description="Only true (the default): a text prompt gets the tokenizer's"
-        " special tokens (BOS); give token ids to send a prompt without them.")
+    add_special_tokens: bool | None = Field(
+        None, description="A text prompt gets the tokenizer's special tokens (BOS): true by"
+        " default.")
 
     @property
     def prompts(self) -> list[str | list[int]]:
@@ -345,7 +345,8 @@ class _TemplateFields(BaseModel):
         """``Tokenizer.chat``'s rendering options."""
         return {"add_generation_prompt": self.add_generation_prompt is not False,
                 "continue_final_message": bool(self.continue_final_message),
-                "template_kwargs": self.chat_template_kwargs}
+                "template_kwargs": self.chat_template_kwargs,
+                "add_special_tokens": getattr(self, "add_special_tokens", None) is True}
 
 
 class ChatCompletionRequest(_Common, _TemplateFields):
@@ -361,9 +362,10 @@ class ChatCompletionRequest(_Common, _TemplateFields):
     function_call: Literal["none", "auto"] | None = Field(
         None, description='With no functions: "none" or "auto".')
     echo: OnlyFalse | None = Field(None, description="Only false is supported.")
-    add_special_tokens: OnlyFalse | None = Field(
-        None, description="Only false (the default): the chat template places the special"
-        " tokens.")
+    add_special_tokens: bool | None = Field(
+        None, description="The tokenizer's special tokens (BOS) before the rendered"
+        " conversation too (default: false, the chat template places them; a model without"
+        " a template of its own gets them either way).")
     modalities: Annotated[list[Literal["text"]], Field(max_length=1)] | None = Field(
         None, description='Only ["text"].')
     audio: Unsupported = Field(None, description=NOT_SUPPORTED)
@@ -386,16 +388,15 @@ class TokenizeRequest(_TemplateFields):
         {"required": ["prompt"], "properties": {"prompt": {"type": "string"},
                                                 "messages": {"type": "null"}}},
         {"required": ["messages"], "properties": {"messages": {"type": "array"},
-                                                  "prompt": {"type": "null"},
-                                                  "add_special_tokens": {"enum": [False, None]}}},
+                                                  "prompt": {"type": "null"}}},
     ]})
 
     model: str | None = None
     prompt: str | None = None  # (exactly one of prompt and messages)
     messages: Annotated[list[ChatMessage], Field(min_length=1)] | None = None
     add_special_tokens: bool | None = Field(
-        None, description="With prompt: the tokenizer's special tokens (BOS), true by default;"
-        " with messages only false (the default): the chat template places them.")
+        None, description="The tokenizer's special tokens (BOS): with prompt true by default,"
+        " with messages false (the chat template places them), as the endpoints do.")
     return_token_strs: bool | None = Field(False, description="Each id's token as text too.")
     tools: NoItems | None = Field(None, description="Not supported: must be empty.")
 

@@ -43,6 +43,7 @@ class Context:
     echo_ids: list[int] = field(default_factory=list)
     prompt_entries: list = field(default_factory=list)
     _echoed: bool = False  # (streamed: the prompt goes in the choice's first chunk)
+    ids_as_text: bool = False  # return_tokens_as_token_ids: a token is "token_id:{id}"
 
     def add(self, out: RequestOutput) -> None:
         if out.prompt_logprobs is not None and self.echo is not None:
@@ -64,6 +65,8 @@ class Context:
             self.num_cached_tokens = out.num_cached_tokens
 
     def token_text(self, token_id: int) -> str:
+        if self.ids_as_text:
+            return f"token_id:{token_id}"
         return str(token_id) if self.texts is None else self.texts.get(token_id, "")
 
 

@@ -6,6 +6,9 @@ from dataclasses import dataclass, field
 
 MAX_LOGPROBS = 20
 MAX_LOGIT_BIAS = 100.0  # |bias| (OpenAI's range)
+# (beyond these a float32 logit divided or multiplied by it overflows or vanishes: a huge
+# value arrives as a JSON number that parses to infinity, a tiny one as a subnormal)
+MIN_REPETITION_PENALTY, MAX_REPETITION_PENALTY = 0.01, 100.0
 # Below this a temperature is greedy (as in vLLM): dividing float32 logits by 1e-39 gives
 # infinities and a meaningless token, where the user asked for the most likely one.
 GREEDY_BELOW = 1e-5
@@ -104,9 +107,9 @@ class SamplingParams:
         for name in ("presence_penalty", "frequency_penalty"):
             if not -2.0 <= getattr(self, name) <= 2.0:
                 raise ValueError(f"{name} must be in [-2, 2], got {getattr(self, name)}")
-        if not 0.0 < self.repetition_penalty < float("inf"):
-            raise ValueError(f"repetition_penalty must be > 0 and finite, got"
-                             f" {self.repetition_penalty}")
+        if not MIN_REPETITION_PENALTY <= self.repetition_penalty <= MAX_REPETITION_PENALTY:
+            raise ValueError(f"repetition_penalty must be in [{MIN_REPETITION_PENALTY:g},"
+                             f" {MAX_REPETITION_PENALTY:g}], got {self.repetition_penalty}")
         if not 0.0 <= self.min_p <= 1.0:
             raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
         for t, b in self.logit_bias:

@@ -147,3 +147,25 @@ def test_graphed_decodes_read_tokens_in_flight_on_the_device(hf_models, capture,
         known.update(sampled)
     if counting is not None:  # captured 4, 2, 1 -> indices 0, 1, 2; each step ran twice
         assert counting.replays == [1, 1, 0, 0]
+
+
+def test_only_batches_whose_every_run_samples_replay_a_graph():
+    """A graph returns every run's logits in run order, which the sampler takes as its rows:
+    a one-token chunk inside a prompt (it samples nothing) or one that computes prompt
+    logprobs runs eagerly."""
+    from types import SimpleNamespace
+
+    from fluidserve.model.inputs import prepare_inputs
+
+    def size(chunks) -> int | None:
+        inputs = prepare_inputs(SchedulerOutput(0, chunks), 16)
+        return DecodeGraphs.size_for(SimpleNamespace(sizes=[1, 2, 4, 8]), inputs)
+
+    decodes = [chunk("a", 5, 1, (0,)), chunk("b", 9, 1, (1,))]
+    assert size(decodes) == 2
+    inside = ScheduledChunk("p", 3, (7,), (2,), False, GREEDY, 0, 0)
+    assert size(decodes + [inside]) is None
+    logprobs = SamplingParams(temperature=0.0, prompt_logprobs=1)
+    scored = ScheduledChunk("q", 3, (7,), (3,), False, logprobs, 0, 0, prompt_targets=(9,))
+    assert size(decodes + [scored]) is None  # (its one row after the sampled ones)
+    assert size(decodes + [chunk("c", 4, 1, (4,))]) == 4

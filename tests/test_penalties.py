@@ -229,8 +229,9 @@ def test_penalty_arrays_pad_outside_every_vocabulary():
 @pytest.mark.parametrize("kw,says", [
     ({"presence_penalty": 2.5}, "presence_penalty must be in"),
     ({"frequency_penalty": float("nan")}, "frequency_penalty must be in"),
-    ({"repetition_penalty": 0.0}, "repetition_penalty must be > 0"),
-    ({"repetition_penalty": float("inf")}, "repetition_penalty must be > 0"),
+    ({"repetition_penalty": 0.0}, "repetition_penalty must be in"),
+    ({"repetition_penalty": 1e-40}, "repetition_penalty must be in"),  # (0 in float32)
+    ({"repetition_penalty": float("inf")}, "repetition_penalty must be in"),
     ({"min_p": 1.01}, "min_p must be in"),
     ({"logit_bias": {3: 100.5}}, "logit_bias must map"),
     ({"logit_bias": {-1: 1.0}}, "logit_bias must map"),

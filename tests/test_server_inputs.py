@@ -87,6 +87,8 @@ HOSTILE = [
      {"messages": [{"role": "user", "content": "hi"}],
       "tool_choice": {"type": "function", "function": {"name": "f"}}}),
     ("repetition penalty of 0", "/v1/completions", {"prompt": "hi", "repetition_penalty": 0}),
+    ("repetition penalty that parses to infinity", "/v1/completions",
+     '{"prompt": "hi", "repetition_penalty": 1e400}'),
     ("min_p above 1", "/v1/completions", {"prompt": "hi", "min_p": 1.5}),
     ("presence penalty above 2", "/v1/chat/completions",
      {"messages": [{"role": "user", "content": "hi"}], "presence_penalty": 2.5}),

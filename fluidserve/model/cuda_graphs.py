@@ -139,11 +139,12 @@ class DecodeGraphs:
 
     def size_for(self, inputs: StepInputs) -> int | None:
         """The captured size that runs this batch, or None (not decode-only, or too large).
-        A graph's logits are those of every run, in order: a batch with a run that samples
-        nothing (a one-token chunk inside a prompt) or with rows of prompt logprobs is not
-        one."""
+        A graph's logits are those of every run, in order, which the sampler reads as its
+        rows: a batch with a run that samples nothing (a one-token chunk inside a prompt) or
+        with rows of prompt logprobs is not one."""
         n = len(inputs.ctx_lens)
-        if inputs.num_tokens != n or n > self.sizes[-1] or len(inputs.logits_idx) != n:
+        if inputs.num_tokens != n or n > self.sizes[-1] or len(inputs.logits_idx) != n \
+                or inputs.sampling.prompt is not None:
             return None
         return next(s for s in self.sizes if s >= n)
 

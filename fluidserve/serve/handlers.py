@@ -290,7 +290,10 @@ def sampling_params(state: ServerState, body, ids: list[int], chat: bool) -> Sam
     why = admission_error(len(ids), max_tokens, max_len, info.block_size, admissible)
     if why is not None:
         raise ApiError(400, why, code=CONTEXT_LENGTH_EXCEEDED)
-    return body.sampling_params(max_tokens, body.num_logprobs if chat else body.logprobs)
+    try:
+        return body.sampling_params(max_tokens, body.num_logprobs if chat else body.logprobs)
+    except ValueError as e:  # (a rule the schema missed: the client's error, not the server's)
+        raise ApiError(400, str(e)) from None
 
 
 async def _sse(handle: Handle, choices: dict[str, R.Context], body) -> AsyncIterator[str]:

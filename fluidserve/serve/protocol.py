@@ -26,7 +26,13 @@ from pydantic import (
     create_model,
 )
 
-from fluidserve.sampling_params import MAX_LOGIT_BIAS, MAX_LOGPROBS, SamplingParams
+from fluidserve.sampling_params import (
+    MAX_LOGIT_BIAS,
+    MAX_LOGPROBS,
+    MAX_REPETITION_PENALTY,
+    MIN_REPETITION_PENALTY,
+    SamplingParams,
+)
 
 MAX_STOP = 16
 MAX_STOP_TOKEN_IDS = 1024
@@ -188,7 +194,8 @@ class _Common(BaseModel):
     frequency_penalty: Penalty | None = Field(
         None, description="Times a token's count in the output so far, subtracted from its"
         " logit (0: off).")
-    repetition_penalty: Annotated[float, Field(gt=0.0)] | None = Field(
+    repetition_penalty: Annotated[float, Field(ge=MIN_REPETITION_PENALTY,
+                                               le=MAX_REPETITION_PENALTY)] | None = Field(
         None, description="vLLM's (CTRL's): the logit of every token in the prompt or the"
         " output is divided by it if positive, else multiplied by it (1: off).")
     min_p: Annotated[float, Field(ge=0.0, le=1.0)] | None = Field(

@@ -117,11 +117,11 @@ def test_drain_waits_for_queued_and_admitting_requests(fleet, monkeypatch):
     release, entered = threading.Event(), threading.Event()
     real = prompts.encode
 
-    async def slow_encode(text: str) -> list[int]:
+    async def slow_encode(text: str, *args) -> list[int]:
         if text == "admitting":
             entered.set()
             await asyncio.to_thread(release.wait, 30)
-        return await real(text)
+        return await real(text, *args)
 
     monkeypatch.setattr(prompts, "encode", slow_encode)
 

@@ -455,7 +455,7 @@ def test_published_schema_states_what_is_rejected(schema):
 
 
 def test_unexpected_exception_is_a_json_500(srv, schema, monkeypatch):
-    def broken(text):
+    def broken(text, *args):
         raise KeyError("bug")
 
     monkeypatch.setattr(srv.app.state.fluidserve.prompts, "encode", broken)

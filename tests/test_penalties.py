@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from fluidserve.core.scheduler.output import ScheduledChunk
-from fluidserve.model.inputs import NO_TOKEN, Penalties, SamplingMetadata
+from fluidserve.model.inputs import NO_TOKEN, Penalties, SamplingMetadata, sampling_metadata
 from fluidserve.model.sampler import adjust_logits, sample, sample_on_device, to_host
 from fluidserve.sampling_params import SamplingParams
 
@@ -37,22 +37,12 @@ def metadata(params: list[SamplingParams], histories: list, seeds=None, index=No
              rows: dict | None = None) -> SamplingMetadata:
     """As ``prepare_inputs`` builds it from sampling chunks with these (prompt, output)."""
     n = len(params)
-    chunks = [ScheduledChunk(f"r{i}", 0, (1,), (), True, p, 0, len(h[1]), True,
-                             penalized=(h[0] if p.repetition_penalty != 1 else (), tuple(h[1]))
-                             if p.penalizes else None)
-              for i, (p, h) in enumerate(zip(params, histories, strict=True))]
-    meta = SamplingMetadata([c.request_id for c in chunks], [p.temperature for p in params],
-                            [p.top_k for p in params], [p.top_p for p in params],
-                            seeds or [0] * n, index or [0] * n, [p.logprobs for p in params])
-    if any(p.min_p for p in params):
-        meta.min_p = [p.min_p for p in params]
-    if any(p.logit_bias for p in params):
-        meta.logit_bias = [p.logit_bias for p in params]
-    if any(p.allowed_token_ids is not None for p in params):
-        meta.allowed = [p.allowed_token_ids for p in params]
-    if any(c.penalized is not None for c in chunks):
-        meta.penalties = Penalties.build(chunks, rows)
-    return meta
+    seeds, index = seeds or [0] * n, index or [0] * n
+    return sampling_metadata([
+        ScheduledChunk(f"r{i}", 0, (1,), (), True, p, seeds[i], index[i], True,
+                       penalized=(h[0] if p.repetition_penalty != 1 else (), tuple(h[1]))
+                       if p.penalizes else None)
+        for i, (p, h) in enumerate(zip(params, histories, strict=True))], rows)
 
 
 CASES = [

@@ -113,6 +113,27 @@ class StepInputs:
         return [(cu[i], cu[i + 1] - cu[i], ctx[i]) for i in range(len(ctx))]
 
 
+def sampling_metadata(sampled: list, rows: dict[str, int] | None = None) -> SamplingMetadata:
+    """The sampling chunks' metadata, one row each (``rows``: as ``prepare_inputs`` takes
+    it)."""
+    p = [c.params for c in sampled]
+    sampling = SamplingMetadata(
+        [c.request_id for c in sampled], [x.temperature for x in p], [x.top_k for x in p],
+        [x.top_p for x in p], [c.seed for c in sampled], [c.output_index for c in sampled],
+        [x.logprobs for x in p],
+        [c.banned for c in sampled] if any(c.banned for c in sampled) else [])
+    if any(x.adjusts_logits for x in p):  # (one test per row when none does)
+        if any(x.min_p for x in p):
+            sampling.min_p = [x.min_p for x in p]
+        if any(x.logit_bias for x in p):
+            sampling.logit_bias = [x.logit_bias for x in p]
+        if any(x.allowed_token_ids is not None for x in p):
+            sampling.allowed = [x.allowed_token_ids for x in p]
+        if any(c.penalized is not None for c in sampled):
+            sampling.penalties = Penalties.build(sampled, rows)
+    return sampling
+
+
 def prepare_inputs(plan: SchedulerOutput, block_size: int, rows: dict[str, int] | None = None
                    ) -> StepInputs:
     """The plan's model inputs. ``rows`` (asynchronous scheduling): for each request sampled
@@ -156,21 +177,7 @@ def prepare_inputs(plan: SchedulerOutput, block_size: int, rows: dict[str, int] 
     slots = table_arr[run_of_token, pos_arr // bs].astype(np.int64) * bs + pos_arr % bs
     cu_q = np.zeros(len(lens) + 1, dtype=np.int32)
     np.cumsum(lens, out=cu_q[1:])
-    p = [c.params for c in sampled]
-    sampling = SamplingMetadata(
-        [c.request_id for c in sampled], [x.temperature for x in p], [x.top_k for x in p],
-        [x.top_p for x in p], [c.seed for c in sampled], [c.output_index for c in sampled],
-        [x.logprobs for x in p],
-        [c.banned for c in sampled] if any(c.banned for c in sampled) else [])
-    if any(x.adjusts_logits for x in p):  # (one test per row when none does)
-        if any(x.min_p for x in p):
-            sampling.min_p = [x.min_p for x in p]
-        if any(x.logit_bias for x in p):
-            sampling.logit_bias = [x.logit_bias for x in p]
-        if any(x.allowed_token_ids is not None for x in p):
-            sampling.allowed = [x.allowed_token_ids for x in p]
-        if any(c.penalized is not None for c in sampled):
-            sampling.penalties = Penalties.build(sampled, rows)
+    sampling = sampling_metadata(sampled, rows)
     if prompt_chunks:
         sampling.prompt = PromptRows(
             [c.request_id for c in prompt_chunks], [len(c.prompt_targets) for c in prompt_chunks],

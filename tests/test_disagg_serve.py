@@ -114,6 +114,10 @@ def test_a_request_no_single_instance_can_hold_is_refused_up_front(deployments):
     assert "48 admissible blocks" in r.json()["error"]["message"]
     ok = httpx.post(s.url + "/v1/completions", json=body(3, max_tokens=300), timeout=60)
     assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] == 300
+    # Prompt logprobs are not computed by the instances: a 400 that says so, not a failure.
+    scored = httpx.post(s.url + "/v1/completions", timeout=30,
+                        json=body(3, max_tokens=2) | {"echo": True, "logprobs": 1})
+    assert scored.status_code == 400 and scored.json()["error"]["param"] == "echo"
     assert s.kv_idle()
 
 

@@ -290,6 +290,10 @@ def sampling_params(state: ServerState, body, ids: list[int], chat: bool) -> Sam
     why = admission_error(len(ids), max_tokens, max_len, info.block_size, admissible)
     if why is not None:
         raise ApiError(400, why, code=CONTEXT_LENGTH_EXCEEDED)
+    if not chat and body.echo and body.logprobs is not None \
+            and state.engine.config.disagg.disaggregate:
+        raise ApiError(400, "echo with logprobs needs the prompt's logprobs, which"
+                       " disaggregated instances do not compute (--disaggregate)", param="echo")
     try:
         return body.sampling_params(max_tokens, body.num_logprobs if chat else body.logprobs)
     except ValueError as e:  # (a rule the schema missed: the client's error, not the server's)

@@ -283,6 +283,7 @@ def test_echo_returns_the_prompt_and_its_logprobs_as_lm_eval_reads_them(srv, tin
             "ignore_eos": True}
     r = post(srv, "/v1/completions", body)
     assert r.status_code == 200, r.text
+    echoed = r.json()["choices"]
     model = tf.AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
     for choice, ids in zip(r.json()["choices"], prompts, strict=True):
         lp = choice["logprobs"]
@@ -314,6 +315,25 @@ def test_echo_returns_the_prompt_and_its_logprobs_as_lm_eval_reads_them(srv, tin
     r = post(srv, "/v1/completions", {"prompt": PROMPT, "max_tokens": 3, "echo": True})
     assert r.json()["choices"][0]["text"].startswith(PROMPT)
     assert r.json()["choices"][0]["logprobs"] is None
+    # max_tokens 0 (only with echo): the prompt scored, nothing generated, streamed or not
+    scored = body | {"max_tokens": 0}
+    whole = post(srv, "/v1/completions", scored).json()
+    for choice, full, ids in zip(whole["choices"], echoed, prompts, strict=True):
+        assert choice["finish_reason"] == "length"
+        assert choice["logprobs"]["token_logprobs"] == full["logprobs"]["token_logprobs"][
+            :len(ids)]
+        assert full["text"].startswith(choice["text"]) and len(choice["text"]) < len(
+            full["text"])
+    assert whole["usage"]["completion_tokens"] == 0
+    with httpx.stream("POST", srv.url + "/v1/completions", timeout=60,
+                      json=scored | {"stream": True}) as s:
+        chunks = [json.loads(x[6:]) for x in s.iter_lines() if x.startswith("data: {")]
+    for k, choice in enumerate(whole["choices"]):
+        mine = [c["choices"][0] for c in chunks if c["choices"][0]["index"] == k]
+        assert "".join(c["text"] for c in mine) == choice["text"]
+        assert mine[-1]["finish_reason"] == "length"
+    err = assert_error(post(srv, "/v1/completions", {"prompt": PROMPT, "max_tokens": 0}), 400)
+    assert err["param"] == "max_tokens"
 
 
 def test_allowed_tokens_special_tokens_and_the_stop_string_in_the_output(srv):

@@ -192,6 +192,7 @@ async def generate(state: ServerState, body, request: Request, chat: bool) -> Re
             for ctx, (text, ids, texts) in zip(ctxs.values(), (
                     e for e in echoes for _ in range(body.num_samples)), strict=True):
                 ctx.echo, ctx.echo_ids = text, ids
+                ctx.score_only = body.max_tokens == 0
                 handle.token_texts.update(texts)
     finally:
         state.admitting -= choices
@@ -274,6 +275,11 @@ def sampling_params(state: ServerState, body, ids: list[int], chat: bool) -> Sam
                        else "prompt", code=CONTEXT_LENGTH_EXCEEDED)
     admissible = admissible_blocks(info.num_kv_blocks, state.engine.config.cache.watermark)
     requested = body.max_new_tokens if chat else body.max_tokens
+    if requested == 0:  # (echo: score the prompt; one token is computed, none returned)
+        if body.min_tokens:
+            raise ApiError(400, f"min_tokens must be at most max_tokens, which is 0; got"
+                           f" min_tokens={body.min_tokens}", param="min_tokens")
+        requested = 1
     if requested is not None:
         max_tokens = requested
     elif chat:  # the rest of the window, or as much of it as the KV cache can ever hold

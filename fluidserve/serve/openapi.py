@@ -241,6 +241,7 @@ CROSS_FIELD = {  # field: (the field it needs, at this value, the values of it t
         {"required": ["include_usage"]}, {"required": ["continuous_usage_stats"]}]}),  # none)
     "top_logprobs": ("logprobs", True, {"type": "integer", "minimum": 1}),
     "continue_final_message": ("add_generation_prompt", False, {"const": True}),
+    "max_tokens": ("echo", True, {"const": 0}),
 }
 
 

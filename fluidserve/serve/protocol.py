@@ -289,6 +289,9 @@ class CompletionRequest(_Common):
         " prompts (choice index = prompt index × n + sample index). Each must fit the context"
         " window once tokenized (else 400 context_length_exceeded).")
     logprobs: Int(ge=0, le=MAX_LOGPROBS) | None = None
+    max_tokens: Int(ge=0) | None = Field(
+        None, description="0 only with echo: the prompt (and its logprobs) alone, nothing"
+        " generated (as vLLM's).")
     echo: bool | None = Field(
         False, description="The prompt before the completion, in the text and, with"
         " logprobs, in the logprobs too: each prompt token's logprob given the tokens before"
@@ -464,7 +467,9 @@ def request_models(limits: Limits) -> tuple[type[CompletionRequest], type[ChatCo
                 | Annotated[list[ids], Field(min_length=1, max_length=num_prompts,
                                              fail_fast=True)],
                 Field(description=prompt_field.description)),
-        max_tokens=(new_tokens, None), stop_token_ids=stop_ids,
+        max_tokens=(Int(ge=0, le=limits.max_model_len) | None, Field(
+            None, description=CompletionRequest.model_fields["max_tokens"].description)),
+        stop_token_ids=stop_ids,
         n=(samples, Field(None, description=CompletionRequest.model_fields["n"].description)))
     chat = create_model(
         "ChatCompletionRequest", __base__=ChatCompletionRequest, logit_bias=bias,
@@ -500,6 +505,8 @@ def cross_field_error(body: Any) -> tuple[str, str] | None:
             and getattr(body, "add_generation_prompt", None) is not False:
         return "continue_final_message", ("continue_final_message needs add_generation_prompt"
                                           " false: the last turn goes on, no new one opens")
+    if body.max_tokens == 0 and not getattr(body, "echo", False):
+        return "max_tokens", "max_tokens 0 generates nothing: only with echo (to score a prompt)"
     if getattr(body, "top_logprobs", None) and not body.logprobs:
         return "top_logprobs", "top_logprobs above 0 requires logprobs=true"
     return None

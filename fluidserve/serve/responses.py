@@ -44,6 +44,7 @@ class Context:
     prompt_entries: list = field(default_factory=list)
     _echoed: bool = False  # (streamed: the prompt goes in the choice's first chunk)
     ids_as_text: bool = False  # return_tokens_as_token_ids: a token is "token_id:{id}"
+    score_only: bool = False  # echo with max_tokens 0: the token computed is not returned
 
     def add(self, out: RequestOutput) -> None:
         if out.prompt_logprobs is not None and self.echo is not None:
@@ -51,6 +52,13 @@ class Context:
             self.prompt_entries = [(ids[0], None, None)] + [
                 (t, lp, top) for t, (lp, top) in zip(ids[1:], out.prompt_logprobs, strict=True)]
             self._chars = sum(len(self.token_text(t)) for t in ids)
+        if self.score_only:
+            self._new_logprobs = []
+            if out.finished:
+                self.finish_reason = "length"  # (as vLLM answers a prompt scored alone)
+                self.scheduling_delay = out.scheduling_delay
+                self.num_cached_tokens = out.num_cached_tokens
+            return
         self.text += out.new_text
         self.token_ids += out.new_token_ids
         self._new_logprobs = [
@@ -124,11 +132,13 @@ def _envelope(ctx: Context, obj: str, choices: list, usage_: dict | None = None)
 
 
 def stream_chunk(ctx: Context, out: RequestOutput) -> dict:
-    reason = out.finish_reason if out.finished else None
+    reason = (ctx.finish_reason if ctx.score_only else out.finish_reason) if out.finished \
+        else None
     if ctx.chat:
         delta = {"content": out.new_text} if out.new_text else {}
         return chat_chunk(ctx, delta, reason, _chat_logprobs(ctx, ctx._new_logprobs))
-    text, entries, offset = out.new_text, ctx._new_logprobs, ctx._offset
+    text, entries, offset = ("" if ctx.score_only else out.new_text), ctx._new_logprobs, \
+        ctx._offset
     if ctx.echo is not None and not ctx._echoed:
         ctx._echoed = True
         text, entries, offset = ctx.echo + text, ctx.prompt_entries + entries, 0

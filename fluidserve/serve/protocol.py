@@ -505,7 +505,7 @@ def cross_field_error(body: Any) -> tuple[str, str] | None:
             and getattr(body, "add_generation_prompt", None) is not False:
         return "continue_final_message", ("continue_final_message needs add_generation_prompt"
                                           " false: the last turn goes on, no new one opens")
-    if body.max_tokens == 0 and not getattr(body, "echo", False):
+    if getattr(body, "max_tokens", None) == 0 and not getattr(body, "echo", False):
         return "max_tokens", "max_tokens 0 generates nothing: only with echo (to score a prompt)"
     if getattr(body, "top_logprobs", None) and not body.logprobs:
         return "top_logprobs", "top_logprobs above 0 requires logprobs=true"

@@ -155,3 +155,32 @@ def test_a_choice_that_fails_ends_the_response_and_its_siblings(srv):
                                              "ignore_eos": True})
     assert "injected output fault" in chunks[-1]["error"]["message"]
     assert srv.kv_idle()
+
+
+def test_a_large_response_is_built_off_the_event_loop_and_reads_the_same(srv, monkeypatch):
+    """Past LARGE_RESPONSE entries a non-streamed response is built and encoded on a worker
+    thread (so streams are not held up by it): the same JSON either way."""
+    import threading
+
+    from fluidserve.serve import handlers
+
+    body = {"prompt": PROMPTS, "n": 2, "max_tokens": 5, "temperature": 0, "logprobs": 2,
+            "echo": True, "ignore_eos": True, "return_metrics": True}
+    threads = []
+    real = handlers.R.full_response
+
+    def spy(choices):
+        threads.append(threading.current_thread())
+        return real(choices)
+
+    monkeypatch.setattr(handlers.R, "full_response", spy)
+    answers = []
+    for bound in (10**9, 0):
+        monkeypatch.setattr(handlers, "LARGE_RESPONSE", bound)
+        r = post(srv, "/v1/completions", body)
+        assert r.status_code == 200 and r.headers["content-type"] == "application/json"
+        answers.append(r.json())
+    assert [a["choices"] for a in answers] == [answers[0]["choices"]] * 2
+    assert answers[0]["usage"] == answers[1]["usage"] and "metrics" in answers[1]
+    on_loop, off_loop = threads
+    assert off_loop is not on_loop  # (the event loop's thread, then a worker's)

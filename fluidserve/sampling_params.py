@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from array import array
 from dataclasses import dataclass, field
 
 MAX_LOGPROBS = 20
@@ -69,11 +70,16 @@ class SamplingParams:
             object.__setattr__(self, "stop", (self.stop,))
         object.__setattr__(self, "stop", tuple(self.stop))
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+        # The token lists the sampler reads every step, also as machine arrays: a step turns
+        # them into tensors by copying bytes, not by converting Python ints (16k allowed
+        # tokens for each of 64 requests took 530 ms a step as lists of pairs).
+        object.__setattr__(self, "allowed_array", None)
         if self.allowed_token_ids is not None:
             object.__setattr__(self, "allowed_token_ids", tuple(sorted(set(
                 self.allowed_token_ids))))
             if not self.allowed_token_ids or self.allowed_token_ids[0] < 0:
                 raise ValueError("allowed_token_ids must be token ids (>= 0), at least one")
+            object.__setattr__(self, "allowed_array", array("q", self.allowed_token_ids))
         # Looked up for every sampled token: a set, however many ids were given.
         object.__setattr__(self, "stop_token_set", frozenset(self.stop_token_ids))
         bias = self.logit_bias.items() if isinstance(self.logit_bias, dict) else self.logit_bias
@@ -81,6 +87,9 @@ class SamplingParams:
         # equal however their dict was built)
         object.__setattr__(self, "logit_bias", tuple(sorted(
             {int(t): float(b) for t, b in bias}.items())))
+        object.__setattr__(self, "bias_arrays", (
+            array("q", (t for t, _ in self.logit_bias)),
+            array("f", (b for _, b in self.logit_bias))) if self.logit_bias else None)
         # Read for every scheduled chunk: whether its sampler needs the request's tokens.
         object.__setattr__(self, "penalizes", self.presence_penalty != 0.0
                            or self.frequency_penalty != 0.0 or self.repetition_penalty != 1.0)

@@ -80,8 +80,10 @@ class SamplingMetadata:
     logprobs: list[int | None]
     banned: list[tuple[int, ...]] = field(default_factory=list)  # per row; [] if none bans
     min_p: list[float] = field(default_factory=list)  # per row; [] if none filters by it
-    logit_bias: list[tuple[tuple[int, float], ...]] = field(default_factory=list)  # ditto
-    allowed: list[tuple[int, ...] | None] = field(default_factory=list)  # ditto
+    # per row (each [] if no row has one): its logit_bias as (token ids, biases), and its
+    # allowed_token_ids, as machine arrays (SamplingParams' bias_arrays, allowed_array)
+    logit_bias: list[tuple[array, array] | None] = field(default_factory=list)
+    allowed: list[array | None] = field(default_factory=list)
     penalties: Penalties | None = None  # None if no row asks for a penalty
     prompt: PromptRows | None = None  # None if no chunk computes prompt logprobs
 
@@ -126,9 +128,9 @@ def sampling_metadata(sampled: list, rows: dict[str, int] | None = None) -> Samp
         if any(x.min_p for x in p):
             sampling.min_p = [x.min_p for x in p]
         if any(x.logit_bias for x in p):
-            sampling.logit_bias = [x.logit_bias for x in p]
+            sampling.logit_bias = [x.bias_arrays for x in p]
         if any(x.allowed_token_ids is not None for x in p):
-            sampling.allowed = [x.allowed_token_ids for x in p]
+            sampling.allowed = [x.allowed_array for x in p]
         if any(c.penalized is not None for c in sampled):
             sampling.penalties = Penalties.build(sampled, rows)
     return sampling

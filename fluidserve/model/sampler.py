@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from fluidserve.model.host_memory import to_device
@@ -197,23 +198,31 @@ def adjust_logits(logits: torch.Tensor, meta: SamplingMetadata,
         out = logits.clone()
     dev, v = out.device, out.shape[-1]
     if meta.allowed:
-        rows = [r for r, a in enumerate(meta.allowed) if a is not None]
-        pairs = [(j, t) for j, r in enumerate(rows) for t in meta.allowed[r] if t < v]
-        keep = torch.zeros(len(rows), v, dtype=torch.bool, device=dev)
-        if pairs:
-            where = to_device(pairs, dev, torch.int64)
-            keep[where[:, 0], where[:, 1]] = True
-        idx = to_device(rows, dev, torch.int64)
+        asked = [a for a in meta.allowed if a is not None]
+        rows, ids = _rows_and_ids(asked)
+        keep = np.zeros(len(asked) * v, dtype=bool)
+        inside = ids < v  # (the engine refuses others)
+        keep[rows[inside] * v + ids[inside]] = True
+        idx = to_device([r for r, a in enumerate(meta.allowed) if a is not None], dev,
+                        torch.int64)
+        keep = to_device(keep.reshape(len(asked), v), dev)
         out.index_copy_(0, idx, out.index_select(0, idx).masked_fill_(~keep, float("-inf")))
     if meta.logit_bias:
-        pairs = [(r, t, b) for r, bias in enumerate(meta.logit_bias) for t, b in bias if t < v]
-        if pairs:
-            where = to_device([(r, t) for r, t, _ in pairs], dev, torch.int64)
-            add = to_device([b for _, _, b in pairs], dev, torch.float32)
-            out.index_put_((where[:, 0], where[:, 1]), add, accumulate=True)
+        rows, ids = _rows_and_ids([b and b[0] for b in meta.logit_bias])
+        add = np.concatenate([np.frombuffer(b[1], np.float32) for b in meta.logit_bias if b])
+        inside = ids < v
+        out.index_put_((to_device(rows[inside], dev), to_device(ids[inside], dev)),
+                       to_device(add[inside], dev), accumulate=True)
     if meta.penalties is not None:
         apply_penalties(out, meta.penalties, last_tokens)
     return out
+
+
+def _rows_and_ids(per_row: list) -> tuple[np.ndarray, np.ndarray]:
+    """int64 arrays of (row, token id) for every id of every row's machine array of ids
+    (None: a row without): copies of bytes, no Python int per id."""
+    arrays = [np.frombuffer(a, np.int64) if a else np.empty(0, np.int64) for a in per_row]
+    return np.repeat(np.arange(len(arrays)), [len(a) for a in arrays]), np.concatenate(arrays)
 
 
 def apply_penalties(logits: torch.Tensor, pen: Penalties,

@@ -336,6 +336,37 @@ def test_echo_returns_the_prompt_and_its_logprobs_as_lm_eval_reads_them(srv, tin
     assert err["param"] == "max_tokens"
 
 
+def test_prompt_logprobs_in_vllms_form(srv):
+    """vLLM's prompt_logprobs: per position the prompt token's logprob (the echo's), rank and
+    text, and the top ones ranked 1..k; null first; streamed in the choice's first chunk."""
+    ids = [1, 50, 60, 70, 80, 90]
+    body = {"prompt": ids, "max_tokens": 2, "temperature": 0, "ignore_eos": True}
+    echo = post(srv, "/v1/completions", body | {"echo": True, "logprobs": 2}).json()
+    r = post(srv, "/v1/completions", body | {"prompt_logprobs": 2})
+    assert r.status_code == 200, r.text
+    choice = r.json()["choices"][0]
+    assert choice["text"] == post(srv, "/v1/completions", body).json()["choices"][0]["text"]
+    plp = choice["prompt_logprobs"]
+    assert len(plp) == len(ids) and plp[0] is None
+    lp = echo["choices"][0]["logprobs"]
+    for i in range(1, len(ids)):
+        entry = plp[i]
+        mine = entry[str(ids[i])]
+        assert mine["logprob"] == pytest.approx(lp["token_logprobs"][i], abs=1e-6)
+        ranked = sorted((v["rank"], v["logprob"]) for t, v in entry.items()
+                        if t != str(ids[i]) or v["rank"] is not None)
+        assert [rank for rank, _ in ranked] == [1, 2]
+        assert ranked[0][1] >= ranked[1][1] >= mine["logprob"] - 1e-6 or mine["rank"]
+        assert all(v["decoded_token"] for v in entry.values())
+    with httpx.stream("POST", srv.url + "/v1/completions", timeout=60,
+                      json=body | {"prompt_logprobs": 2, "stream": True}) as s:
+        chunks = [json.loads(x[6:]) for x in s.iter_lines() if x.startswith("data: {")]
+    assert chunks[0]["choices"][0]["prompt_logprobs"] == plp
+    assert all("prompt_logprobs" not in c["choices"][0] for c in chunks[1:])
+    plain = post(srv, "/v1/completions", body).json()["choices"][0]
+    assert "prompt_logprobs" not in plain
+
+
 def test_allowed_tokens_special_tokens_and_the_stop_string_in_the_output(srv):
     """allowed_token_ids holds greedy picks to its ids; forced to the end-of-sequence token,
     a request stops at once, and its text is that token's only when special tokens are kept

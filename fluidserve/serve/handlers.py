@@ -185,14 +185,17 @@ async def generate(state: ServerState, body, request: Request, chat: bool) -> Re
     state.admitting += choices  # a drain waits for these too
     try:
         prompts = [await chat_ids(state, body)] if chat else await completion_ids(state, body)
-        if not chat and body.echo:
+        shown = not chat and (body.echo or body.prompt_logprobs is not None)
+        if shown:  # (the prompt in the response: its text and its tokens')
             echoes = await _echoes(state, body, prompts)
         handle, ctxs = admit(state, body, prompts, chat)
-        if not chat and body.echo:
+        if shown:
             for ctx, (text, ids, texts) in zip(ctxs.values(), (
                     e for e in echoes for _ in range(body.num_samples)), strict=True):
-                ctx.echo, ctx.echo_ids = text, ids
-                ctx.score_only = body.max_tokens == 0
+                ctx.prompt_ids, ctx.prompt_k = ids, body.prompt_logprobs
+                if body.echo:
+                    ctx.echo, ctx.echo_k = text, body.logprobs
+                    ctx.score_only = body.max_tokens == 0
                 handle.token_texts.update(texts)
     finally:
         state.admitting -= choices
@@ -203,8 +206,8 @@ async def generate(state: ServerState, body, request: Request, chat: bool) -> Re
 
 async def _echoes(state: ServerState, body: CompletionRequest, prompts: list[list[int]]
                   ) -> list[tuple[str, list[int], dict[int, str]]]:
-    """For ``echo``: each prompt's text (a prompt of ids decoded), ids, and its tokens' texts
-    (decoded off the event loop)."""
+    """For ``echo`` and ``prompt_logprobs``: each prompt's text (a prompt of ids decoded),
+    ids, and its tokens' texts (decoded off the event loop)."""
     tok = state.prompts.tokenizer
     if tok is None:
         return [(p if isinstance(p, str) else "", ids, {}) for p, ids in zip(
@@ -296,10 +299,11 @@ def sampling_params(state: ServerState, body, ids: list[int], chat: bool) -> Sam
     why = admission_error(len(ids), max_tokens, max_len, info.block_size, admissible)
     if why is not None:
         raise ApiError(400, why, code=CONTEXT_LENGTH_EXCEEDED)
-    if not chat and body.echo and body.logprobs is not None \
-            and state.engine.config.disagg.disaggregate:
-        raise ApiError(400, "echo with logprobs needs the prompt's logprobs, which"
-                       " disaggregated instances do not compute (--disaggregate)", param="echo")
+    if not chat and state.engine.config.disagg.disaggregate \
+            and (body.echo and body.logprobs is not None or body.prompt_logprobs is not None):
+        raise ApiError(400, "the prompt's logprobs (prompt_logprobs, or echo with logprobs)"
+                       " are not computed by disaggregated instances (--disaggregate)",
+                       param="prompt_logprobs" if body.prompt_logprobs is not None else "echo")
     try:
         return body.sampling_params(max_tokens, body.num_logprobs if chat else body.logprobs)
     except ValueError as e:  # (a rule the schema missed: the client's error, not the server's)

@@ -48,11 +48,19 @@ class CompletionLogprobs(BaseModel):
     text_offset: list[int]
 
 
+class PromptLogprob(BaseModel):
+    logprob: float
+    rank: int | None
+    decoded_token: str
+
+
 class CompletionChoice(BaseModel):
     index: int
     text: str
     logprobs: CompletionLogprobs | None
     finish_reason: Literal["stop", "length"] | None
+    # only with prompt_logprobs (vLLM's): null for the first prompt token
+    prompt_logprobs: list[dict[str, PromptLogprob] | None] | None = None
 
 
 class CompletionResponse(BaseModel):
@@ -106,6 +114,7 @@ class CompletionStreamChoice(BaseModel):
     text: str
     logprobs: CompletionLogprobs | None
     finish_reason: Literal["stop", "length"] | None
+    prompt_logprobs: list[dict[str, PromptLogprob] | None] | None = None  # (first chunk)
 
 
 class CompletionChunk(BaseModel):

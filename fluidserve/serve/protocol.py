@@ -235,6 +235,8 @@ class _Common(BaseModel):
 
     def sampling_params(self, max_tokens: int, logprobs: int | None) -> SamplingParams:
         echo = getattr(self, "echo", False) and logprobs is not None  # (completions only)
+        asked = [k for k in (logprobs if echo else None, getattr(self, "prompt_logprobs", None))
+                 if k is not None]
         return SamplingParams(
             max_tokens=max_tokens,
             temperature=1.0 if self.temperature is None else self.temperature,
@@ -252,7 +254,7 @@ class _Common(BaseModel):
             else self.repetition_penalty,
             min_p=self.min_p or 0.0,
             logit_bias={int(t): b for t, b in (self.logit_bias or {}).items()},
-            prompt_logprobs=logprobs if echo else None,
+            prompt_logprobs=max(asked) if asked else None,
             allowed_token_ids=None if self.allowed_token_ids is None
             else tuple(self.allowed_token_ids),
             skip_special_tokens=self.skip_special_tokens is not False,
@@ -292,6 +294,11 @@ class CompletionRequest(_Common):
     max_tokens: Int(ge=0) | None = Field(
         None, description="0 only with echo: the prompt (and its logprobs) alone, nothing"
         " generated (as vLLM's).")
+    prompt_logprobs: Int(ge=0, le=MAX_LOGPROBS) | None = Field(
+        None, description="vLLM's: each choice's prompt_logprobs, null for the first prompt"
+        " token, then for each the logprob, rank and text of the prompt token and of the"
+        " prompt_logprobs most likely ones (a rank null: the prompt token is not among"
+        " them); streamed, in each choice's first chunk.")
     echo: bool | None = Field(
         False, description="The prompt before the completion, in the text and, with"
         " logprobs, in the logprobs too: each prompt token's logprob given the tokens before"

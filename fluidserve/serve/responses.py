@@ -37,21 +37,31 @@ class Context:
     _chars: int = 0
     scheduling_delay: float | None = None
     num_cached_tokens: int | None = None  # (with prefix caching)
-    # A completion's ``echo``: its prompt's text and ids, and, with logprobs, the prompt's
-    # entries (the first token's logprob and top are None)
+    # A completion's ``echo``: its prompt's text and, with logprobs (``echo_k`` top
+    # entries), its prompt's entries (the first token's logprob and top are None); with
+    # vLLM's ``prompt_logprobs`` (``prompt_k``), the prompt's entries in vLLM's form
     echo: str | None = None
-    echo_ids: list[int] = field(default_factory=list)
+    prompt_ids: list[int] = field(default_factory=list)
+    echo_k: int | None = None
+    prompt_k: int | None = None
     prompt_entries: list = field(default_factory=list)
+    vllm_prompt_logprobs: list | None = None
     _echoed: bool = False  # (streamed: the prompt goes in the choice's first chunk)
     ids_as_text: bool = False  # return_tokens_as_token_ids: a token is "token_id:{id}"
     score_only: bool = False  # echo with max_tokens 0: the token computed is not returned
 
     def add(self, out: RequestOutput) -> None:
-        if out.prompt_logprobs is not None and self.echo is not None:
-            ids = self.echo_ids
-            self.prompt_entries = [(ids[0], None, None)] + [
-                (t, lp, top) for t, (lp, top) in zip(ids[1:], out.prompt_logprobs, strict=True)]
-            self._chars = sum(len(self.token_text(t)) for t in ids)
+        if out.prompt_logprobs is not None:
+            ids = self.prompt_ids
+            if self.echo is not None and self.echo_k is not None:
+                self.prompt_entries = [(ids[0], None, None)] + [
+                    (t, lp, top[:self.echo_k])
+                    for t, (lp, top) in zip(ids[1:], out.prompt_logprobs, strict=True)]
+                self._chars = sum(len(self.token_text(t)) for t in ids)
+            if self.prompt_k is not None:
+                self.vllm_prompt_logprobs = [None] + [
+                    self._vllm_entry(t, lp, top[:self.prompt_k])
+                    for t, (lp, top) in zip(ids[1:], out.prompt_logprobs, strict=True)]
         if self.score_only:
             self._new_logprobs = []
             if out.finished:
@@ -71,6 +81,16 @@ class Context:
             self.finish_reason = out.finish_reason
             self.scheduling_delay = out.scheduling_delay
             self.num_cached_tokens = out.num_cached_tokens
+
+    def _vllm_entry(self, token: int, lp: float, top: list) -> dict:
+        """A prompt position as vLLM's prompt_logprobs has it: the prompt token (its rank,
+        null when it is not among the top ones) and the top ones, by id."""
+        ranks = {t: r for r, (t, _) in enumerate(top, 1)}
+
+        def item(t: int, v: float) -> dict:
+            return {"logprob": _lp(v), "rank": ranks.get(t), "decoded_token": self.token_text(t)}
+
+        return {str(token): item(token, lp)} | {str(t): item(t, v) for t, v in top}
 
     def token_text(self, token_id: int) -> str:
         if self.ids_as_text:
@@ -139,11 +159,14 @@ def stream_chunk(ctx: Context, out: RequestOutput) -> dict:
         return chat_chunk(ctx, delta, reason, _chat_logprobs(ctx, ctx._new_logprobs))
     text, entries, offset = ("" if ctx.score_only else out.new_text), ctx._new_logprobs, \
         ctx._offset
-    if ctx.echo is not None and not ctx._echoed:
-        ctx._echoed = True
+    first = not ctx._echoed
+    ctx._echoed = True
+    if ctx.echo is not None and first:
         text, entries, offset = ctx.echo + text, ctx.prompt_entries + entries, 0
     lp = _completion_logprobs(ctx, entries, offset)
     choice = {"index": ctx.index, "text": text, "logprobs": lp, "finish_reason": reason}
+    if ctx.prompt_k is not None and first:
+        choice["prompt_logprobs"] = ctx.vllm_prompt_logprobs
     return _envelope(ctx, "text_completion", [choice], None)
 
 
@@ -185,7 +208,8 @@ def full_response(choices: list[Context]) -> dict:
         "text": (c.echo or "") + c.text,
         "logprobs": _completion_logprobs(c, c.prompt_entries + c.logprobs, 0),
         "finish_reason": c.finish_reason,
-    } for c in choices]
+    } | ({"prompt_logprobs": c.vllm_prompt_logprobs} if c.prompt_k is not None else {})
+        for c in choices]
     return _envelope(first, "text_completion", items, total_usage(choices))
 
 

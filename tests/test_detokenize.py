@@ -18,19 +18,9 @@ WORDS = ["<unk>", "<s>", "</s>", "▁The", "▁king", "▁said", "▁the", "▁l
 
 @pytest.fixture(scope="module")
 def tok(tmp_path_factory) -> Tokenizer:
-    from tokenizers import Tokenizer as Fast
-    from tokenizers import decoders, models, pre_tokenizers
-
-    t = Fast(models.WordLevel({w: i for i, w in enumerate(WORDS)}, unk_token="<unk>"))
-    t.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="first")
-    t.decoder = decoders.Metaspace(replacement="▁", prepend_scheme="first")
-    d = tmp_path_factory.mktemp("sp")
-    t.save(str(d / "tokenizer.json"))
     # As Llama 3's files ask (and transformers would honour, but a server must not).
-    (d / "tokenizer_config.json").write_text(json.dumps({
-        "tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<s>", "eos_token": "</s>",
-        "unk_token": "<unk>", "clean_up_tokenization_spaces": True}))
-    return Tokenizer(d)
+    return Tokenizer(word_level_files(tmp_path_factory.mktemp("sp"),
+                                      clean_up_tokenization_spaces=True))
 
 
 def stream(tok: Tokenizer, prompt: str, output: str, **params) -> tuple[str, str | None]:
@@ -67,3 +57,38 @@ def test_decoding_never_cleans_up_tokenization_spaces(tok):
     for t in ids:
         det.push([t])
     assert det.text == "x != y , the ?"
+
+
+
+def test_chat_template_variables_reach_the_template_and_reserved_names_do_not(tmp_path):
+    """chat_template_kwargs are the template's variables; a name of the rendering's own
+    parameters is refused (the server's schema names the same ones)."""
+    from fluidserve.model.tokenizer import TemplateKwargsError, chat_template_parameters
+    from fluidserve.serve.protocol import RESERVED_TEMPLATE_NAMES
+
+    tok = Tokenizer(word_level_files(tmp_path, chat_template=(
+        "{% for m in messages %}{{ m['content'] }}{% endfor %}{% if shout %} here{% endif %}")))
+    messages = [{"role": "user", "content": "the king"}]
+    assert tok.hf.decode(tok.chat(messages)) == "the king"
+    assert tok.hf.decode(tok.chat(messages, template_kwargs={"shout": True})) \
+        == "the king here"
+    for name in ("tokenize", "messages", "return_tensors"):
+        with pytest.raises(TemplateKwargsError, match=name):
+            tok.chat(messages, template_kwargs={name: 1})
+    assert RESERVED_TEMPLATE_NAMES == chat_template_parameters()
+
+
+def word_level_files(d, **config):
+    """A word-level tokenizer's files over ``WORDS``, written into ``d`` (``config``: more
+    of its tokenizer_config.json)."""
+    from tokenizers import Tokenizer as Fast
+    from tokenizers import decoders, models, pre_tokenizers
+
+    t = Fast(models.WordLevel({w: i for i, w in enumerate(WORDS)}, unk_token="<unk>"))
+    t.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="first")
+    t.decoder = decoders.Metaspace(replacement="▁", prepend_scheme="first")
+    t.save(str(d / "tokenizer.json"))
+    (d / "tokenizer_config.json").write_text(json.dumps({
+        "tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<s>", "eos_token": "</s>",
+        "unk_token": "<unk>", **config}))
+    return d

@@ -383,9 +383,17 @@ def test_allowed_tokens_special_tokens_and_the_stop_string_in_the_output(srv):
     assert eos_text  # (the tiny model's end of sequence, "</s>")
     for extra, text in (({}, ""), ({"skip_special_tokens": False}, ""),
                         ({"skip_special_tokens": False, "include_stop_str_in_output": True},
-                         eos_text)):
-        choice = post(srv, "/v1/completions", eos | extra).json()["choices"][0]
+                         eos_text),
+                        # min_tokens bans EOS, the one token allowed: allowed wins, and
+                        # min_tokens still holds the stop off for its two tokens
+                        ({"min_tokens": 2}, "")):
+        r = post(srv, "/v1/completions", eos | extra).json()
+        choice = r["choices"][0]
         assert (choice["text"], choice["finish_reason"]) == (text, "stop"), extra
+        assert r["usage"]["completion_tokens"] == 1 + extra.get("min_tokens", 0), extra
+        ids = post(srv, "/v1/completions", eos | extra | {
+            "logprobs": 0, "return_tokens_as_token_ids": True}).json()["choices"][0]
+        assert set(ids["logprobs"]["tokens"]) == {"token_id:2"}, extra
     plain = post(srv, "/v1/completions", body | {"max_tokens": 12}).json()["choices"][0]["text"]
     stop = plain[4:7]
     cut = post(srv, "/v1/completions", body | {"max_tokens": 12, "stop": stop}).json()
@@ -781,7 +789,9 @@ def test_tokenize_and_detokenize_answer_as_vllms_do(srv, schema):
             ("/tokenize", {"messages": messages, "continue_final_message": True}, 400,
              "continue_final_message"),
             ("/tokenize", {"messages": messages, "chat_template_kwargs": {"tokenize": True}},
-             400, "chat_template_kwargs"),
+             400, "chat_template_kwargs.tokenize"),
+            ("/tokenize", {"prompt": text, "continue_final_message": True}, 400,
+             "continue_final_message"),
             ("/tokenize", {"messages": messages, "chat_template": "{{ x }}"}, 400,
              "chat_template")):
         err = assert_error(post(srv, path, bad), status, schema)

@@ -161,7 +161,11 @@ def _sample_on_device(logits: torch.Tensor, meta: SamplingMetadata,
     if meta.logit_bias or meta.allowed or meta.penalties is not None:
         logits = adjust_logits(logits, meta, last_tokens)
     if meta.banned:
-        logits = ban_tokens(logits, meta.banned)
+        banned = ban_tokens(logits, meta.banned)
+        if meta.allowed:  # a ban never takes a row's last allowed token: allowed wins
+            left = (banned > float("-inf")).any(-1, keepdim=True)
+            banned = torch.where(left, banned, logits)
+        logits = banned
     tokens = greedy_tokens(logits)
     rows = [i for i, t in enumerate(meta.temperature) if t != 0.0]
     if rows:  # (indexing by a list would copy it to the device and wait)

@@ -119,16 +119,21 @@ class TemplateKwargsError(ValueError):
     """A chat template variable that would set one of the rendering's own parameters."""
 
 
+# What the template's renderer passes itself (a variable of that name would clash).
+RENDERER_NAMES = frozenset({"self", "messages", "conversations"})
+
+
 @cache
 def chat_template_parameters() -> frozenset[str]:
-    """The named parameters of transformers' ``apply_chat_template`` (none of them may come
-    as a template variable: ``tokenize``, ``return_tensors``...)."""
+    """The names no template variable may have: the named parameters of transformers'
+    ``apply_chat_template`` (``tokenize``, ``return_tensors``...) and its renderer's."""
     import inspect
 
     from transformers import PreTrainedTokenizerBase
 
     params = inspect.signature(PreTrainedTokenizerBase.apply_chat_template).parameters
-    return frozenset(n for n, p in params.items() if p.kind is not p.VAR_KEYWORD) - {"self"}
+    return frozenset(n for n, p in params.items() if p.kind is not p.VAR_KEYWORD) \
+        | RENDERER_NAMES
 
 
 class IncrementalDetokenizer:

@@ -150,11 +150,11 @@ async def tokenize(state: ServerState, body: TokenizeRequest) -> dict:
     if (body.prompt is None) == (body.messages is None):
         raise ApiError(400, "give either prompt or messages", param="prompt")
     _need_tokenizer(state)
+    if (fault := cross_field_error(body)) is not None:
+        raise ApiError(400, fault[1], param=fault[0])
     if body.prompt is not None:
         ids = await state.prompts.encode(body.prompt, body.add_special_tokens is not False)
     else:
-        if (fault := cross_field_error(body)) is not None:
-            raise ApiError(400, fault[1], param=fault[0])
         ids = await _render(state, [{"role": m.role, "content": m.text()} for m in body.messages],
                             body.template_options())
     strs = state.prompts.tokenizer.hf.convert_ids_to_tokens(ids) if body.return_token_strs \

@@ -342,6 +342,22 @@ class ChatMessage(BaseModel):
         return self.content or ""
 
 
+# The names a template variable may not have (``tokenizer.chat_template_parameters`` finds
+# them in the installed transformers; a test holds this list to it).
+RESERVED_TEMPLATE_NAMES = frozenset({
+    "add_generation_prompt", "chat_template", "continue_final_message", "conversation",
+    "conversations", "documents", "max_length", "messages", "padding",
+    "return_assistant_tokens_mask", "return_dict", "return_tensors", "sanitize_control_tokens",
+    "self", "tokenize", "tokenizer_kwargs", "tools", "truncation"})
+
+
+def _template_variable(name: str) -> str:
+    if name in RESERVED_TEMPLATE_NAMES:
+        raise ValueError(f"{name!r} would set a parameter of the template's rendering, not a"
+                         " variable of the template")
+    return name
+
+
 class _TemplateFields(BaseModel):
     """How messages are rendered: as the chat endpoint renders them, or refused."""
 
@@ -354,7 +370,10 @@ class _TemplateFields(BaseModel):
                           " (needs add_generation_prompt false, as in vLLM).")
     chat_template: Unsupported = Field(
         None, description="Not supported: the model's own template is used.")
-    chat_template_kwargs: Annotated[dict[str, Any], Field(max_length=64)] | None = Field(
+    chat_template_kwargs: Annotated[
+        dict[Annotated[str, AfterValidator(_template_variable)], Any], Field(max_length=64),
+        WithJsonSchema({"type": "object", "maxProperties": 64, "propertyNames": {
+            "not": {"enum": sorted(RESERVED_TEMPLATE_NAMES)}}})] | None = Field(
         None, description="More variables for the chat template (enable_thinking, ...); not"
                           " the names of apply_chat_template's own parameters.")
 

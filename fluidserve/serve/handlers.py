@@ -382,7 +382,8 @@ async def _complete(handle: Handle, choices: dict[str, R.Context], request: Requ
         return json.dumps(resp, ensure_ascii=False, allow_nan=False, indent=None,
                           separators=(",", ":")).encode()  # (as JSONResponse renders it)
 
-    entries = sum(len(c.token_ids) + (len(c.logprobs) + len(c.prompt_entries)) * 8
+    entries = sum(len(c.token_ids) + (len(c.logprobs) + len(c.prompt_entries)
+                                      + len(c.vllm_prompt_logprobs or ())) * 8
                   for c in choices.values())
     if entries > LARGE_RESPONSE:  # off the event loop: every stream would wait for it
         content = await asyncio.to_thread(render)

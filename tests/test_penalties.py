@@ -331,3 +331,16 @@ def test_penalties_hold_across_chunking_preemption_async_scheduling_and_pipeline
         if setup == "preempted":
             assert llm.engine.scheduler.num_preemptions > 0
     assert got == mixed_reference
+
+
+def test_allowed_tokens_hold_for_every_row_of_a_batch_and_for_some():
+    """Each row's mask is made once (per vocabulary size) and reused; a batch whose rows
+    all allow tokens masks in place, one with some rows copies those."""
+    logits = torch.arange(12.0).repeat(3, 1)  # 11 is every row's best
+    a, b = SamplingParams(temperature=0.0, allowed_token_ids=[2, 5]), \
+        SamplingParams(temperature=0.0, allowed_token_ids=[7, 30])  # (30: past the vocab)
+    for rows in ([a, b, a], [a, SamplingParams(temperature=0.0), b]):
+        tokens, _ = sample(logits, metadata(rows, [((), ())] * 3))
+        want = {id(a): 5, id(b): 7}
+        assert tokens == [want.get(id(p), 11) for p in rows]
+    assert a.allowed_mask(12) is a.allowed_mask(12) and a.allowed_mask(12).sum() == 2

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from fluidserve.core.scheduler.output import SchedulerOutput
+from fluidserve.sampling_params import SamplingParams
 
 # Pads the token arrays of ``Penalties``: no vocabulary is this large, so it counts nowhere.
 NO_TOKEN = np.iinfo(np.int64).max
@@ -80,10 +81,11 @@ class SamplingMetadata:
     logprobs: list[int | None]
     banned: list[tuple[int, ...]] = field(default_factory=list)  # per row; [] if none bans
     min_p: list[float] = field(default_factory=list)  # per row; [] if none filters by it
-    # per row (each [] if no row has one): its logit_bias as (token ids, biases), and its
-    # allowed_token_ids, as machine arrays (SamplingParams' bias_arrays, allowed_array)
+    # per row (each [] if no row has one): its logit_bias as (token ids, biases), machine
+    # arrays (SamplingParams' bias_arrays), and the SamplingParams of a row with
+    # allowed_token_ids (its ``allowed_mask``)
     logit_bias: list[tuple[array, array] | None] = field(default_factory=list)
-    allowed: list[array | None] = field(default_factory=list)
+    allowed: list[SamplingParams | None] = field(default_factory=list)
     penalties: Penalties | None = None  # None if no row asks for a penalty
     prompt: PromptRows | None = None  # None if no chunk computes prompt logprobs
 
@@ -130,7 +132,7 @@ def sampling_metadata(sampled: list, rows: dict[str, int] | None = None) -> Samp
         if any(x.logit_bias for x in p):
             sampling.logit_bias = [x.bias_arrays for x in p]
         if any(x.allowed_token_ids is not None for x in p):
-            sampling.allowed = [x.allowed_array for x in p]
+            sampling.allowed = [x if x.allowed_token_ids is not None else None for x in p]
         if any(c.penalized is not None for c in sampled):
             sampling.penalties = Penalties.build(sampled, rows)
     return sampling

@@ -202,15 +202,14 @@ def adjust_logits(logits: torch.Tensor, meta: SamplingMetadata,
         out = logits.clone()
     dev, v = out.device, out.shape[-1]
     if meta.allowed:
-        asked = [a for a in meta.allowed if a is not None]
-        rows, ids = _rows_and_ids(asked)
-        keep = np.zeros(len(asked) * v, dtype=bool)
-        inside = ids < v  # (the engine refuses others)
-        keep[rows[inside] * v + ids[inside]] = True
-        idx = to_device([r for r, a in enumerate(meta.allowed) if a is not None], dev,
-                        torch.int64)
-        keep = to_device(keep.reshape(len(asked), v), dev)
-        out.index_copy_(0, idx, out.index_select(0, idx).masked_fill_(~keep, float("-inf")))
+        asked = [r for r, p in enumerate(meta.allowed) if p is not None]
+        keep = to_device(np.stack([meta.allowed[r].allowed_mask(v) for r in asked]), dev)
+        if len(asked) == len(out):
+            out.masked_fill_(~keep, float("-inf"))
+        else:
+            idx = to_device(asked, dev, torch.int64)
+            out.index_copy_(0, idx, out.index_select(0, idx).masked_fill_(~keep,
+                                                                          float("-inf")))
     if meta.logit_bias:
         rows, ids = _rows_and_ids([b and b[0] for b in meta.logit_bias])
         add = np.concatenate([np.frombuffer(b[1], np.float32) for b in meta.logit_bias if b])

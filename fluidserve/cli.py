@@ -57,6 +57,7 @@ def _cmd_generate(args: argparse.Namespace) -> int:
             frequency_penalty=g.frequency_penalty,
             presence_penalty=g.presence_penalty,
             min_p=g.min_p,
+            bad_words=g.bad_words,
         )
     except ValueError as e:
         print(f"fluidserve: error: {e}", file=sys.stderr)

@@ -63,6 +63,13 @@ class SamplingParams:
     # the stop string (or stop token's text) that ended it.
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    # Token sequences the output may not contain (vLLM's bad words, as token ids): the last
+    # token of each is never sampled right after the others, and a one-token sequence never.
+    # They match the output only, not the prompt. ``bad_words``: the same as text, tokenized
+    # by the engine (each word both as it is and after a space: ``Tokenizer.bad_words_ids``)
+    # before the request is queued.
+    bad_words: tuple[str, ...] = ()
+    bad_words_token_ids: tuple[tuple[int, ...], ...] = ()
     extra: dict = field(default_factory=dict, compare=False, hash=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -81,6 +88,20 @@ class SamplingParams:
             if not self.allowed_token_ids or self.allowed_token_ids[0] < 0:
                 raise ValueError("allowed_token_ids must be token ids (>= 0), at least one")
             object.__setattr__(self, "allowed_array", array("q", self.allowed_token_ids))
+        if isinstance(self.bad_words, str):
+            object.__setattr__(self, "bad_words", (self.bad_words,))
+        object.__setattr__(self, "bad_words", tuple(self.bad_words))
+        words = tuple(dict.fromkeys(tuple(int(t) for t in w) for w in self.bad_words_token_ids))
+        object.__setattr__(self, "bad_words_token_ids", words)
+        # What the scheduler reads each step: the one-token words, banned always, and the
+        # longer ones by the token before their last, (the tokens before it, the last).
+        after: dict[int, list[tuple[tuple[int, ...], int]]] = {}
+        for w in words:
+            if len(w) > 1:
+                after.setdefault(w[-2], []).append((w[:-2], w[-1]))
+        object.__setattr__(self, "bad_single", tuple(w[0] for w in words if len(w) == 1))
+        object.__setattr__(self, "bad_after", {k: tuple(v) for k, v in after.items()})
+        object.__setattr__(self, "bans_words", bool(words))
         # Looked up for every sampled token: a set, however many ids were given.
         object.__setattr__(self, "stop_token_set", frozenset(self.stop_token_ids))
         bias = self.logit_bias.items() if isinstance(self.logit_bias, dict) else self.logit_bias
@@ -95,7 +116,8 @@ class SamplingParams:
         object.__setattr__(self, "penalizes", self.presence_penalty != 0.0
                            or self.frequency_penalty != 0.0 or self.repetition_penalty != 1.0)
         object.__setattr__(self, "adjusts_logits", self.penalizes or self.min_p > 0.0
-                           or bool(self.logit_bias) or self.allowed_token_ids is not None)
+                           or bool(self.logit_bias) or self.allowed_token_ids is not None
+                           or bool(words))
         if 0.0 < self.temperature < GREEDY_BELOW:
             object.__setattr__(self, "temperature", 0.0)
         if self.max_tokens < 1:
@@ -122,6 +144,11 @@ class SamplingParams:
                              f" {MAX_REPETITION_PENALTY:g}], got {self.repetition_penalty}")
         if not 0.0 <= self.min_p <= 1.0:
             raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
+        if any(not w.lstrip() for w in self.bad_words):
+            raise ValueError("bad_words must be words: strings with more than spaces")
+        if any(not w or min(w) < 0 for w in words):
+            raise ValueError("bad_words_token_ids must be non-empty sequences of token ids"
+                             " (>= 0)")
         for t, b in self.logit_bias:
             if t < 0 or not -MAX_LOGIT_BIAS <= b <= MAX_LOGIT_BIAS:
                 raise ValueError(f"logit_bias must map token ids >= 0 to numbers in"

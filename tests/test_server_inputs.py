@@ -110,6 +110,9 @@ HOSTILE = [
       "chat_template_kwargs": {"return_tensors": "pt"}}),
     ("a final message continued and a new turn opened", "/v1/chat/completions",
      {"messages": [{"role": "user", "content": "hi"}], "continue_final_message": True}),
+    ("a bad word of spaces", "/v1/completions", {"prompt": "hi", "bad_words": ["ok", " \t"]}),
+    ("257 bad words", "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}],
+                                               "bad_words": ["w"] * 257}),
     ("logits processors", "/v1/completions", {"prompt": "hi", "logits_processors": ["m.f"]}),
     ("prompt embeddings", "/v1/completions", {"prompt": "hi", "prompt_embeds": "AAAA"}),
     ("audio out", "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}],
@@ -270,6 +273,37 @@ def test_logit_bias_and_penalties_change_what_is_served(srv):
     r = post(srv, "/v1/chat/completions", chat)
     assert r.status_code == 200, r.text
     assert len(r.json()["choices"]) == 2 and r.json()["usage"]["completion_tokens"] > 0
+
+
+def test_bad_words_keep_their_tokens_out_of_what_is_served(srv, tiny_model_dir):
+    """Each word's token sequences (as it is and after a space) never appear in any
+    sample's tokens, on both routes; the output changes where the plain one had them."""
+    from fluidserve.model.tokenizer import Tokenizer
+
+    tok = Tokenizer(tiny_model_dir)
+    body = {"prompt": PROMPT, "max_tokens": 12, "temperature": 0, "ignore_eos": True,
+            "logprobs": 0, "return_tokens_as_token_ids": True}
+
+    def ids(choice) -> list[int]:
+        return [int(t.removeprefix("token_id:")) for t in choice["logprobs"]["tokens"]]
+
+    plain = ids(post(srv, "/v1/completions", body).json()["choices"][0])
+    words = [tok.decode(plain[:2]), tok.decode(plain[5:6]) + "x"]
+    seqs = tok.bad_words_ids(words)
+    r = post(srv, "/v1/completions", body | {"bad_words": words, "n": 2, "temperature": 1})
+    assert r.status_code == 200, r.text
+    got = [ids(c) for c in r.json()["choices"]]
+    g = post(srv, "/v1/completions", body | {"bad_words": words}).json()["choices"][0]
+    assert ids(g) != plain
+    chat = {"messages": [{"role": "user", "content": PROMPT}], "max_tokens": 12, "seed": 3,
+            "bad_words": words, "logprobs": True, "return_tokens_as_token_ids": True}
+    c = post(srv, "/v1/chat/completions", chat)
+    assert c.status_code == 200, c.text
+    got += [ids(g), [int(t["token"].removeprefix("token_id:"))
+                     for t in c.json()["choices"][0]["logprobs"]["content"]]]
+    for out in got:
+        for w in seqs:
+            assert all(tuple(out[i:i + len(w)]) != w for i in range(len(out))), (w, out)
 
 
 def test_echo_returns_the_prompt_and_its_logprobs_as_lm_eval_reads_them(srv, tiny_model_dir):

@@ -185,6 +185,9 @@ class GenerateConfig:
     presence_penalty: float = knob(
         0.0, "Subtract this from the logit of a token in the output, in [-2, 2].")
     min_p: float = knob(0.0, "Sample only tokens at least this times as likely as the best.")
+    bad_words: tuple[str, ...] = knob(
+        (), "A word the output may not contain, at its start or after a space (repeatable;"
+        " vLLM's bad words).", repeat=True)
 
 
 @dataclass(frozen=True)

@@ -183,6 +183,12 @@ class EngineCore:
         if self.vocab_size is not None and p.allowed_token_ids \
                 and p.allowed_token_ids[-1] >= self.vocab_size:
             raise RequestRejected(f"allowed_token_ids must be in [0, {self.vocab_size})")
+        if p.bad_words:
+            raise RequestRejected("bad_words are text: the front end with the tokenizer turns"
+                                  " them into bad_words_token_ids before the request comes")
+        if self.vocab_size is not None and any(max(w) >= self.vocab_size
+                                               for w in p.bad_words_token_ids):
+            raise RequestRejected(f"bad_words_token_ids must be in [0, {self.vocab_size})")
         if p.prompt_logprobs is not None and self.config.disagg.disaggregate:
             raise RequestRejected("prompt logprobs are not computed by disaggregated instances"
                                   " (the prefill instance would have to send them on)")

@@ -8,6 +8,8 @@ the same typed messages with the core.
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from fluidserve.config import EngineConfig
 from fluidserve.core.scheduler import RequestRejected, RunnerOutput, SchedulerOutput
 from fluidserve.engine.core import EngineCore, Executor, VirtualClock, WallClock
@@ -90,6 +92,12 @@ class LLMEngine:
     ) -> Request:
         """Queue a request; raises RequestRejected (a ValueError) if it can never run."""
         params = params or SamplingParams()
+        if params.bad_words:
+            if self.tokenizer is None:
+                raise RequestRejected("this engine has no tokenizer: give bad words as"
+                                      " bad_words_token_ids")
+            params = replace(params, bad_words=(), bad_words_token_ids=(
+                *params.bad_words_token_ids, *self.tokenizer.bad_words_ids(params.bad_words)))
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise RequestRejected("this engine has no tokenizer: pass token ids")

@@ -87,6 +87,9 @@ class SamplingMetadata:
     logit_bias: list[tuple[array, array] | None] = field(default_factory=list)
     allowed: list[SamplingParams | None] = field(default_factory=list)
     penalties: Penalties | None = None  # None if no row asks for a penalty
+    # [K, 4] int64 (row, token, row of the last step, token): bans that hold if that row of
+    # the last step sampled that token (bad words ending in a token in flight); None if none
+    banned_if: np.ndarray | None = None
     prompt: PromptRows | None = None  # None if no chunk computes prompt logprobs
 
     @property
@@ -127,6 +130,14 @@ def sampling_metadata(sampled: list, rows: dict[str, int] | None = None) -> Samp
         [x.logprobs for x in p],
         [c.banned for c in sampled] if any(c.banned for c in sampled) else [])
     if any(x.adjusts_logits for x in p):  # (one test per row when none does)
+        if any(c.banned_if for c in sampled):  # (a token in flight: with ``rows``; row 0
+            # where the last batch did not sample it, as in the inputs' ids: that batch
+            # failed, and so does the request)
+            last_row = rows or {}
+            sampling.banned_if = np.array(
+                [(i, token, last_row.get(c.request_id, 0), last)
+                 for i, c in enumerate(sampled) for token, last in c.banned_if],
+                dtype=np.int64).reshape(-1, 4)
         if any(x.min_p for x in p):
             sampling.min_p = [x.min_p for x in p]
         if any(x.logit_bias for x in p):

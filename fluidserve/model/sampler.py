@@ -160,8 +160,10 @@ def _sample_on_device(logits: torch.Tensor, meta: SamplingMetadata,
     raw = logits  # logprobs are the model's, bans, biases and penalties or not
     if meta.logit_bias or meta.allowed or meta.penalties is not None:
         logits = adjust_logits(logits, meta, last_tokens)
-    if meta.banned:
+    if meta.banned or meta.banned_if is not None:
         banned = ban_tokens(logits, meta.banned)
+        if meta.banned_if is not None:
+            banned = ban_if(banned, meta.banned_if, last_tokens, banned is logits)
         if meta.allowed:  # a ban never takes a row's last allowed token: allowed wins
             left = (banned > float("-inf")).any(-1, keepdim=True)
             banned = torch.where(left, banned, logits)
@@ -302,6 +304,25 @@ def ban_tokens(logits: torch.Tensor, banned: list[tuple[int, ...]]) -> torch.Ten
     out = logits.clone()
     out[where[:, 0], where[:, 1]] = float("-inf")
     return out
+
+
+def ban_if(logits: torch.Tensor, bans: np.ndarray, last_tokens: torch.Tensor | None,
+           copy: bool) -> torch.Tensor:
+    """``logits`` (a copy if ``copy``) with each (row, token, last row, token) of ``bans``
+    at -inf where row ``last row`` of ``last_tokens`` (the previous step's sampled tokens,
+    on the device) is that token: no host round trip."""
+    if last_tokens is None:
+        raise ValueError("conditional bans need the previous step's sampled tokens")
+    bans = bans[(bans[:, 1] >= 0) & (bans[:, 1] < logits.shape[-1])]
+    if not len(bans):
+        return logits
+    b = to_device(bans, logits.device, torch.int64)
+    src = b[:, 2].clamp(0, len(last_tokens) - 1)
+    hit = last_tokens[src].to(torch.int64) == b[:, 3]
+    out = logits.clone() if copy else logits
+    # accumulated: a (row, token) named twice gets -inf if either holds, never a race
+    add = torch.where(hit, float("-inf"), 0.0).to(out.dtype)
+    return out.index_put_((b[:, 0], b[:, 1]), add, accumulate=True)
 
 
 Logprobs = tuple[float, list[tuple[int, float]]]

@@ -90,6 +90,21 @@ class Tokenizer:
         return self.hf.decode(ids, skip_special_tokens=skip_special_tokens,
                               clean_up_tokenization_spaces=False)
 
+    def bad_words_ids(self, words: Sequence[str]) -> tuple[tuple[int, ...], ...]:
+        """The token sequences of ``bad_words``: each word (its leading spaces dropped) both
+        as it is, which bans it at the start of the text, and after a space, which bans it
+        within. vLLM keeps the second only when it has as many tokens as the first, which
+        lets " the" through where the space merges into one token with the word; here it is
+        kept whenever it differs."""
+        found: dict[tuple[int, ...], None] = {}
+        for word in words:
+            if not word.lstrip():
+                raise ValueError(f"bad word {word!r} is only spaces")
+            for text in (word.lstrip(), " " + word.lstrip()):
+                if ids := tuple(self.encode(text, add_special_tokens=False)):
+                    found[ids] = None
+        return tuple(found)
+
     def chat(self, messages: list[dict], add_generation_prompt: bool = True,
              continue_final_message: bool = False, template_kwargs: dict | None = None,
              add_special_tokens: bool = False) -> list[int]:

@@ -185,10 +185,11 @@ async def generate(state: ServerState, body, request: Request, chat: bool) -> Re
     state.admitting += choices  # a drain waits for these too
     try:
         prompts = [await chat_ids(state, body)] if chat else await completion_ids(state, body)
+        bad = await _bad_words(state, body.bad_words) if body.bad_words else ()
         shown = not chat and (body.echo or body.prompt_logprobs is not None)
         if shown:  # (the prompt in the response: its text and its tokens')
             echoes = await _echoes(state, body, prompts)
-        handle, ctxs = admit(state, body, prompts, chat)
+        handle, ctxs = admit(state, body, prompts, chat, bad)
         if shown:
             for ctx, (text, ids, texts) in zip(ctxs.values(), (
                     e for e in echoes for _ in range(body.num_samples)), strict=True):
@@ -226,15 +227,28 @@ def num_choices(body: CompletionRequest | ChatCompletionRequest) -> int:
     return body.num_samples * (len(body.prompts) if isinstance(body, CompletionRequest) else 1)
 
 
-def admit(state: ServerState, body, prompts: list[list[int]], chat: bool
-          ) -> tuple[Handle, dict[str, R.Context]]:
+async def _bad_words(state: ServerState, words: list[str]) -> tuple[tuple[int, ...], ...]:
+    """``bad_words`` as token sequences (``Tokenizer.bad_words_ids``)."""
+    _need_tokenizer(state, ", so bad_words cannot be tokenized")
+    ids = await state.prompts.bad_words(words)
+    vocab = state.engine.info.vocab_size
+    if vocab and any(max(w) >= vocab for w in ids):
+        raise ApiError(400, f"bad_words tokenize to ids outside the model's vocabulary of"
+                       f" {vocab}: the server's tokenizer does not match its model",
+                       param="bad_words")
+    return ids
+
+
+def admit(state: ServerState, body, prompts: list[list[int]], chat: bool,
+          bad_words: tuple[tuple[int, ...], ...] = ()) -> tuple[Handle, dict[str, R.Context]]:
     """Hand the request to the engine, each prompt's samples as requests of their own: its
     output stream, and each engine request's choice. Every prompt is checked before any is
-    handed over."""
+    handed over. ``bad_words``: the request's, tokenized."""
     params = []
     for i, ids in enumerate(prompts):
         with _which(i, len(prompts)):
-            params.append(sampling_params(state, body, ids, chat))
+            p = sampling_params(state, body, ids, chat)
+            params.append(replace(p, bad_words_token_ids=bad_words) if bad_words else p)
     rid = R.new_id("chatcmpl" if chat else "cmpl")
     n = body.num_samples
     children = []  # (engine request id, prompt ids, parameters), in the order of the choices

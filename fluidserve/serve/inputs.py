@@ -241,6 +241,10 @@ class PromptTokenizer:
         not the queue of every other request's."""
         return await self._run(self.tokenizer.encode_many, texts, add_special_tokens)
 
+    async def bad_words(self, words: list[str]) -> tuple[tuple[int, ...], ...]:
+        """``Tokenizer.bad_words_ids``."""
+        return await self._run(self.tokenizer.bad_words_ids, words)
+
     async def decode(self, ids: list[int]) -> str:
         return await self._run(self.tokenizer.decode, ids, False)
 

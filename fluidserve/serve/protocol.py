@@ -54,6 +54,9 @@ def Int(**bounds) -> Any:  # noqa: N802 - a type
 
 Int64 = Int(ge=INT64_MIN, le=INT64_MAX)
 StopString = Annotated[str, Field(min_length=1)]
+MAX_BAD_WORDS = 256
+# more than spaces (Python's: str.isspace() holds for \x1c-\x1f, not in \s)
+BadWord = Annotated[str, Field(max_length=1024, pattern=r"[^\s\x1c-\x1f]")]
 
 
 def _only(value, allowed):
@@ -226,7 +229,11 @@ class _Common(BaseModel):
     guided_choice: Unsupported = Field(None, description=NOT_SUPPORTED)
     guided_grammar: Unsupported = Field(None, description=NOT_SUPPORTED)
     structured_outputs: Unsupported = Field(None, description=NOT_SUPPORTED)
-    bad_words: NoItems | None = Field(None, description="Not supported: must be empty.")
+    bad_words: Annotated[list[BadWord], Field(max_length=MAX_BAD_WORDS)] | None = Field(
+        None, description="Words the output may not contain (vLLM's): each word, its leading"
+        " spaces dropped, is tokenized as it is and after a space, and the last token of each"
+        " sequence is never sampled right after the others (a one-token word never). Matched"
+        " against the output only.")
     truncate_prompt_tokens: Unsupported = Field(None, description=NOT_SUPPORTED)
     return_tokens_as_token_ids: bool | None = Field(
         None, description="Logprobs' tokens as 'token_id:{id}' strings, not their text.")

@@ -18,6 +18,7 @@ from fluidserve.core.block_manager import BlockManager
 from fluidserve.core.queue_policy import WaitingQueue
 from fluidserve.core.scheduler.output import RunnerOutput, ScheduledChunk, SchedulerOutput
 from fluidserve.request import Request, RequestStatus
+from fluidserve.sampling_params import SamplingParams
 
 #: With asynchronous scheduling, an output token that a batch still in flight is sampling: the
 #: executor reads it from that batch's sampled tokens on the device, and ``update`` writes it in.
@@ -67,6 +68,10 @@ class Batch:
         params = req.params
         banned = req.stop_token_ids if len(out) < params.min_tokens else ()
         samples = is_decode or start + n == req.num_tokens
+        banned_if = ()
+        if params.bans_words and samples:
+            words, banned_if = word_bans(params, out)
+            banned = (*banned, *words)
         # A penalty counts the tokens before the one sampled: the output as it is now (with
         # asynchronous scheduling its last token may be a PLACEHOLDER, the sampler reads it on
         # the device), and for a repetition penalty the prompt, never modified.
@@ -81,14 +86,36 @@ class Batch:
         if is_decode:
             return ScheduledChunk(req.request_id, start, (out[-1],), table, True, params,
                                   req.seed, len(out), True, banned, req.num_preemptions,
-                                  penalized)
+                                  penalized, (), banned_if)
         targets = ()
         if params.prompt_logprobs is not None and req.needs_prompt_logprobs:
             targets = tuple(req.token_slice(start + 1, min(start + n + 1,
                                                             req.num_prompt_tokens)))
         return ScheduledChunk(req.request_id, start, tuple(req.token_slice(start, start + n)),
                               table, samples, params, req.seed, len(out), False, banned,
-                              req.num_preemptions, penalized, targets)
+                              req.num_preemptions, penalized, targets, banned_if)
+
+
+def word_bans(params: SamplingParams, out: list[int]
+              ) -> tuple[list[int], tuple[tuple[int, int], ...]]:
+    """The tokens ``params``' bad words forbid after the output ``out``: those banned now,
+    and (with asynchronous scheduling, when the last output token is still in flight) the
+    (token, token in flight) pairs banned if the token in flight turns out to be the one
+    given, which the sampler reads on the device."""
+    bans = list(params.bad_single)
+    if not out or not params.bad_after:
+        return bans, ()
+
+    def follows(earlier: tuple[int, ...]) -> bool:  # the tokens before out[-1] end so
+        k = len(earlier)
+        return not k or (len(out) > k and tuple(out[-1 - k:-1]) == earlier)
+
+    last = out[-1]
+    if last != PLACEHOLDER:
+        bans += [ban for earlier, ban in params.bad_after.get(last, ()) if follows(earlier)]
+        return bans, ()
+    return bans, tuple((ban, key) for key, words in params.bad_after.items()
+                       for earlier, ban in words if follows(earlier))
 
 
 class Scheduler(ABC):

@@ -40,6 +40,9 @@ class ScheduledChunk:
     # first positions predict (the token after each), one per position up to the prompt's
     # next-to-last
     prompt_targets: tuple[int, ...] = ()
+    # Bad words ending in a token the chunk's request has in flight (asynchronous
+    # scheduling): (token, token in flight) pairs, the first banned if the second is sampled
+    banned_if: tuple[tuple[int, int], ...] = ()
 
     @property
     def num_tokens(self) -> int:

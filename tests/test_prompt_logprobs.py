@@ -29,9 +29,11 @@ def transformers_prompt_logprobs(model_dir, prompts) -> list[torch.Tensor]:
 
 def assert_prompt_logprobs(got: list, prompt: list[int], want: torch.Tensor, k: int = K):
     assert len(got) == len(prompt) - 1
-    for i, (chosen, top) in enumerate(got):
+    for i, (chosen, top, rank) in enumerate(got):
         row = want[i]
         assert chosen == pytest.approx(float(row[prompt[i + 1]]), abs=2e-4), i
+        target = row[prompt[i + 1]]  # (the rank: 1 + the tokens more likely, near-ties aside)
+        assert int((row > target + 1e-4).sum()) < rank <= int((row > target - 1e-4).sum()) + 1
         assert [t for t, _ in top] == row.topk(k).indices.tolist(), i
         assert [v for _, v in top] == pytest.approx(row.topk(k).values.tolist(), abs=2e-4)
 

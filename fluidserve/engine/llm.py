@@ -24,7 +24,8 @@ class CompletionOutput:
     logprobs: list = field(default_factory=list)
     num_cached_tokens: int | None = None  # with prefix caching: prompt tokens found cached
     # With SamplingParams.prompt_logprobs: for each prompt token from the second on, its
-    # (logprob, [(id, logprob), ...]) given the tokens before it
+    # (logprob, [(id, logprob), ...], rank) given the tokens before it (the top ones, and
+    # 1 + the number of tokens more likely than it)
     prompt_logprobs: list | None = None
 
 

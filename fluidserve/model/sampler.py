@@ -98,7 +98,8 @@ class DeviceSample:
         p = self.prompt
         return DeviceSample(host(self.tokens), self.rows, self.ks, host(self.chosen),
                             host(self.top_v), host(self.top_i), p and DevicePromptLogprobs(
-                                p.rows, host(p.chosen), host(p.top_v), host(p.top_i)))
+                                p.rows, host(p.chosen), host(p.top_v), host(p.top_i),
+                                host(p.rank)))
 
 
 @dataclass
@@ -110,6 +111,7 @@ class DevicePromptLogprobs:
     chosen: torch.Tensor  # [E]
     top_v: torch.Tensor  # [E, max(ks)]
     top_i: torch.Tensor
+    rank: torch.Tensor  # [E] int64: 1 + the tokens more likely than the target, as vLLM's
 
     ROWS_AT_ONCE = 256  # float32 log-softmax rows held at once (a prompt chunk has many)
 
@@ -118,23 +120,27 @@ class DevicePromptLogprobs:
         """From the step's logits rows after the sampled ones, queued on their device."""
         targets = to_device(rows.targets, logits.device, torch.int64)
         k = max(rows.ks)
-        chosen, top_v, top_i = [], [], []
+        chosen, top_v, top_i, rank = [], [], [], []
         for a in range(0, len(targets), cls.ROWS_AT_ONCE):
             lp = torch.log_softmax(logits[a:a + cls.ROWS_AT_ONCE].float(), dim=-1)
-            chosen.append(lp.gather(1, targets[a:a + cls.ROWS_AT_ONCE, None]).squeeze(1))
+            c = lp.gather(1, targets[a:a + cls.ROWS_AT_ONCE, None])
+            chosen.append(c.squeeze(1))
+            rank.append((lp > c).sum(-1) + 1)
             v, i = torch.topk(lp, k) if k else (lp[:, :0], lp[:, :0].long())
             top_v.append(v)
             top_i.append(i)
-        return cls(rows, torch.cat(chosen), torch.cat(top_v), torch.cat(top_i))
+        return cls(rows, torch.cat(chosen), torch.cat(top_v), torch.cat(top_i),
+                   torch.cat(rank))
 
-    def to_host(self) -> dict[str, list[Logprobs]]:
-        """Request id -> the (logprob, top) of its chunk's targets, in order."""
+    def to_host(self) -> dict[str, list[PromptLogprobs]]:
+        """Request id -> the (logprob, top, rank) of its chunk's targets, in order."""
         chosen, top_v, top_i = self.chosen.tolist(), self.top_v.tolist(), self.top_i.tolist()
+        rank = self.rank.tolist()
         out, at = {}, 0
         for rid, n, k in zip(self.rows.request_ids, self.rows.counts, self.rows.ks,
                              strict=True):
-            out[rid] = [(chosen[j], list(zip(top_i[j][:k], top_v[j][:k], strict=True)))
-                        for j in range(at, at + n)]
+            out[rid] = [(chosen[j], list(zip(top_i[j][:k], top_v[j][:k], strict=True)),
+                         rank[j]) for j in range(at, at + n)]
             at += n
         return out
 
@@ -326,9 +332,11 @@ def ban_if(logits: torch.Tensor, bans: np.ndarray, last_tokens: torch.Tensor | N
 
 
 Logprobs = tuple[float, list[tuple[int, float]]]
+# A prompt token's: its logprob, the top ones, and its rank (1 + the tokens more likely)
+PromptLogprobs = tuple[float, list[tuple[int, float]], int]
 
 
-def prompt_logprobs_to_host(s: DeviceSample) -> dict[str, list[Logprobs]]:
+def prompt_logprobs_to_host(s: DeviceSample) -> dict[str, list[PromptLogprobs]]:
     """Request id -> its prompt logprobs of this step (empty if none asked)."""
     return s.prompt.to_host() if s.prompt is not None else {}
 

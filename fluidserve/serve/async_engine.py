@@ -282,8 +282,8 @@ class AsyncEngine:
 
     def _texts(self, out: RequestOutput) -> dict[int, str]:
         ids = set(out.new_token_ids)
-        for _, top in out.new_logprobs + (out.prompt_logprobs or []):
-            ids.update(i for i, _ in top)
+        for entry in out.new_logprobs + (out.prompt_logprobs or []):  # (lp, top[, rank])
+            ids.update(i for i, _ in entry[1])
         return {i: self.tokenizer.decode([i], skip_special_tokens=False) for i in ids}
 
     def _on_dead(self, message: str) -> None:

@@ -50,7 +50,7 @@ class CompletionLogprobs(BaseModel):
 
 class PromptLogprob(BaseModel):
     logprob: float
-    rank: int | None
+    rank: int
     decoded_token: str
 
 

@@ -303,9 +303,9 @@ class CompletionRequest(_Common):
         " generated (as vLLM's).")
     prompt_logprobs: Int(ge=0, le=MAX_LOGPROBS) | None = Field(
         None, description="vLLM's: each choice's prompt_logprobs, null for the first prompt"
-        " token, then for each the logprob, rank and text of the prompt token and of the"
-        " prompt_logprobs most likely ones (a rank null: the prompt token is not among"
-        " them); streamed, in each choice's first chunk.")
+        " token, then for each the logprob, rank (1 + the tokens more likely) and text of"
+        " the prompt token and of the prompt_logprobs most likely ones; streamed, in each"
+        " choice's first chunk.")
     echo: bool | None = Field(
         False, description="The prompt before the completion, in the text and, with"
         " logprobs, in the logprobs too: each prompt token's logprob given the tokens before"

@@ -56,12 +56,12 @@ class Context:
             if self.echo is not None and self.echo_k is not None:
                 self.prompt_entries = [(ids[0], None, None)] + [
                     (t, lp, top[:self.echo_k])
-                    for t, (lp, top) in zip(ids[1:], out.prompt_logprobs, strict=True)]
+                    for t, (lp, top, _) in zip(ids[1:], out.prompt_logprobs, strict=True)]
                 self._chars = sum(len(self.token_text(t)) for t in ids)
             if self.prompt_k is not None:
                 self.vllm_prompt_logprobs = [None] + [
-                    self._vllm_entry(t, lp, top[:self.prompt_k])
-                    for t, (lp, top) in zip(ids[1:], out.prompt_logprobs, strict=True)]
+                    self._vllm_entry(t, lp, top[:self.prompt_k], rank)
+                    for t, (lp, top, rank) in zip(ids[1:], out.prompt_logprobs, strict=True)]
         if self.score_only:
             self._new_logprobs = []
             if out.finished:
@@ -82,15 +82,15 @@ class Context:
             self.scheduling_delay = out.scheduling_delay
             self.num_cached_tokens = out.num_cached_tokens
 
-    def _vllm_entry(self, token: int, lp: float, top: list) -> dict:
-        """A prompt position as vLLM's prompt_logprobs has it: the prompt token (its rank,
-        null when it is not among the top ones) and the top ones, by id."""
-        ranks = {t: r for r, (t, _) in enumerate(top, 1)}
+    def _vllm_entry(self, token: int, lp: float, top: list, rank: int) -> dict:
+        """A prompt position as vLLM's prompt_logprobs has it: the prompt token, with its
+        rank (1 + the tokens more likely), and the top ones, by id, ranked by position (the
+        prompt token among them too, as vLLM's dict keeps the later entry)."""
+        def item(t: int, v: float, r: int) -> dict:
+            return {"logprob": _lp(v), "rank": r, "decoded_token": self.token_text(t)}
 
-        def item(t: int, v: float) -> dict:
-            return {"logprob": _lp(v), "rank": ranks.get(t), "decoded_token": self.token_text(t)}
-
-        return {str(token): item(token, lp)} | {str(t): item(t, v) for t, v in top}
+        return {str(token): item(token, lp, rank)} | {
+            str(t): item(t, v, r) for r, (t, v) in enumerate(top, 1)}
 
     def token_text(self, token_id: int) -> str:
         if self.ids_as_text:

@@ -100,16 +100,27 @@ def test_stop_strings_and_stop_tokens(tiny_model_dir, reference):
     cut = llm.generate(
         PROMPTS[1], SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True, stop=(word,))
     )[0]
-    assert cut.finish_reason == "stop"
+    assert cut.finish_reason == "stop" and cut.stop_reason == word
     assert cut.text == full.text[: full.text.find(word)]
     tok = reference[1][3]
     by_id = llm.generate(
         PROMPTS[1], SamplingParams(max_tokens=20, temperature=0.0, stop_token_ids=(tok,))
     )[0]
-    assert by_id.finish_reason == "stop"
+    assert by_id.finish_reason == "stop" and by_id.stop_reason == tok
     assert by_id.token_ids == reference[1][: reference[1].index(tok) + 1]
     # The stop token counts but, as in vLLM, its text is not part of the output.
     assert by_id.text == llm.tokenizer.decode(reference[1][: reference[1].index(tok)])
+    # The last allowed token, a stop token: a stop all the same (vLLM checks it first).
+    n = reference[1].index(tok) + 1
+    last = llm.generate(PROMPTS[1], SamplingParams(max_tokens=n, temperature=0.0,
+                                                   stop_token_ids=(tok,)))[0]
+    assert (last.finish_reason, last.stop_reason, last.text) == ("stop", tok, by_id.text)
+    assert full.stop_reason is None
+    eos = llm.tokenizer.eos_token_id
+    both = llm.generate(PROMPTS[1], SamplingParams(max_tokens=3, temperature=0.0,
+                                                   allowed_token_ids=[eos],
+                                                   stop_token_ids=(eos,)))[0]
+    assert both.finish_reason == "stop" and both.stop_reason is None  # EOS comes first
 
 
 def test_min_tokens_holds_stop_strings_off_without_matching_them_later(tiny_model_dir):

@@ -450,11 +450,15 @@ def test_stop_conditions():
     s = make("sarathi")
     a = stream_req("a", stop_token_ids=(STOP,))
     b = stream_req("b")  # EOS ends it
-    c = stream_req("c", max_tokens=3)  # EOS as the last allowed token: a length finish
-    run_stream(s, [a, b, c], {"a": [4, STOP, 4], "b": [4, 4, EOS, 4], "c": [4, 4, EOS]})
+    c = stream_req("c", max_tokens=3)  # EOS as the last allowed token: still a stop (vLLM)
+    d = stream_req("d", max_tokens=2, stop_token_ids=(STOP,))
+    e = stream_req("e", max_tokens=2)
+    run_stream(s, [a, b, c, d, e], {"a": [4, STOP, 4], "b": [4, 4, EOS, 4], "c": [4, 4, EOS],
+                                    "d": [4, STOP], "e": [4, 4]})
     assert a.status is RequestStatus.FINISHED_STOPPED and a.output_token_ids == [4, STOP]
     assert b.status is RequestStatus.FINISHED_STOPPED and b.output_token_ids == [4, 4, EOS]
-    assert c.status is RequestStatus.FINISHED_LENGTH and c.output_token_ids == [4, 4, EOS]
+    assert c.status is RequestStatus.FINISHED_STOPPED and c.output_token_ids == [4, 4, EOS]
+    assert d.status is RequestStatus.FINISHED_STOPPED and e.status is RequestStatus.FINISHED_LENGTH
     assert s.bm.num_free_blocks == s.bm.num_blocks
 
 

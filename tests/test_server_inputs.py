@@ -406,6 +406,89 @@ def test_prompt_logprobs_in_vllms_form(srv):
     assert "prompt_logprobs" not in plain
 
 
+def test_stop_reason_names_the_stop_string_or_token_that_ended_a_choice(srv):
+    """vLLM's stop_reason: the stop string, the stop token's id, else null (the length);
+    streamed, null until the last chunk. A chat stream's deltas always carry content, ""
+    where text is held back (a possible stop string) and at the end, as vLLM's do."""
+    body = {"prompt": PROMPT, "max_tokens": 8, "temperature": 0, "ignore_eos": True,
+            "logprobs": 0, "return_tokens_as_token_ids": True}
+    plain = post(srv, "/v1/completions", body).json()["choices"][0]
+    ids = [int(t.removeprefix("token_id:")) for t in plain["logprobs"]["tokens"]]
+    assert plain["stop_reason"] is None and plain["finish_reason"] == "length"
+    word = plain["text"][3:6]
+    r = post(srv, "/v1/completions", body | {"stop": ["never there", word]}).json()
+    assert r["choices"][0]["stop_reason"] == word
+    r = post(srv, "/v1/completions", body | {"stop_token_ids": [ids[2]], "max_tokens": 3})
+    assert (r.json()["choices"][0]["finish_reason"], r.json()["choices"][0]["stop_reason"]) \
+        == ("stop", ids[2])  # (the last allowed token: still a stop, as vLLM's)
+    chat = {"messages": [{"role": "user", "content": PROMPT}], "max_tokens": 8,
+            "temperature": 0, "ignore_eos": True}
+    text = post(srv, "/v1/chat/completions", chat).json()["choices"][0]["message"]["content"]
+    stop = text[4:7]
+    c = post(srv, "/v1/chat/completions", chat | {"stop": [stop]}).json()["choices"][0]
+    assert c["stop_reason"] == stop and c["message"]["content"] == text[:text.find(stop)]
+    with httpx.stream("POST", srv.url + "/v1/chat/completions", timeout=60,
+                      json=chat | {"stop": [stop, text[:3] + "~~~~"], "stream": True}) as s:
+        chunks = [json.loads(x[6:]) for x in s.iter_lines() if x.startswith("data: {")]
+    choices = [ch["choices"][0] for ch in chunks]
+    assert all(isinstance(c["delta"]["content"], str) for c in choices)
+    assert "" in [c["delta"]["content"] for c in choices[1:-1]]  # (held back)
+    assert [c["stop_reason"] for c in choices] == [None] * (len(choices) - 1) + [stop]
+    assert "".join(c["delta"]["content"] for c in choices) == text[:text.find(stop)]
+
+
+def test_chat_prompt_logprobs_are_the_rendered_prompts_once_per_response(srv, schema):
+    """Chat's prompt_logprobs (vLLM's): at the response's top, of the prompt as the template
+    rendered it, the same as a completion of those ids gets; with n = 2 still one list; echo
+    with top_logprobs asks for them too; streamed, only 0 is taken."""
+    messages = [{"role": "user", "content": PROMPT}]
+    ids = httpx.post(srv.url + "/tokenize", json={"messages": messages}).json()["tokens"]
+    body = {"messages": messages, "max_tokens": 3, "temperature": 0, "ignore_eos": True}
+    r = post(srv, "/v1/chat/completions", body | {"prompt_logprobs": 2, "n": 2})
+    assert r.status_code == 200, r.text
+    plp = r.json()["prompt_logprobs"]
+    assert len(r.json()["choices"]) == 2 and len(plp) == len(ids) == r.json()["usage"][
+        "prompt_tokens"]
+    want = post(srv, "/v1/completions", {"prompt": ids, "max_tokens": 1, "prompt_logprobs": 2})
+    assert plp == pytest.approx(want.json()["choices"][0]["prompt_logprobs"])
+    assert plp[0] is None and all(str(t) in e for t, e in zip(ids[1:], plp[1:], strict=True))
+    echoed = post(srv, "/v1/chat/completions", body | {"echo": True, "logprobs": True,
+                                                        "top_logprobs": 2})
+    assert echoed.json()["prompt_logprobs"] == plp
+    assert "prompt_logprobs" not in post(srv, "/v1/chat/completions", body).json()
+    assert_error(post(srv, "/v1/chat/completions", body | {"prompt_logprobs": 1,
+                                                           "stream": True}), 400, schema)
+    with httpx.stream("POST", srv.url + "/v1/chat/completions", timeout=60,
+                      json=body | {"prompt_logprobs": 0, "stream": True}) as s:
+        assert s.status_code == 200
+        assert all("prompt_logprobs" not in x for x in s.iter_lines())
+
+
+def test_chat_echo_puts_the_last_message_of_the_replys_role_first(srv):
+    """As vLLM's: a continued assistant message comes back whole, before the reply; streamed,
+    in a chunk of its own after the role's; a user's last message is not the reply's role."""
+    start = "Once upon a time"
+    cont = {"messages": [{"role": "user", "content": PROMPT},
+                         {"role": "assistant", "content": start}],
+            "add_generation_prompt": False, "continue_final_message": True,
+            "max_tokens": 4, "temperature": 0, "ignore_eos": True}
+    plain = post(srv, "/v1/chat/completions", cont).json()["choices"][0]["message"]["content"]
+    r = post(srv, "/v1/chat/completions", cont | {"echo": True, "n": 2, "seed": 1})
+    assert r.status_code == 200, r.text
+    assert r.json()["choices"][0]["message"]["content"] == start + plain
+    assert all(c["message"]["content"].startswith(start) for c in r.json()["choices"])
+    with httpx.stream("POST", srv.url + "/v1/chat/completions", timeout=60,
+                      json=cont | {"echo": True, "stream": True}) as s:
+        chunks = [json.loads(x[6:]) for x in s.iter_lines() if x.startswith("data: {")]
+    deltas = [c["choices"][0]["delta"] for c in chunks]
+    assert deltas[0]["role"] == "assistant" and deltas[1] == {"content": start}
+    assert "".join(d.get("content") or "" for d in deltas) == start + plain
+    user = {"messages": [{"role": "user", "content": PROMPT}], "max_tokens": 4,
+            "temperature": 0, "ignore_eos": True}
+    assert post(srv, "/v1/chat/completions", user | {"echo": True}).json()["choices"][0][
+        "message"] == post(srv, "/v1/chat/completions", user).json()["choices"][0]["message"]
+
+
 def test_allowed_tokens_special_tokens_and_the_stop_string_in_the_output(srv):
     """allowed_token_ids holds greedy picks to its ids; forced to the end-of-sequence token,
     a request stops at once, and its text is that token's only when special tokens are kept

@@ -62,6 +62,14 @@ class Executor(Protocol):
     def shutdown(self) -> None: ...
 
 
+def stop_token(req: Request) -> int | None:
+    """The one of ``stop_token_ids`` that stopped ``req`` (None: EOS did, or something else)."""
+    p, last = req.params, req.output_token_ids[-1]
+    if last not in p.stop_token_set or not p.ignore_eos and last in req.eos_token_ids:
+        return None
+    return last
+
+
 class ExecutorDead(RuntimeError):
     """A worker of the executor died: no batch can run any more."""
 
@@ -349,6 +357,8 @@ class EngineCore:
                 d.prompt_logprobs, req.prompt_logprobs = req.prompt_logprobs or [], None
             if req.status.finished:
                 self._record_finished(req)
+                if req.status is RequestStatus.FINISHED_STOPPED:
+                    d.stop_token = stop_token(req)
             deltas.append(d)
         return self.make_outputs(deltas)
 

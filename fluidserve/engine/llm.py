@@ -27,6 +27,9 @@ class CompletionOutput:
     # (logprob, [(id, logprob), ...], rank) given the tokens before it (the top ones, and
     # 1 + the number of tokens more likely than it)
     prompt_logprobs: list | None = None
+    # What stopped it, as vLLM's: the stop string matched, or the one of stop_token_ids
+    # (None: EOS, the length, an error)
+    stop_reason: int | str | None = None
 
 
 class LLM:
@@ -78,6 +81,7 @@ class LLM:
         texts: dict[str, list[str]] = {}
         logprobs: dict[str, list] = {}
         prompt_logprobs: dict[str, list] = {}
+        stop_reasons: dict[str, int | str | None] = {}
         bar = None
         try:  # a prompt refused, an interrupt, a dead executor: nothing is left running
             for prompt, p in zip(prompts, params, strict=True):
@@ -96,8 +100,10 @@ class LLM:
                     logprobs[out.request_id].extend(out.new_logprobs)
                     if out.prompt_logprobs is not None:
                         prompt_logprobs[out.request_id] = out.prompt_logprobs
-                    if out.finished and bar is not None:
-                        bar.update(1)
+                    if out.finished:
+                        stop_reasons[out.request_id] = out.stop_reason
+                        if bar is not None:
+                            bar.update(1)
         except BaseException:
             for rid in order:
                 eng.abort(rid)
@@ -106,11 +112,11 @@ class LLM:
             if bar is not None:
                 bar.close()
         return [self._result(reqs[rid], "".join(texts[rid]), logprobs[rid],
-                             prompt_logprobs.get(rid)) for rid in order]
+                             prompt_logprobs.get(rid), stop_reasons.get(rid)) for rid in order]
 
     @staticmethod
-    def _result(req, text: str, logprobs: list, prompt_logprobs: list | None
-                ) -> CompletionOutput:
+    def _result(req, text: str, logprobs: list, prompt_logprobs: list | None,
+                stop_reason: int | str | None) -> CompletionOutput:
         lat = request_latency(req.arrival_time, req.token_times, req.first_scheduled_time)
         return CompletionOutput(
             req.request_id,
@@ -123,6 +129,7 @@ class LLM:
             logprobs,
             req.num_cached_tokens,
             prompt_logprobs,
+            stop_reason,
         )
 
 

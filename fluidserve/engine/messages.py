@@ -86,8 +86,11 @@ class RequestDelta:
     tbt: float | None = None
     # The error is the server's state (an instance that served it died), not the request's.
     unavailable: bool = False
-    # With the first token, if asked: the prompt's tokens' (logprob, top), from the second on
+    # With the first token, if asked: the prompt's tokens' (logprob, top, rank), from the
+    # second on
     prompt_logprobs: list | None = None
+    # Finished on one of ``stop_token_ids`` (not EOS, which comes first, as in vLLM): it
+    stop_token: int | None = None
 
     @property
     def finished(self) -> bool:

@@ -43,6 +43,9 @@ class RequestOutput:
     # request's: the API answers 503 and the client may retry elsewhere.
     unavailable: bool = False
     prompt_logprobs: list | None = None  # with the first token, if asked
+    # vLLM's: what stopped it, the stop string matched or the stop token (one of
+    # ``stop_token_ids``; None: EOS, the length, or not finished)
+    stop_reason: int | str | None = None
 
 
 @dataclass(slots=True)
@@ -86,13 +89,15 @@ class OutputProcessor:
             st.scheduling_delay = delta.scheduling_delay
         if delta.num_cached_tokens is not None:
             st.num_cached_tokens = delta.num_cached_tokens
-        reason, stopped = delta.finish_reason, False
+        reason = delta.finish_reason
         text = ""
         ids = delta.new_token_ids
         if reason == "stop" and not st.params.include_stop_str_in_output:
             ids = ids[:-1]  # the last token is the stop token: its text is not output
+        match = None
         if st.detok is not None and (ids or delta.finished):
-            text, stopped = self._advance_text(st, ids, delta.finished)
+            text, match = self._advance_text(st, ids, delta.finished)
+        stopped = match is not None
         if stopped and reason != "error":
             reason = "stop"
         done = reason is not None  # (the core's end, or a stop string's)
@@ -101,32 +106,34 @@ class OutputProcessor:
                             delta.new_logprobs, st.scheduling_delay if done else None,
                             st.num_cached_tokens if done else None, delta.unavailable)
         out.prompt_logprobs = delta.prompt_logprobs
+        if reason == "stop":
+            out.stop_reason = match if stopped else delta.stop_token
         if out.finished:
             del self._states[delta.request_id]
         return out, stopped and not delta.finished
 
     def _advance_text(self, st: _State, token_ids: list[int], finished: bool
-                      ) -> tuple[str, bool]:
-        """Detokenize, apply stop strings, and return the text delta safe to emit now."""
+                      ) -> tuple[str, str | None]:
+        """Detokenize, apply stop strings, and return the text delta safe to emit now, and
+        the stop string that ended the text, if one did."""
         det = st.detok
         before = len(det.text)
         det.push(token_ids)
         text, stops = det.text, st.params.stop
-        stopped = False
+        match = None
         if stops and st.num_output_tokens > st.params.min_tokens and len(text) > before:
             # A match must end in the new text: one found in older text was either there
             # before min_tokens allowed it, or is already past (the hold-back below keeps
             # the start of any match that can still complete from being emitted).
-            hits = [(i, i + len(s)) for i, s in ((text.find(s, max(0, before - len(s) + 1)), s)
-                                                 for s in stops) if i >= 0]
+            hits = [(i, i + len(s), s) for i, s in ((text.find(s, max(0, before - len(s) + 1)),
+                                                     s) for s in stops) if i >= 0]
             if hits:  # (the first match ends the text, before it or, if asked, after it)
-                start, end = min(hits)
+                start, end, match = min(hits)
                 det.text = text = text[: end if st.params.include_stop_str_in_output
                                        else start]
-                stopped = True
         # While a stop string could still complete, hold back a possible partial match.
-        hold = 0 if finished or stopped or not stops else max(len(s) for s in stops) - 1
+        hold = 0 if finished or match is not None or not stops else max(len(s) for s in stops) - 1
         upto = max(st.sent, len(text) - hold)
         out = text[st.sent : upto]
         st.sent = upto
-        return out, stopped
+        return out, match

@@ -189,6 +189,8 @@ async def generate(state: ServerState, body, request: Request, chat: bool) -> Re
         shown = not chat and (body.echo or body.prompt_logprobs is not None)
         if shown:  # (the prompt in the response: its text and its tokens')
             echoes = await _echoes(state, body, prompts)
+        if chat and body.prompt_k is not None:  # (the first choice's: the response's)
+            prompt_texts = await asyncio.to_thread(state.prompts.token_texts, set(prompts[0]))
         handle, ctxs = admit(state, body, prompts, chat, bad)
         if shown:
             for ctx, (text, ids, texts) in zip(ctxs.values(), (
@@ -198,6 +200,13 @@ async def generate(state: ServerState, body, request: Request, chat: bool) -> Re
                     ctx.echo, ctx.echo_k = text, body.logprobs
                     ctx.score_only = body.max_tokens == 0
                 handle.token_texts.update(texts)
+        elif chat:
+            first = next(iter(ctxs.values()))
+            if body.prompt_k is not None:
+                first.prompt_ids, first.prompt_k = prompts[0], body.prompt_k
+                handle.token_texts.update(prompt_texts)
+            for ctx in ctxs.values():
+                ctx.echo = body.echo_text()
     finally:
         state.admitting -= choices
     if body.streaming:
@@ -255,7 +264,11 @@ def admit(state: ServerState, body, prompts: list[list[int]], chat: bool,
     for ids, p in zip(prompts, params, strict=True):
         for j in range(n):
             child = rid if len(prompts) * n == 1 else f"{rid}-{len(children)}"
-            children.append((child, ids, p if j == 0 else replace(p, seed=_nth_seed(p.seed, j))))
+            if j:  # (a chat response has one prompt_logprobs: the first sample computes it)
+                children.append((child, ids, replace(p, seed=_nth_seed(p.seed, j), **(
+                    {"prompt_logprobs": None} if chat else {}))))
+            else:
+                children.append((child, ids, p))
     if state.closed:
         raise ApiError(503, "the server is shutting down", "service_unavailable")
     try:
@@ -313,8 +326,7 @@ def sampling_params(state: ServerState, body, ids: list[int], chat: bool) -> Sam
     why = admission_error(len(ids), max_tokens, max_len, info.block_size, admissible)
     if why is not None:
         raise ApiError(400, why, code=CONTEXT_LENGTH_EXCEEDED)
-    if not chat and state.engine.config.disagg.disaggregate \
-            and (body.echo and body.logprobs is not None or body.prompt_logprobs is not None):
+    if state.engine.config.disagg.disaggregate and body.prompt_k is not None:
         raise ApiError(400, "the prompt's logprobs (prompt_logprobs, or echo with logprobs)"
                        " are not computed by disaggregated instances (--disaggregate)",
                        param="prompt_logprobs" if body.prompt_logprobs is not None else "echo")
@@ -336,6 +348,9 @@ async def _sse(handle: Handle, choices: dict[str, R.Context], body) -> AsyncIter
         for ctx in choices.values():
             if ctx.chat:
                 yield emit(ctx, R.chat_chunk(ctx, {"role": "assistant", "content": ""}, None))
+        for ctx in choices.values():  # (as vLLM: after every choice's role)
+            if ctx.chat and ctx.echo:
+                yield emit(ctx, R.chat_chunk(ctx, {"content": ctx.echo}, None))
         try:
             async for out in handle:
                 if out.error is not None:  # the stream ends: the other choices too

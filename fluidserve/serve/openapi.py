@@ -59,6 +59,8 @@ class CompletionChoice(BaseModel):
     text: str
     logprobs: CompletionLogprobs | None
     finish_reason: Literal["stop", "length"] | None
+    # vLLM's: the stop string, or the one of stop_token_ids, that ended it (else null)
+    stop_reason: int | str | None = None
     # only with prompt_logprobs (vLLM's): null for the first prompt token
     prompt_logprobs: list[dict[str, PromptLogprob] | None] | None = None
 
@@ -97,6 +99,8 @@ class ChatChoice(BaseModel):
     message: AssistantMessage
     logprobs: ChatLogprobs | None
     finish_reason: Literal["stop", "length"] | None
+    # vLLM's: the stop string, or the one of stop_token_ids, that ended it (else null)
+    stop_reason: int | str | None = None
 
 
 class ChatCompletionResponse(BaseModel):
@@ -107,6 +111,8 @@ class ChatCompletionResponse(BaseModel):
     choices: list[ChatChoice]
     usage: Usage
     metrics: ServerMetricsOut | None = None
+    # only with prompt_logprobs (vLLM's): null for the rendered prompt's first token
+    prompt_logprobs: list[dict[str, PromptLogprob] | None] | None = None
 
 
 class CompletionStreamChoice(BaseModel):
@@ -114,6 +120,8 @@ class CompletionStreamChoice(BaseModel):
     text: str
     logprobs: CompletionLogprobs | None
     finish_reason: Literal["stop", "length"] | None
+    # vLLM's: the stop string, or the one of stop_token_ids, that ended it (else null)
+    stop_reason: int | str | None = None
     prompt_logprobs: list[dict[str, PromptLogprob] | None] | None = None  # (first chunk)
 
 
@@ -137,6 +145,8 @@ class ChatStreamChoice(BaseModel):
     delta: ChatDelta
     logprobs: ChatLogprobs | None
     finish_reason: Literal["stop", "length"] | None
+    # vLLM's: the stop string, or the one of stop_token_ids, that ended it (else null)
+    stop_reason: int | str | None = None
 
 
 class ChatCompletionChunk(BaseModel):
@@ -255,13 +265,23 @@ CROSS_FIELD = {  # field: (the field it needs, at this value, the values of it t
 }
 
 
-def _cross_field(schema: dict) -> None:
+# A model's own: (field, the values of it that forbid the other, the other, its value then
+# forbidden)
+FORBIDS = {"ChatCompletionRequest": [
+    ("prompt_logprobs", {"type": "integer", "minimum": 1}, "stream", True)]}
+
+
+def _cross_field(schema: dict, name: str) -> None:
     rules = []
     for field, (needs, value, values) in CROSS_FIELD.items():
         if field in schema["properties"] and needs in schema["properties"]:
             present = {"properties": {field: values}, "required": [field]}
             rules.append({"if": present, "then": {"properties": {needs: {"const": value}},
                                                   "required": [needs]}})
+    for field, values, other, value in FORBIDS.get(name, ()):
+        present = {"properties": {field: values}, "required": [field]}
+        rules.append({"if": present, "then": {"properties": {other: {"not": {
+            "const": value}}}}})
     if rules:
         schema["allOf"] = rules
 
@@ -280,7 +300,7 @@ def install_openapi(app: FastAPI, request_models: list[type[BaseModel]],
             comps = schema.setdefault("components", {}).setdefault("schemas", {})
             comps.update(defs["$defs"])
             for m in request_models:
-                _cross_field(comps[m.__name__])
+                _cross_field(comps[m.__name__], m.__name__)
             if config.api_key is not None:
                 _require_key(schema, config.protect_metrics)
             app.openapi_schema = schema

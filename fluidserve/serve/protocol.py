@@ -240,10 +240,12 @@ class _Common(BaseModel):
     logits_processors: Unsupported = Field(None, description=NOT_SUPPORTED)
     prompt_embeds: Unsupported = Field(None, description=NOT_SUPPORTED)
 
+    @property
+    def prompt_k(self) -> int | None:
+        """Top entries of each prompt token's logprobs to compute (None: none computed)."""
+        return None
+
     def sampling_params(self, max_tokens: int, logprobs: int | None) -> SamplingParams:
-        echo = getattr(self, "echo", False) and logprobs is not None  # (completions only)
-        asked = [k for k in (logprobs if echo else None, getattr(self, "prompt_logprobs", None))
-                 if k is not None]
         return SamplingParams(
             max_tokens=max_tokens,
             temperature=1.0 if self.temperature is None else self.temperature,
@@ -261,7 +263,7 @@ class _Common(BaseModel):
             else self.repetition_penalty,
             min_p=self.min_p or 0.0,
             logit_bias={int(t): b for t, b in (self.logit_bias or {}).items()},
-            prompt_logprobs=max(asked) if asked else None,
+            prompt_logprobs=self.prompt_k,
             allowed_token_ids=None if self.allowed_token_ids is None
             else tuple(self.allowed_token_ids),
             skip_special_tokens=self.skip_special_tokens is not False,
@@ -319,6 +321,12 @@ class CompletionRequest(_Common):
     add_special_tokens: bool | None = Field(
         None, description="A text prompt gets the tokenizer's special tokens (BOS): true by"
         " default.")
+
+    @property
+    def prompt_k(self) -> int | None:
+        asked = [k for k in (self.logprobs if self.echo else None, self.prompt_logprobs)
+                 if k is not None]
+        return max(asked) if asked else None
 
     @property
     def prompts(self) -> list[str | list[int]]:
@@ -404,7 +412,17 @@ class ChatCompletionRequest(_Common, _TemplateFields):
     functions: NoItems | None = Field(None, description="Not supported: must be empty.")
     function_call: Literal["none", "auto"] | None = Field(
         None, description='With no functions: "none" or "auto".')
-    echo: OnlyFalse | None = Field(None, description="Only false is supported.")
+    echo: bool | None = Field(
+        False, description="vLLM's: the last message's text before each choice's content"
+        " when that message has the reply's role (the assistant's, or with"
+        " add_generation_prompt false its own, as with continue_final_message); streamed, in"
+        " a chunk of its own after the role's. With top_logprobs and no prompt_logprobs, as"
+        " vLLM: prompt_logprobs of top_logprobs entries.")
+    prompt_logprobs: Int(ge=0, le=MAX_LOGPROBS) | None = Field(
+        None, description="vLLM's: the response's prompt_logprobs, null for the rendered"
+        " prompt's first token, then for each the logprob, rank (1 + the tokens more likely)"
+        " and text of the prompt token and of the prompt_logprobs most likely ones. Not with"
+        " stream (as vLLM), unless 0.")
     add_special_tokens: bool | None = Field(
         None, description="The tokenizer's special tokens (BOS) before the rendered"
         " conversation too (default: false, the chat template places them; a model without"
@@ -416,6 +434,24 @@ class ChatCompletionRequest(_Common, _TemplateFields):
     @property
     def num_logprobs(self) -> int | None:
         return (self.top_logprobs or 0) if self.logprobs else None
+
+    @property
+    def prompt_k(self) -> int | None:
+        """As vLLM's: echo with top_logprobs asks for them too; a stream shows none."""
+        if self.stream:
+            return None
+        if self.prompt_logprobs is not None:
+            return self.prompt_logprobs
+        return self.top_logprobs if self.echo else None
+
+    def echo_text(self) -> str | None:
+        """With ``echo``: the text to put before the reply (None: none), the last message's
+        if it has the reply's role."""
+        if not self.echo:
+            return None
+        last = self.messages[-1]
+        role = "assistant" if self.add_generation_prompt is not False else last.role
+        return last.text() if last.role == role else None
 
     @property
     def max_new_tokens(self) -> int | None:
@@ -540,6 +576,9 @@ def cross_field_error(body: Any) -> tuple[str, str] | None:
                                           " false: the last turn goes on, no new one opens")
     if getattr(body, "max_tokens", None) == 0 and not getattr(body, "echo", False):
         return "max_tokens", "max_tokens 0 generates nothing: only with echo (to score a prompt)"
+    if isinstance(body, ChatCompletionRequest) and body.prompt_logprobs and body.stream:
+        return "prompt_logprobs", "prompt_logprobs above 0 are not streamed: only with stream" \
+            " false (as vLLM)"
     if getattr(body, "top_logprobs", None) and not body.logprobs:
         return "top_logprobs", "top_logprobs above 0 requires logprobs=true"
     return None

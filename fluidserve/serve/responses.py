@@ -37,9 +37,11 @@ class Context:
     _chars: int = 0
     scheduling_delay: float | None = None
     num_cached_tokens: int | None = None  # (with prefix caching)
+    stop_reason: int | str | None = None  # vLLM's: the stop string or token that ended it
     # A completion's ``echo``: its prompt's text and, with logprobs (``echo_k`` top
-    # entries), its prompt's entries (the first token's logprob and top are None); with
-    # vLLM's ``prompt_logprobs`` (``prompt_k``), the prompt's entries in vLLM's form
+    # entries), its prompt's entries (the first token's logprob and top are None); a chat's:
+    # the last message's text. With vLLM's ``prompt_logprobs`` (``prompt_k``), the prompt's
+    # entries in vLLM's form (of a chat: its first choice's, the response's)
     echo: str | None = None
     prompt_ids: list[int] = field(default_factory=list)
     echo_k: int | None = None
@@ -78,7 +80,7 @@ class Context:
         self._offset = self._chars
         self._chars += sum(len(self.token_text(t)) for t, _, _ in self._new_logprobs)
         if out.finished:
-            self.finish_reason = out.finish_reason
+            self.finish_reason, self.stop_reason = out.finish_reason, out.stop_reason
             self.scheduling_delay = out.scheduling_delay
             self.num_cached_tokens = out.num_cached_tokens
 
@@ -154,9 +156,10 @@ def _envelope(ctx: Context, obj: str, choices: list, usage_: dict | None = None)
 def stream_chunk(ctx: Context, out: RequestOutput) -> dict:
     reason = (ctx.finish_reason if ctx.score_only else out.finish_reason) if out.finished \
         else None
-    if ctx.chat:
-        delta = {"content": out.new_text} if out.new_text else {}
-        return chat_chunk(ctx, delta, reason, _chat_logprobs(ctx, ctx._new_logprobs))
+    stop = out.stop_reason if out.finished and not ctx.score_only else None
+    if ctx.chat:  # (content "" too, as vLLM: while text is held back, and at the end)
+        return chat_chunk(ctx, {"content": out.new_text}, reason,
+                          _chat_logprobs(ctx, ctx._new_logprobs), stop)
     text, entries, offset = ("" if ctx.score_only else out.new_text), ctx._new_logprobs, \
         ctx._offset
     first = not ctx._echoed
@@ -164,14 +167,17 @@ def stream_chunk(ctx: Context, out: RequestOutput) -> dict:
     if ctx.echo is not None and first:
         text, entries, offset = ctx.echo + text, ctx.prompt_entries + entries, 0
     lp = _completion_logprobs(ctx, entries, offset)
-    choice = {"index": ctx.index, "text": text, "logprobs": lp, "finish_reason": reason}
+    choice = {"index": ctx.index, "text": text, "logprobs": lp, "finish_reason": reason,
+              "stop_reason": stop}
     if ctx.prompt_k is not None and first:
         choice["prompt_logprobs"] = ctx.vllm_prompt_logprobs
     return _envelope(ctx, "text_completion", [choice], None)
 
 
-def chat_chunk(ctx: Context, delta: dict, reason: str | None, logprobs: dict | None = None):
-    choice = {"index": ctx.index, "delta": delta, "logprobs": logprobs, "finish_reason": reason}
+def chat_chunk(ctx: Context, delta: dict, reason: str | None, logprobs: dict | None = None,
+               stop_reason: int | str | None = None):
+    choice = {"index": ctx.index, "delta": delta, "logprobs": logprobs, "finish_reason": reason,
+              "stop_reason": stop_reason}
     return _envelope(ctx, "chat.completion.chunk", [choice])
 
 
@@ -198,16 +204,21 @@ def full_response(choices: list[Context]) -> dict:
     if first.chat:
         items = [{
             "index": c.index,
-            "message": {"role": "assistant", "content": c.text},
+            "message": {"role": "assistant", "content": (c.echo or "") + c.text},
             "logprobs": _chat_logprobs(c, c.logprobs),
             "finish_reason": c.finish_reason,
+            "stop_reason": c.stop_reason,
         } for c in choices]
-        return _envelope(first, "chat.completion", items, total_usage(choices))
+        body = _envelope(first, "chat.completion", items, total_usage(choices))
+        if first.prompt_k is not None:
+            body["prompt_logprobs"] = first.vllm_prompt_logprobs
+        return body
     items = [{
         "index": c.index,
         "text": (c.echo or "") + c.text,
         "logprobs": _completion_logprobs(c, c.prompt_entries + c.logprobs, 0),
         "finish_reason": c.finish_reason,
+        "stop_reason": c.stop_reason,
     } | ({"prompt_logprobs": c.vllm_prompt_logprobs} if c.prompt_k is not None else {})
         for c in choices]
     return _envelope(first, "text_completion", items, total_usage(choices))

@@ -256,16 +256,15 @@ class Scheduler(ABC):
         return touched
 
     def _stop_status(self, req: Request, token: int, n: int) -> RequestStatus | None:
-        """How ``req`` stops, if its ``n``-th output token ``token`` stops it."""
+        """How ``req`` stops, if its ``n``-th output token ``token`` stops it: a stop token
+        (EOS, ``stop_token_ids``) past ``min_tokens`` stops it, the last allowed token too
+        (as vLLM checks them: before the length)."""
         p = req.params
+        if n > p.min_tokens and (token in p.stop_token_set
+                                 or not p.ignore_eos and token in req.eos_token_ids):
+            return RequestStatus.FINISHED_STOPPED
         if n >= p.max_tokens:
             return RequestStatus.FINISHED_LENGTH
-        if n <= p.min_tokens:  # (the sampler banned stop tokens there)
-            return None
-        if token in p.stop_token_set:
-            return RequestStatus.FINISHED_STOPPED
-        if not p.ignore_eos and token in req.eos_token_ids:
-            return RequestStatus.FINISHED_STOPPED
         return None
 
     # ------------------------------------------------------------------ helpers for policies

@@ -236,3 +236,22 @@ def test_disaggregated_instances_keep_the_words_out_across_the_hand_off(tiny_mod
     res = cluster.run([(0.001 * i, AddRequest(str(i), prompt, p), p.max_tokens)
                        for i, (prompt, p) in enumerate(zip(PROMPTS, params, strict=True))])
     assert [res.requests[str(i)].output_token_ids for i in range(len(PROMPTS))] == want
+
+
+def test_copies_share_what_the_long_token_lists_derive_until_a_list_changes():
+    """The samples of n are copies with other seeds: they reuse the normalized lists, the
+    allowed-token array and masks and the word index instead of rebuilding them."""
+    from dataclasses import replace
+
+    p = SamplingParams(allowed_token_ids=[9, 3, 3, 7], bad_words_token_ids=[(1, 2), (1, 2)])
+    q = replace(p, seed=5)
+    assert q.token_lists is p.token_lists and q.bad_after is p.bad_after
+    assert p.allowed_token_ids == (3, 7, 9) and p.bad_words_token_ids == ((1, 2),)
+    assert q.allowed_mask(12) is p.allowed_mask(12)
+    r = replace(p, bad_words_token_ids=((4,),))
+    assert r.allowed_array is p.allowed_array and r.bad_single == (4,) and p.bad_single == ()
+    s = replace(p, allowed_token_ids=(1,))
+    assert s.allowed_token_ids == (1,) and s.bad_after is p.bad_after
+    assert s.allowed_mask(12).sum() == 1 and p.allowed_mask(12).sum() == 3
+    with pytest.raises(ValueError, match="allowed_token_ids"):
+        replace(p, allowed_token_ids=())

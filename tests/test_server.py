@@ -259,7 +259,8 @@ BAD = [
      {"messages": [{"role": "user", "content": "x"}], "stop_token_ids": [1] * 1025}, 400),
     ("unknown model", "/v1/completions", {"prompt": "x", "model": "gpt-9"}, 404),
     ("no messages", "/v1/chat/completions", {"messages": []}, 400),
-    ("bad role", "/v1/chat/completions", {"messages": [{"role": "wizard", "content": "x"}]}, 400),
+    ("bad role", "/v1/chat/completions", {"messages": [{"role": "a b", "content": "x"}]}, 400),
+    ("empty role", "/v1/chat/completions", {"messages": [{"role": "", "content": "x"}]}, 400),
     ("tool calls in the history", "/v1/chat/completions",
      {"messages": [{"role": "user", "content": "x"}, {"role": "assistant", "tool_calls": [
          {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}]},

@@ -311,6 +311,9 @@ class SilentCore:
     def add(self, msg) -> None:
         self.sent.append(msg)
 
+    def add_many(self, msgs) -> None:
+        self.sent += msgs
+
     def abort(self, ids, reason: str = "abort") -> None:
         pass
 

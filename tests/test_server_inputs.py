@@ -464,6 +464,20 @@ def test_chat_prompt_logprobs_are_the_rendered_prompts_once_per_response(srv, sc
         assert all("prompt_logprobs" not in x for x in s.iter_lines())
 
 
+def test_roles_beyond_openais_reach_the_chat_template(srv, tiny_model_dir):
+    """As vLLM: a role the template renders (Llama 3.1's ipython, the legacy function) is
+    passed on as it is, not refused."""
+    from fluidserve.model.tokenizer import Tokenizer
+
+    messages = [{"role": "user", "content": "what is 6 x 7?"},
+                {"role": "ipython", "content": "42"}, {"role": "function", "content": "ok"}]
+    ids = httpx.post(srv.url + "/tokenize", json={"messages": messages}).json()["tokens"]
+    assert ids == Tokenizer(tiny_model_dir).chat(messages)
+    r = post(srv, "/v1/chat/completions", {"messages": messages, "max_tokens": 2})
+    assert r.status_code == 200, r.text
+    assert r.json()["usage"]["prompt_tokens"] == len(ids)
+
+
 def test_chat_echo_puts_the_last_message_of_the_replys_role_first(srv):
     """As vLLM's: a continued assistant message comes back whole, before the reply; streamed,
     in a chunk of its own after the role's; a user's last message is not the reply's role."""

@@ -129,6 +129,11 @@ class ControlPlane:
             self._where[msg.request_id] = {target}
         self.instances[target].add(msg)
 
+    def add_many(self, msgs: list[AddRequest]) -> None:
+        """Each to its own prefill instance."""
+        for msg in msgs:
+            self.add(msg)
+
     def abort(self, request_ids: list[str], reason: str = "abort") -> None:
         by_instance: dict[int, list[str]] = {}
         with self._lock:

@@ -30,6 +30,7 @@ from fluidserve.engine.core import ExecutorDead
 from fluidserve.engine.messages import (
     AbortRequests,
     AddRequest,
+    AddRequests,
     CoreFailed,
     CoreReady,
     EngineCoreOutputs,
@@ -177,15 +178,18 @@ def _busy_loop(core, inbox: Connection, outbox: Connection, role=None) -> None:
         while inbox.poll(timeout):
             msg = inbox.recv()
             timeout = 0.0
-            adds_seen += isinstance(msg, AddRequest)
+            adds = msg.requests if isinstance(msg, AddRequests) else \
+                [msg] if isinstance(msg, AddRequest) else None
+            adds_seen += len(adds or ())
             core.trip("command")
             if role is not None and role.handle(msg):
                 continue
-            if isinstance(msg, AddRequest):
-                try:
-                    core.add(msg)
-                except RequestRejected as e:
-                    rejected[msg.request_id] = str(e)
+            if adds is not None:
+                for add in adds:
+                    try:
+                        core.add(add)
+                    except RequestRejected as e:
+                        rejected[add.request_id] = str(e)
             elif isinstance(msg, AbortRequests):
                 core.abort(msg)
             elif isinstance(msg, FailAll):
@@ -304,6 +308,10 @@ class EngineCoreClient:
     # may fill the pipe while the core is mid-iteration, and that must not block the caller.
     def add(self, msg: AddRequest) -> None:
         self._sendq.put(msg)
+
+    def add_many(self, msgs: list[AddRequest]) -> None:
+        """Requests in one message (``AddRequests``)."""
+        self._sendq.put(AddRequests(msgs))
 
     def send(self, msg) -> None:
         """Any command (a disaggregated instance's hand-off commands)."""

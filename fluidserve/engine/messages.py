@@ -23,6 +23,14 @@ class AddRequest:
 
 
 @dataclass(frozen=True, slots=True)
+class AddRequests:
+    """Requests sent together, the samples of one API request: pickled in one message, what
+    their parameters share (``SamplingParams.token_lists``) is sent, and held, once."""
+
+    requests: list[AddRequest]
+
+
+@dataclass(frozen=True, slots=True)
 class AbortRequests:
     request_ids: list[str]
     reason: str = "abort"  # "stop" when the front end found a stop string

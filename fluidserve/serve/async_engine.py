@@ -190,7 +190,9 @@ class AsyncEngine:
         for request_id, prompt_ids, params in requests:
             if self.request_log is not None:
                 self.request_log.add(request_id, prompt_ids, params.max_tokens)
-            self.client.add(AddRequest(request_id, prompt_ids, params, self.eos_token_id))
+        # (in one message: what the samples' parameters share is sent once)
+        self.client.add_many([AddRequest(request_id, prompt_ids, params, self.eos_token_id)
+                              for request_id, prompt_ids, params in requests])
         return Handle(self, [rid for rid, _, _ in requests], queue)
 
     def abort(self, *request_ids: str) -> None:

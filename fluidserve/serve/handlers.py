@@ -253,11 +253,13 @@ def admit(state: ServerState, body, prompts: list[list[int]], chat: bool,
     """Hand the request to the engine, each prompt's samples as requests of their own: its
     output stream, and each engine request's choice. Every prompt is checked before any is
     handed over. ``bad_words``: the request's, tokenized."""
-    params = []
+    params: list[SamplingParams] = []
     for i, ids in enumerate(prompts):
         with _which(i, len(prompts)):
-            p = sampling_params(state, body, ids, chat)
-            params.append(replace(p, bad_words_token_ids=bad_words) if bad_words else p)
+            # (the first prompt's, with another max_tokens: what its long token lists derive
+            # is made once for the request, not once per prompt)
+            params.append(sampling_params(state, body, ids, chat, params[0] if params else
+                                          None, bad_words))
     rid = R.new_id("chatcmpl" if chat else "cmpl")
     n = body.num_samples
     children = []  # (engine request id, prompt ids, parameters), in the order of the choices
@@ -288,8 +290,12 @@ def _nth_seed(seed: int | None, j: int) -> int | None:
     return None if seed is None else (seed + j + 2**63) % 2**64 - 2**63
 
 
-def sampling_params(state: ServerState, body, ids: list[int], chat: bool) -> SamplingParams:
-    """A prompt's sampling parameters, or the error that refuses it."""
+def sampling_params(state: ServerState, body, ids: list[int], chat: bool,
+                    like: SamplingParams | None = None,
+                    bad_words: tuple[tuple[int, ...], ...] = ()) -> SamplingParams:
+    """A prompt's sampling parameters, or the error that refuses it: ``like``'s (another
+    prompt's of the same request) with this prompt's max_tokens, else made from the body,
+    with ``bad_words``."""
     max_len = state.max_model_len
     if not ids:
         raise ApiError(400, "the prompt is empty", param="prompt")
@@ -330,8 +336,11 @@ def sampling_params(state: ServerState, body, ids: list[int], chat: bool) -> Sam
         raise ApiError(400, "the prompt's logprobs (prompt_logprobs, or echo with logprobs)"
                        " are not computed by disaggregated instances (--disaggregate)",
                        param="prompt_logprobs" if body.prompt_logprobs is not None else "echo")
+    if like is not None:
+        return replace(like, max_tokens=max_tokens)
     try:
-        return body.sampling_params(max_tokens, body.num_logprobs if chat else body.logprobs)
+        p = body.sampling_params(max_tokens, body.num_logprobs if chat else body.logprobs)
+        return replace(p, bad_words_token_ids=bad_words) if bad_words else p
     except ValueError as e:  # (a rule the schema missed: the client's error, not the server's)
         raise ApiError(400, str(e)) from None
 

@@ -55,8 +55,10 @@ def Int(**bounds) -> Any:  # noqa: N802 - a type
 Int64 = Int(ge=INT64_MIN, le=INT64_MAX)
 StopString = Annotated[str, Field(min_length=1)]
 MAX_BAD_WORDS = 256
-# more than spaces (Python's: str.isspace() holds for \x1c-\x1f, not in \s)
-BadWord = Annotated[str, Field(max_length=1024, pattern=r"[^\s\x1c-\x1f]")]
+# More than spaces: a character other than Python's whitespace (str.isspace), spelled out,
+# since the \s of ECMA-262 (a client checking the schema) and of the server's regex differ.
+BadWord = Annotated[str, Field(max_length=1024, pattern=(
+    r"[^\t-\r\x1c-\x20\x85\xa0\u1680\u2000-\u200a\u2028\u2029\u202f\u205f\u3000]"))]
 
 
 def _only(value, allowed):
@@ -232,8 +234,8 @@ class _Common(BaseModel):
     bad_words: Annotated[list[BadWord], Field(max_length=MAX_BAD_WORDS)] | None = Field(
         None, description="Words the output may not contain (vLLM's): each word, its leading"
         " spaces dropped, is tokenized as it is and after a space, and the last token of each"
-        " sequence is never sampled right after the others (a one-token word never). Matched"
-        " against the output only.")
+        " sequence is never sampled right after the others (a one-token word never), unless"
+        " it is the last of allowed_token_ids left. Matched against the output only.")
     truncate_prompt_tokens: Unsupported = Field(None, description=NOT_SUPPORTED)
     return_tokens_as_token_ids: bool | None = Field(
         None, description="Logprobs' tokens as 'token_id:{id}' strings, not their text.")
@@ -344,7 +346,11 @@ class TextPart(BaseModel):
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="ignore", strict=True)
 
-    role: Literal["system", "user", "assistant", "developer", "tool"]
+    # Any name the chat template may know, as vLLM passes it on (Llama 3.1's "ipython",
+    # the legacy "function"): a template that does not know it fails, a 400 that says so.
+    role: Annotated[str, Field(pattern=r"^[A-Za-z_][A-Za-z0-9_-]{0,63}$", description=(
+        "system, user, assistant, developer, tool, or any other role the model's chat"
+        " template renders (a name of letters, digits, _ and -, at most 64)."))]
     content: str | list[TextPart] | None = None
     # The template sees role and text only: an earlier turn's tool calls would vanish from
     # the prompt, so a history that holds any is refused rather than rendered without them.

@@ -464,6 +464,16 @@ def test_chat_prompt_logprobs_are_the_rendered_prompts_once_per_response(srv, sc
         assert all("prompt_logprobs" not in x for x in s.iter_lines())
 
 
+def test_completion_logprobs_true_is_one_and_false_none(srv):
+    """A client that sends chat's boolean logprobs to completions too (vLLM takes it)."""
+    body = {"prompt": PROMPT, "max_tokens": 3, "temperature": 0}
+    one = post(srv, "/v1/completions", body | {"logprobs": True}).json()["choices"][0]
+    assert one == post(srv, "/v1/completions", body | {"logprobs": 1}).json()["choices"][0]
+    assert len(one["logprobs"]["tokens"]) == 3
+    off = post(srv, "/v1/completions", body | {"logprobs": False}).json()["choices"][0]
+    assert off["logprobs"] is None and off["text"] == one["text"]
+
+
 def test_roles_beyond_openais_reach_the_chat_template(srv, tiny_model_dir):
     """As vLLM: a role the template renders (Llama 3.1's ipython, the legacy function) is
     passed on as it is, not refused."""

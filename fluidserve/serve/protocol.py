@@ -301,7 +301,10 @@ class CompletionRequest(_Common):
         " wait), whose n choices come in the order of the"
         " prompts (choice index = prompt index × n + sample index). Each must fit the context"
         " window once tokenized (else 400 context_length_exceeded).")
-    logprobs: Int(ge=0, le=MAX_LOGPROBS) | None = None
+    logprobs: Annotated[Int(ge=0, le=MAX_LOGPROBS) | bool | None, AfterValidator(
+        lambda v: (1 if v else None) if isinstance(v, bool) else v)] = Field(
+        None, description="Top entries per token (with each token's own logprob); true, as"
+        " chat clients send it, is 1 (as vLLM takes it), false none.")
     max_tokens: Int(ge=0) | None = Field(
         None, description="0 only with echo: the prompt (and its logprobs) alone, nothing"
         " generated (as vLLM's).")

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from array import array
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 MAX_LOGPROBS = 20
 MAX_LOGIT_BIAS = 100.0  # |bias| (OpenAI's range)
@@ -82,6 +82,9 @@ class SamplingParams:
     """
 
     max_tokens: int = 16
+    # Samples of the prompt (``LLM.generate`` returns them as the output's ``outputs``; the
+    # server's ``n``): sample j is an engine request of its own, drawn with seed + j
+    n: int = 1
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = -1
@@ -161,6 +164,8 @@ class SamplingParams:
             object.__setattr__(self, "temperature", 0.0)
         if self.max_tokens < 1:
             raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
+        if self.n < 1:
+            raise ValueError(f"n must be >= 1, got {self.n}")
         if not 0.0 <= self.temperature <= 100.0:
             raise ValueError(f"temperature must be in [0, 100], got {self.temperature}")
         if not 0.0 < self.top_p <= 1.0:
@@ -189,6 +194,12 @@ class SamplingParams:
             if t < 0 or not -MAX_LOGIT_BIAS <= b <= MAX_LOGIT_BIAS:
                 raise ValueError(f"logit_bias must map token ids >= 0 to numbers in"
                                  f" [-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}], got {t}: {b}")
+
+    def sample(self, j: int) -> SamplingParams:
+        """The parameters of sample ``j`` of ``n``: one sample, drawn with seed + j (kept in
+        int64, as vLLM seeds them); what the token lists derive is shared, not rebuilt."""
+        seed = None if self.seed is None else (self.seed + j + 2**63) % 2**64 - 2**63
+        return replace(self, n=1, seed=seed)
 
     def allowed_mask(self, vocab_size: int):
         """A numpy bool [vocab_size] of ``allowed_token_ids`` (ids past it dropped), made

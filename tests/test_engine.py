@@ -84,6 +84,30 @@ def test_seeded_sampling_is_reproducible_and_schedule_independent(tiny_model_dir
     assert other != out_a[0]
 
 
+def test_n_samples_offline_are_each_seed_plus_j_and_read_as_vllms_outputs(tiny_model_dir):
+    """SamplingParams(n=3): the output's ``outputs`` are the three samples, this output first
+    (``generate(...)[i].outputs[0].text``, as vLLM's RequestOutput reads); sample j is the
+    one a request of seed + j draws."""
+    llm = LLM(model=str(tiny_model_dir))
+    base = dict(max_tokens=10, temperature=1.2, ignore_eos=True)
+    outs = llm.generate(["Once upon a time", PROMPTS[1]], [
+        SamplingParams(**base, seed=7, n=3), SamplingParams(**base, seed=2**63 - 1, n=2)])
+    alone = llm.generate(["Once upon a time"] * 3 + [PROMPTS[1]] * 2, [
+        SamplingParams(**base, seed=s) for s in (7, 8, 9, 2**63 - 1, -2**63)])
+    got = [o for out in outs for o in out.outputs]
+    assert [o.token_ids for o in got] == [o.token_ids for o in alone]
+    assert [o.index for o in got] == [0, 1, 2, 0, 1] and outs[0].outputs[0] is outs[0]
+    assert outs[0].prompt == "Once upon a time" and outs[1].prompt == PROMPTS[1]
+    assert llm.generate([[1, 5, 6]], SamplingParams(max_tokens=2))[0].prompt is None
+    assert len({tuple(o.token_ids) for o in outs[0].outputs}) == 3
+    assert llm.generate(PROMPTS[0], SamplingParams(max_tokens=4))[0].outputs[0].samples == []
+    from fluidserve.core.scheduler import RequestRejected
+    with pytest.raises(RequestRejected, match="one sample"):
+        llm.engine.add_request("direct", PROMPTS[0], SamplingParams(n=2))
+    with pytest.raises(ValueError, match="n must be"):
+        SamplingParams(n=0)
+
+
 def test_top_k_one_is_greedy(tiny_model_dir, reference):
     llm = LLM(model=str(tiny_model_dir))
     out = llm.generate(

@@ -191,6 +191,9 @@ class EngineCore:
         if self.vocab_size is not None and p.allowed_token_ids \
                 and p.allowed_token_ids[-1] >= self.vocab_size:
             raise RequestRejected(f"allowed_token_ids must be in [0, {self.vocab_size})")
+        if p.n != 1:
+            raise RequestRejected(f"n = {p.n}: a request of the core is one sample (LLM.generate"
+                                  " and the server make one request per sample)")
         if p.bad_words:
             raise RequestRejected("bad_words are text: the front end with the tokenizer turns"
                                   " them into bad_words_token_ids before the request comes")

@@ -30,6 +30,16 @@ class CompletionOutput:
     # What stopped it, as vLLM's: the stop string matched, or the one of stop_token_ids
     # (None: EOS, the length, an error)
     stop_reason: int | str | None = None
+    prompt: str | None = None  # the prompt, when given as text
+    index: int = 0  # its sample of SamplingParams.n
+    samples: list[CompletionOutput] = field(default_factory=list, repr=False)  # the others
+
+    @property
+    def outputs(self) -> list[CompletionOutput]:
+        """Every sample of the prompt (``SamplingParams.n``), this one first: as vLLM's
+        ``RequestOutput.outputs``, so that ``llm.generate(...)[i].outputs[0].text`` reads
+        the same here."""
+        return [self, *self.samples]
 
 
 class LLM:
@@ -77,7 +87,7 @@ class LLM:
         if len(params) != len(prompts):
             raise ValueError(f"{len(prompts)} prompts but {len(params)} sampling params")
         eng = self.engine
-        order, reqs = [], {}
+        order, reqs = [], {}  # (order: each prompt's request ids, its samples')
         texts: dict[str, list[str]] = {}
         logprobs: dict[str, list] = {}
         prompt_logprobs: dict[str, list] = {}
@@ -85,13 +95,21 @@ class LLM:
         bar = None
         try:  # a prompt refused, an interrupt, a dead executor: nothing is left running
             for prompt, p in zip(prompts, params, strict=True):
-                rid = f"gen-{self._counter}"
-                self._counter += 1
-                reqs[rid] = eng.add_request(rid, prompt if isinstance(prompt, str)
-                                            else list(prompt), p)
-                order.append(rid)
-                texts[rid], logprobs[rid] = [], []
-            bar = _progress(len(order)) if use_tqdm else None
+                group = []
+                for j in range(p.n):  # (the first tokenizes; the others take its ids)
+                    rid = f"gen-{self._counter}"
+                    self._counter += 1
+                    if j:
+                        first = reqs[group[0]]
+                        reqs[rid] = eng.add_request(rid, first.prompt_token_ids,
+                                                    first.params.sample(j))
+                    else:
+                        reqs[rid] = eng.add_request(rid, prompt if isinstance(prompt, str)
+                                                    else list(prompt), p.sample(0))
+                    group.append(rid)
+                    texts[rid], logprobs[rid] = [], []
+                order.append(group)
+            bar = _progress(len(reqs)) if use_tqdm else None
             while eng.has_unfinished():
                 for out in eng.step():
                     if out.request_id not in texts:  # of an earlier call that was cut short
@@ -105,14 +123,22 @@ class LLM:
                         if bar is not None:
                             bar.update(1)
         except BaseException:
-            for rid in order:
+            for rid in reqs:
                 eng.abort(rid)
             raise
         finally:
             if bar is not None:
                 bar.close()
-        return [self._result(reqs[rid], "".join(texts[rid]), logprobs[rid],
-                             prompt_logprobs.get(rid), stop_reasons.get(rid)) for rid in order]
+        results = []
+        for prompt, group in zip(prompts, order, strict=True):
+            outs = [self._result(reqs[rid], "".join(texts[rid]), logprobs[rid],
+                                 prompt_logprobs.get(rid), stop_reasons.get(rid))
+                    for rid in group]
+            for j, out in enumerate(outs):
+                out.index, out.prompt = j, prompt if isinstance(prompt, str) else None
+            outs[0].samples = outs[1:]
+            results.append(outs[0])
+        return results
 
     @staticmethod
     def _result(req, text: str, logprobs: list, prompt_logprobs: list | None,

@@ -266,11 +266,10 @@ def admit(state: ServerState, body, prompts: list[list[int]], chat: bool,
     for ids, p in zip(prompts, params, strict=True):
         for j in range(n):
             child = rid if len(prompts) * n == 1 else f"{rid}-{len(children)}"
-            if j:  # (a chat response has one prompt_logprobs: the first sample computes it)
-                children.append((child, ids, replace(p, seed=_nth_seed(p.seed, j), **(
-                    {"prompt_logprobs": None} if chat else {}))))
-            else:
-                children.append((child, ids, p))
+            q = p.sample(j) if j else p
+            if j and chat:  # (a chat response has one prompt_logprobs: the first sample's)
+                q = replace(q, prompt_logprobs=None)
+            children.append((child, ids, q))
     if state.closed:
         raise ApiError(503, "the server is shutting down", "service_unavailable")
     try:
@@ -283,11 +282,6 @@ def admit(state: ServerState, body, prompts: list[list[int]], chat: bool,
     return handle, {child: R.Context(rid, state.model_name, created, len(ids), chat, texts,
                                      index=k, sample=k % n, ids_as_text=as_ids)
                     for k, (child, ids, _) in enumerate(children)}
-
-
-def _nth_seed(seed: int | None, j: int) -> int | None:
-    """Sample j's seed (as vLLM's: seed + j), kept in int64."""
-    return None if seed is None else (seed + j + 2**63) % 2**64 - 2**63
 
 
 def sampling_params(state: ServerState, body, ids: list[int], chat: bool,

@@ -100,6 +100,39 @@ def test_models_and_metrics(client, srv):
     assert 'fluidserve_requests_total{outcome="length"}' in body
 
 
+def test_metrics_under_vllms_names_match_their_fluidserve_twins(srv):
+    """Dashboards and autoscalers written for vLLM read the same values: vLLM's names,
+    labelled by the served model's name, beside fluidserve's."""
+    from .server_utils import metric_values
+
+    def values() -> dict[str, float]:
+        return metric_values(httpx.get(srv.url + "/metrics").text)
+
+    before = values()
+    r = httpx.post(srv.url + "/v1/completions", timeout=60, json={
+        "prompt": [5, 6, 7, 8, 9], "max_tokens": 3, "ignore_eos": True})
+    assert r.status_code == 200, r.text
+    m = values()
+    lab = '{engine="0",model_name="tiny"}'
+    for ours, theirs in [("fluidserve_generation_tokens_total", "vllm:generation_tokens_total"),
+                         ("fluidserve_num_requests_running", "vllm:num_requests_running"),
+                         ("fluidserve_kv_cache_usage", "vllm:kv_cache_usage_perc"),
+                         ("fluidserve_preemptions_total", "vllm:num_preemptions_total"),
+                         ("fluidserve_time_to_first_token_seconds_count",
+                          "vllm:time_to_first_token_seconds_count"),
+                         ("fluidserve_time_between_tokens_seconds_count",
+                          "vllm:inter_token_latency_seconds_count")]:
+        assert m[ours] == m[theirs + lab], theirs
+    key = 'vllm:request_success_total{engine="0",finished_reason="length",model_name="tiny"}'
+    assert m[key] == before.get(key, 0) + 1
+    grew = {k: m[k + lab] - before.get(k + lab, 0) for k in (
+        "vllm:prompt_tokens_total", "vllm:request_prompt_tokens_sum",
+        "vllm:request_generation_tokens_sum", "vllm:request_queue_time_seconds_count")}
+    assert grew == {"vllm:prompt_tokens_total": 5, "vllm:request_prompt_tokens_sum": 5,
+                    "vllm:request_generation_tokens_sum": 3,
+                    "vllm:request_queue_time_seconds_count": 1}
+
+
 def test_logprobs(client):
     r = client.completions.create(
         model="tiny",

@@ -216,7 +216,7 @@ def start_engine(engine_config: EngineConfig, config: ServerConfig,
     engine_config = engine_config.replace(model=model_dir)
     tokenizer_dir = engine_config.model.tokenizer or model_dir
     check_tokenizer_files(tokenizer_dir)  # before starting anything
-    engine = AsyncEngine(engine_config, lambda: Tokenizer(tokenizer_dir), ServerMetrics(),
+    engine = AsyncEngine(engine_config, lambda: Tokenizer(tokenizer_dir), ServerMetrics(name),
                          config.telemetry_file, on_dead, config.watchdog_timeout,
                          config.request_log)
     engine.start()

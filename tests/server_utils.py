@@ -32,9 +32,9 @@ class InProcessServer:
                   num_threads=1)
         config = ServerConfig(port=self.port, served_model_name=name, **server_kw)
         self.dead = threading.Event()
-        self.engine, _ = start_engine(EngineConfig.create(**kw | (engine_kw or {})), config,
-                                      on_dead=lambda _: self.dead.set())
-        self.app = build_app(self.engine, config, config.served_model_name[0])
+        self.engine, served = start_engine(EngineConfig.create(**kw | (engine_kw or {})),
+                                           config, on_dead=lambda _: self.dead.set())
+        self.app = build_app(self.engine, config, served)
         self.server = DrainingServer(
             uvicorn.Config(self.app, host="127.0.0.1", port=self.port, log_level="warning"),
             self.app.state.fluidserve,

@@ -69,14 +69,15 @@ class Spec:
         return self.pattern[index % len(self.pattern)]
 
     def expected_end(self) -> tuple[int, RequestStatus]:
-        """(output length, status) when nothing aborts it: the reference stop rule."""
+        """(output length, status) when nothing aborts it: the reference stop rule (a stop
+        token past min_tokens stops it, the last allowed one too, as vLLM checks them)."""
         for n in range(1, self.max_tokens + 1):
             tok = self.token(n - 1)
-            if n == self.max_tokens:
-                return n, RequestStatus.FINISHED_LENGTH
             stops = (self.stop_on and tok == STOP) or (not self.ignore_eos and tok == EOS)
             if n > self.min_tokens and stops:
                 return n, RequestStatus.FINISHED_STOPPED
+            if n == self.max_tokens:
+                return n, RequestStatus.FINISHED_LENGTH
         raise AssertionError("unreachable")
 
 

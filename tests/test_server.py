@@ -100,6 +100,19 @@ def test_models_and_metrics(client, srv):
     assert 'fluidserve_requests_total{outcome="length"}' in body
 
 
+def test_without_a_served_name_requests_may_name_the_model_path_as_vllms_clients_do(
+        tiny_model_dir):
+    with InProcessServer(tiny_model_dir, name=()) as s:
+        listed = httpx.get(s.url + "/v1/models").json()["data"]
+        assert [m["id"] for m in listed] == [tiny_model_dir.name]
+        for name in (tiny_model_dir.name, str(tiny_model_dir)):
+            r = httpx.post(s.url + "/v1/completions", timeout=60,
+                           json={"model": name, "prompt": "hi", "max_tokens": 1})
+            assert r.status_code == 200 and r.json()["model"] == tiny_model_dir.name, r.text
+        r = httpx.post(s.url + "/v1/completions", json={"model": "other", "prompt": "hi"})
+        assert r.status_code == 404
+
+
 def test_metrics_under_vllms_names_match_their_fluidserve_twins(srv):
     """Dashboards and autoscalers written for vLLM read the same values: vLLM's names,
     labelled by the served model's name, beside fluidserve's."""

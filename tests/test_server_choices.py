@@ -113,7 +113,8 @@ def test_one_bad_prompt_refuses_the_whole_request_and_runs_none(srv):
     r = post(srv, "/v1/completions", {"prompt": ["fine", "word " * 600], "max_tokens": 2})
     err = r.json()["error"]
     assert r.status_code == 400 and err["code"] == "context_length_exceeded"
-    assert err["param"] == "prompt.1" and err["message"].startswith("prompt.1: the prompt has")
+    assert err["param"] == "prompt.1" and err["message"].startswith(
+        "prompt.1: This model's maximum context length is 512 tokens. The prompt has")
     r = post(srv, "/v1/completions", {"prompt": ["fine", "also"], "max_tokens": 2,
                                       "min_tokens": 3})
     assert r.status_code == 400 and r.json()["error"]["param"] == "min_tokens"

@@ -200,8 +200,8 @@ def test_a_list_of_junk_is_one_error_not_one_per_item(monkeypatch):
     completion, chat = request_models(Limits(512, 1000, 512 * 14))
     seen = []
     real = inputs.validation_error
-    monkeypatch.setattr(inputs, "validation_error", lambda errors: seen.append(errors) or
-                        real(errors))
+    monkeypatch.setattr(inputs, "validation_error", lambda errors, *a: seen.append(errors) or
+                        real(errors, *a))
     cases = [(chat, {"messages": [1] * 400}), (completion, {"prompt": [None] * 400}),
              (chat, {"messages": [{"role": "user", "content": [1] * 400}]}),
              (completion, {"prompt": [-1] * 400})]
@@ -703,14 +703,16 @@ def test_a_prompt_that_cannot_fit_is_refused_without_tokenizing(srv, schema, tex
                        # (max_tokens counts for nothing here: beyond the window it is cut)
                        ("/v1/completions", {"prompt": "x" * (511 * n + 1), "max_tokens": 1})):
         err = assert_error(post(srv, path, body), 400, schema)
-        assert "context window" in err["message"], err  # (not the schema's character bound)
+        # (not the schema's character bound; in OpenAI's words, which clients match)
+        assert err["message"].startswith("This model's maximum context length is 512 tokens."), err
         assert err["code"] == "context_length_exceeded", err
     assert text_work["encode"] == [] and text_work["chat"] == []
     # Every message takes a token besides its text: 400 messages leave 111 of the 511 tokens
     # for their 4000 characters, which 14 characters a token cannot fit.
     many = {"messages": [{"role": "user", "content": "0123456789"}] * 400}
     err = assert_error(post(srv, "/v1/chat/completions", many), 400, schema)
-    assert err["message"].startswith("400 messages of 4000 characters")
+    assert err["message"].startswith("This model's maximum context length is 512 tokens. 400"
+                                     " messages of 4000 characters")
     assert text_work["chat"] == []
     # Short enough in characters but not in tokens: tokenized, then refused the same way.
     err = assert_error(post(srv, "/v1/completions", {"prompt": "word " * 600}), 400, schema)

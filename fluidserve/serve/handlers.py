@@ -32,6 +32,7 @@ from fluidserve.serve.protocol import (
     CompletionRequest,
     DetokenizeRequest,
     TokenizeRequest,
+    context_length_error,
     cross_field_error,
     error_body,
 )
@@ -49,6 +50,9 @@ class ServerState:
     draining: bool = False  # refuse new requests (a drain has begun)
     closed: bool = False  # refuse even those already past the first checks (shutting down)
     admitting: int = 0  # requests past the first checks, not yet handed to the engine
+    # Names a request may also use, not listed: without --served-model-name, the model path
+    # as given and resolved (vLLM's name for it, which its clients send)
+    aliases: tuple[str, ...] = ()
 
     @property
     def max_model_len(self) -> int:
@@ -133,7 +137,7 @@ async def _render(state: ServerState, messages: list[dict], options: dict) -> li
 
 
 def _check_model(state: ServerState, name: str | None) -> None:
-    if name is not None and name not in state.model_names:
+    if name is not None and name not in state.model_names and name not in state.aliases:
         served = ", ".join(repr(n) for n in state.model_names)
         raise ApiError(404, f"model {name!r} does not exist; this server serves {served}",
                        "not_found_error", "model")
@@ -300,9 +304,9 @@ def sampling_params(state: ServerState, body, ids: list[int], chat: bool,
                        " its model", param="messages" if chat else "prompt")
     room = max_len - len(ids)
     if room < 1:
-        raise ApiError(400, f"the prompt has {len(ids)} tokens; the context window is {max_len}"
-                       " tokens, prompt and completion together", param="messages" if chat
-                       else "prompt", code=CONTEXT_LENGTH_EXCEEDED)
+        raise context_length_error(max_len, f"the prompt has {len(ids)} tokens, and the window"
+                                   " holds prompt and completion together",
+                                   "messages" if chat else "prompt")
     admissible = admissible_blocks(info.num_kv_blocks, state.engine.config.cache.watermark)
     requested = body.max_new_tokens if chat else body.max_tokens
     if requested == 0:  # (echo: score the prompt; one token is computed, none returned)
@@ -324,7 +328,7 @@ def sampling_params(state: ServerState, body, ids: list[int], chat: bool,
         raise ApiError(400, f"min_tokens must be at most max_tokens, which is {max_tokens}"
                        f"{default}; got min_tokens={body.min_tokens}", param="min_tokens")
     why = admission_error(len(ids), max_tokens, max_len, info.block_size, admissible)
-    if why is not None:
+    if why is not None:  # (the KV cache's: max_tokens was cut to what the window leaves)
         raise ApiError(400, why, code=CONTEXT_LENGTH_EXCEEDED)
     if state.engine.config.disagg.disaggregate and body.prompt_k is not None:
         raise ApiError(400, "the prompt's logprobs (prompt_logprobs, or echo with logprobs)"

@@ -33,6 +33,7 @@ from fluidserve.serve.protocol import (
     CONTEXT_LENGTH_EXCEEDED,
     ApiError,
     Limits,
+    context_length_error,
     request_models,
     tokenizer_models,
 )
@@ -65,9 +66,9 @@ class BodyParser:
     async def read(self, raw: bytes, kind: str) -> BaseModel:
         model = self.models[kind]
         if len(raw) <= LARGE_BODY:
-            return parse_body(raw, model)
+            return parse_body(raw, model, self.limits.max_model_len)
         if self._deaths >= MAX_PARSER_DEATHS:
-            return await asyncio.to_thread(parse_body, raw, model)
+            return await asyncio.to_thread(parse_body, raw, model, self.limits.max_model_len)
         if self._pool is None:  # (started at the first large body: most servers see none)
             self._pool = ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn"),
                                              initializer=_parser_started,
@@ -82,7 +83,7 @@ class BodyParser:
                 log.warning("the body parser process died (%d of %d); parsing here%s",
                             self._deaths, MAX_PARSER_DEATHS,
                             "" if self._deaths < MAX_PARSER_DEATHS else " from now on")
-            return await asyncio.to_thread(parse_body, raw, model)
+            return await asyncio.to_thread(parse_body, raw, model, self.limits.max_model_len)
         if isinstance(fields, tuple):  # an ApiError's arguments
             raise ApiError(*fields)
         return model.model_validate(fields)
@@ -104,7 +105,8 @@ def _parse_fields(raw: bytes, limits: Limits, kind: str) -> dict | tuple:
     """In the parser process: the body's fields as set, or the arguments of its ApiError."""
     model = _models(limits)[kind]
     try:
-        return parse_body(raw, model).model_dump(mode="json", exclude_unset=True)
+        return parse_body(raw, model, limits.max_model_len).model_dump(mode="json",
+                                                                       exclude_unset=True)
     except ApiError as e:
         return e.status, e.message, e.type, e.param, e.code
 
@@ -116,8 +118,10 @@ def _models(limits: Limits) -> dict[str, type[BaseModel]]:
                     (*request_models(limits), *tokenizer_models(limits)), strict=True))
 
 
-def parse_body(raw: bytes, model: type[BaseModel]) -> BaseModel:
-    """The validated request, or ApiError(400) saying what is wrong with it."""
+def parse_body(raw: bytes, model: type[BaseModel], max_model_len: int | None = None
+               ) -> BaseModel:
+    """The validated request, or ApiError(400) saying what is wrong with it (of a prompt
+    beyond the window: ``max_model_len``, the window's, in it)."""
     try:
         data = pydantic_core.from_json(raw, allow_inf_nan=False)
     except ValueError as e:
@@ -126,10 +130,10 @@ def parse_body(raw: bytes, model: type[BaseModel]) -> BaseModel:
     try:
         return model.model_validate(data)
     except ValidationError as e:
-        raise validation_error(e.errors()) from None
+        raise validation_error(e.errors(), max_model_len) from None
 
 
-def validation_error(errors: list) -> ApiError:
+def validation_error(errors: list, max_model_len: int | None = None) -> ApiError:
     # Too many prompts is what is wrong with a list of prompts over the bound (not their ids).
     for e in errors:
         if _prompt_list_bound(e):
@@ -156,7 +160,7 @@ def validation_error(errors: list) -> ApiError:
         return ApiError(400, f"{where}: not supported (absent or empty only)", param=where)
     if loc[:1] in (["prompt"], ["messages"]) and first.get("type") in ("string_too_long",
                                                                       "too_long"):
-        return _window_error(first, where)
+        return _window_error(first, where, max_model_len)
     return ApiError(400, f"{where}: {msg}" if where else msg, param=where or None)
 
 
@@ -178,7 +182,7 @@ def _bound_distance(error: dict) -> float:
     return 0.0
 
 
-def _window_error(error: dict, where: str) -> ApiError:
+def _window_error(error: dict, where: str, max_model_len: int | None) -> ApiError:
     """A prompt or messages longer than the schema's bound, which is the context window's:
     said as such, with the code clients look for (the bound itself means nothing to them)."""
     bound, value = error.get("ctx", {}).get("max_length"), error.get("input")
@@ -190,8 +194,11 @@ def _window_error(error: dict, where: str) -> ApiError:
         what, why = f"{size} messages", f"each takes a token at least (at most {bound})"
     else:
         what, why = f"{size} token ids", f"at most {bound} fit with a token to generate"
-    return ApiError(400, f"{where} ({what}) cannot fit in the context window: {why}",
-                    param=where, code=CONTEXT_LENGTH_EXCEEDED)
+    if max_model_len is None:
+        return ApiError(400, f"{where} ({what}) cannot fit in the context window: {why}",
+                        param=where, code=CONTEXT_LENGTH_EXCEEDED)
+    return context_length_error(max_model_len, f"{where} ({what}) cannot fit in it: {why}",
+                                where)
 
 
 def _wrong_type(error: dict) -> bool:
@@ -217,9 +224,8 @@ def too_long(num_chars: int, room: int, max_model_len: int, param: str,
     plural = "s" if num_messages != 1 else ""
     what = f"{num_messages} message{plural} of {num_chars} characters (a token each at least," \
         " besides their text)" if num_messages else f"the prompt ({num_chars} characters)"
-    return ApiError(400, f"{what} cannot fit in the {room} tokens the context window of"
-                    f" {max_model_len} tokens leaves for it", param=param,
-                    code=CONTEXT_LENGTH_EXCEEDED)
+    return context_length_error(max_model_len, f"{what} cannot fit in the {room} tokens it"
+                                " leaves for it", param)
 
 
 class PromptTokenizer:

@@ -571,6 +571,14 @@ def tokenizer_models(limits: Limits) -> tuple[type[TokenizeRequest], type[Detoke
     return TokenizeRequest, detokenize
 
 
+def context_length_error(max_model_len: int, detail: str, param: str | None) -> ApiError:
+    """A request the context window cannot hold, in the words OpenAI's (and vLLM's) errors
+    begin with, which clients match (``context_length_exceeded`` is their code)."""
+    return ApiError(400, f"This model's maximum context length is {max_model_len} tokens."
+                    f" {detail[:1].upper()}{detail[1:]}", param=param,
+                    code=CONTEXT_LENGTH_EXCEEDED)
+
+
 def cross_field_error(body: Any) -> tuple[str, str] | None:
     """Constraints between fields (the schema states them with ``dependentSchemas``): the
     field at fault and what is wrong."""

@@ -49,6 +49,8 @@ def build_app(engine: AsyncEngine, config: ServerConfig, model_name: str) -> Fas
     state = ServerState(engine, engine.metrics, config, model_name, prompts)
     info = engine.info
     model_root = str(Path(engine.config.model.model).resolve())
+    if not config.served_model_name:
+        state.aliases = (engine.config.model.model, model_root)
     room = info.max_model_len - 1
     bodies = BodyParser(Limits(info.max_model_len, info.vocab_size, prompts.max_chars(room),
                                config.max_waiting_requests))

@@ -102,7 +102,7 @@ def engine_under_load(model_dir, scheduler, cost, wrapper, rate, seed, shared=No
     work, _ = build_workload(WorkloadSpec(dataset="uniform", num_prompts=14, input_len=60,
                                           output_len=24, request_rate=rate, seed=seed))
     rng = np.random.default_rng(seed + 2)
-    eos_at = {str(w.index): {int(rng.integers(0, w.output_len + 4))} for w in work}
+    eos_at = {str(w.index): {int(rng.integers(0, w.output_len + 8))} for w in work}
     cfg = EngineConfig.create(scheduler=scheduler, token_budget=32, block_size=8,
                               max_num_seqs=6, watermark=0.0,
                               enable_prefix_caching=shared is not None)

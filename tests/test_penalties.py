@@ -344,3 +344,22 @@ def test_allowed_tokens_hold_for_every_row_of_a_batch_and_for_some():
         want = {id(a): 5, id(b): 7}
         assert tokens == [want.get(id(p), 11) for p in rows]
     assert a.allowed_mask(12) is a.allowed_mask(12) and a.allowed_mask(12).sum() == 2
+
+
+def test_the_output_array_follows_every_change_at_the_end_of_the_output():
+    """A penalty reads the output as a machine array, converted a few tokens a step: what
+    asynchronous scheduling does to the output's end (placeholders appended, written in,
+    dropped) is followed."""
+    from fluidserve.core.scheduler.base import PLACEHOLDER
+    from fluidserve.request import Request
+
+    req = Request("r", [1, 2], SamplingParams(), 0.0)
+    out = req.output_token_ids
+    steps = [lambda: out.append(5), lambda: out.append(PLACEHOLDER),
+             lambda: out.append(PLACEHOLDER), lambda: out.__setitem__(-2, 7),
+             lambda: out.append(PLACEHOLDER), lambda: out.__setitem__(-2, 9),
+             lambda: (out.pop(), out.pop()), lambda: out.extend([3, 4, 4])]
+    for step in steps:
+        step()
+        got = req.output_array()
+        assert list(got) == out and got is not req.output_array()  # (each read a copy)

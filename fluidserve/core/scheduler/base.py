@@ -82,7 +82,7 @@ class Batch:
                 if req.prompt_array is None:
                     req.prompt_array = array("q", req.prompt_token_ids)
                 prompt = req.prompt_array
-            penalized = (prompt, tuple(out))
+            penalized = (prompt, req.output_array())
         if is_decode:
             return ScheduledChunk(req.request_id, start, (out[-1],), table, True, params,
                                   req.seed, len(out), True, banned, req.num_preemptions,

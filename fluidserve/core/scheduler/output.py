@@ -34,8 +34,9 @@ class ScheduledChunk:
     # in flight when an asynchronous schedule preempted and re-admitted it, is not applied
     epoch: int = 0
     # A sampling chunk of a request with a penalty: the tokens its sampler counts, (prompt,
-    # output before the token it samples); the prompt is () without a repetition penalty
-    penalized: tuple[Sequence[int], tuple[int, ...]] | None = None
+    # output before the token it samples), each a machine array of int64 (a copy of the
+    # output's, an int sequence too); the prompt is () without a repetition penalty
+    penalized: tuple[Sequence[int], Sequence[int]] | None = None
     # A prefill chunk of a request that wants its prompt's logprobs: the prompt tokens its
     # first positions predict (the token after each), one per position up to the prompt's
     # next-to-last

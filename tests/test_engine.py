@@ -108,6 +108,28 @@ def test_n_samples_offline_are_each_seed_plus_j_and_read_as_vllms_outputs(tiny_m
         SamplingParams(n=0)
 
 
+def test_chat_and_vllms_dict_prompts_offline(tiny_model_dir):
+    """LLM.chat renders as the server's chat endpoint does (one conversation or several);
+    generate takes vLLM's {"prompt": ...} and {"prompt_token_ids": ...} prompts."""
+    llm = LLM(model=str(tiny_model_dir))
+    greedy4 = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    talk = [{"role": "user", "content": "Who goes there?"}]
+    more = talk + [{"role": "assistant", "content": "A friend"}]
+    ids = [llm.tokenizer.chat(talk),
+           llm.tokenizer.chat(more, add_generation_prompt=False, continue_final_message=True)]
+    want = [o.token_ids for o in llm.generate(ids, greedy4)]
+    assert llm.chat(talk, greedy4)[0].token_ids == want[0]
+    got = llm.chat([more], greedy4, add_generation_prompt=False, continue_final_message=True)
+    assert got[0].token_ids == want[1]
+    with pytest.raises(ValueError, match="add_generation_prompt"):
+        llm.chat(more, greedy4, continue_final_message=True)
+    both = llm.generate([{"prompt": "Hi"}, {"prompt_token_ids": ids[0]}], greedy4)
+    assert both[0].token_ids == llm.generate("Hi", greedy4)[0].token_ids
+    assert both[1].token_ids == want[0] and both[0].prompt == "Hi"
+    with pytest.raises(ValueError, match="either"):
+        llm.generate({"prompt": "Hi", "prompt_token_ids": [1]})
+
+
 def test_top_k_one_is_greedy(tiny_model_dir, reference):
     llm = LLM(model=str(tiny_model_dir))
     out = llm.generate(

@@ -75,13 +75,16 @@ class LLM:
 
     def generate(
         self,
-        prompts: str | Sequence[str] | Sequence[Sequence[int]],
+        prompts: str | dict | Sequence[str | dict] | Sequence[Sequence[int]],
         params: SamplingParams | Sequence[SamplingParams] | None = None,
         *,
         use_tqdm: bool = False,
     ) -> list[CompletionOutput]:
-        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+        """Run each prompt to completion. A prompt is text, token ids, or, as vLLM's, a dict
+        ``{"prompt": text}`` or ``{"prompt_token_ids": ids}``."""
+        if isinstance(prompts, str | dict) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]  # type: ignore[list-item]
+        prompts = [_prompt(p) for p in prompts]
         if params is None or isinstance(params, SamplingParams):
             params = [params or SamplingParams()] * len(prompts)
         if len(params) != len(prompts):
@@ -104,8 +107,7 @@ class LLM:
                         reqs[rid] = eng.add_request(rid, first.prompt_token_ids,
                                                     first.params.sample(j))
                     else:
-                        reqs[rid] = eng.add_request(rid, prompt if isinstance(prompt, str)
-                                                    else list(prompt), p.sample(0))
+                        reqs[rid] = eng.add_request(rid, prompt, p.sample(0))
                     group.append(rid)
                     texts[rid], logprobs[rid] = [], []
                 order.append(group)
@@ -140,6 +142,31 @@ class LLM:
             results.append(outs[0])
         return results
 
+    def chat(
+        self,
+        messages: Sequence[dict] | Sequence[Sequence[dict]],
+        params: SamplingParams | Sequence[SamplingParams] | None = None,
+        *,
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+        chat_template_kwargs: dict | None = None,
+        use_tqdm: bool = False,
+    ) -> list[CompletionOutput]:
+        """Reply to a conversation (a list of ``{"role", "content"}`` messages), or to each
+        of a list of them, rendered with the tokenizer's chat template as the server's chat
+        endpoint renders it (as vLLM's ``LLM.chat``)."""
+        if self.tokenizer is None:
+            raise ValueError("this engine has no tokenizer, so no chat template")
+        if continue_final_message and add_generation_prompt:
+            raise ValueError("continue_final_message needs add_generation_prompt=False: the"
+                             " last turn goes on, no new one opens")
+        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        ids = [self.tokenizer.chat(list(c), add_generation_prompt=add_generation_prompt,
+                                   continue_final_message=continue_final_message,
+                                   template_kwargs=chat_template_kwargs)
+               for c in conversations]
+        return self.generate(ids, params, use_tqdm=use_tqdm)
+
     @staticmethod
     def _result(req, text: str, logprobs: list, prompt_logprobs: list | None,
                 stop_reason: int | str | None) -> CompletionOutput:
@@ -157,6 +184,15 @@ class LLM:
             prompt_logprobs,
             stop_reason,
         )
+
+
+def _prompt(p) -> str | list[int]:
+    """A prompt as text or token ids (vLLM's dict prompts: their text or ids)."""
+    if not isinstance(p, dict):
+        return p if isinstance(p, str) else list(p)
+    if ("prompt" in p) == ("prompt_token_ids" in p):
+        raise ValueError(f"a dict prompt has either 'prompt' or 'prompt_token_ids': {p!r}")
+    return p["prompt"] if "prompt" in p else list(p["prompt_token_ids"])
 
 
 def _progress(total: int):

@@ -35,8 +35,10 @@ class TokenLists:
     after: dict = field(default_factory=dict)
 
     def with_allowed(self, ids) -> TokenLists:
-        if ids is None or ids is self.allowed:
+        if ids is self.allowed:
             return self
+        if ids is None:
+            return TokenLists(None, None, {}, self.words, self.single, self.after)
         norm = tuple(sorted(set(ids)))
         if not norm or norm[0] < 0:
             raise ValueError("allowed_token_ids must be token ids (>= 0), at least one")

@@ -255,3 +255,6 @@ def test_copies_share_what_the_long_token_lists_derive_until_a_list_changes():
     assert s.allowed_mask(12).sum() == 1 and p.allowed_mask(12).sum() == 3
     with pytest.raises(ValueError, match="allowed_token_ids"):
         replace(p, allowed_token_ids=())
+    free = replace(p, allowed_token_ids=None)
+    assert free.allowed_token_ids is None and free.allowed_array is None
+    assert free.bad_after is p.bad_after and replace(p, bad_words_token_ids=()).bad_after == {}

@@ -515,6 +515,19 @@ def test_what_the_control_plane_says_itself_carries_the_requests_instances_have_
     assert outputs[-1].outputs[0].request_id == "r" and outputs[-1].adds_seen == 3
 
 
+def test_a_request_ended_at_two_instances_is_reported_once():
+    """An abort ends a request at its prefill and its decode instance: each reports it, the
+    front end (its metrics) hears of it once."""
+    from fluidserve.engine.messages import EngineCoreOutputs
+
+    cp, outputs = control_plane("prefill", "decode", flip=False)
+    row = {"request_id": "r", "finish_reason": "abort"}
+    cp._on_instance_outputs(0, EngineCoreOutputs([], finished=[row]))
+    cp._on_instance_outputs(1, EngineCoreOutputs([], finished=[dict(row), {
+        "request_id": "s", "finish_reason": "stop"}]))
+    assert [r["request_id"] for o in outputs for r in o.finished] == ["r", "s"]
+
+
 # ---------------------------------------------------------------- the cluster, real model
 PROMPTS = [
     "The river rose slowly in the spring, and the people of the valley moved their goats.",

@@ -61,6 +61,9 @@ from fluidserve.engine.messages import (
 log = logging.getLogger(__name__)
 
 
+REPORTED_KEPT = 100_000  # request ids remembered as reported (the server's ids are unique)
+
+
 class ControlPlane:
     """Routes requests and relays the hand-off between P prefill and D decode instances."""
 
@@ -98,6 +101,9 @@ class ControlPlane:
         self.flips: list[tuple[float, int, str]] = []  # (monotonic time, instance, new role)
         self.routed = [0] * len(roles)  # requests sent to each instance as a prefill instance
         self._stop = threading.Event()
+        # Requests whose telemetry row has gone to the front end, the latest REPORTED_KEPT:
+        # an aborted request is ended by every instance that holds it, and each reports it
+        self._reported: dict[str, None] = {}
         self.instances: list = []  # set by whoever starts them
 
     def _die(self, message: str) -> None:
@@ -160,6 +166,8 @@ class ControlPlane:
                             drop.setdefault(j, []).append(rid)
             for rid in msg.rejected:
                 self._forget(rid)
+            if msg.finished:
+                msg.finished = self._first_reports(msg.finished)
             self._adds_seen[i] = msg.adds_seen
             msg.adds_seen = self._read_count()
             if msg.stats is not None:
@@ -184,6 +192,20 @@ class ControlPlane:
                 self._relay(i, e)
         for j, ids in drop.items():
             self.instances[j].abort(ids)
+
+    def _first_reports(self, rows: list[dict]) -> list[dict]:
+        """The telemetry rows of requests not reported before (the front end counts each
+        row as a request that ended: an abort reached both its prefill and decode instance
+        counted it twice)."""
+        fresh = []
+        for row in rows:
+            rid = row["request_id"]
+            if rid not in self._reported:
+                self._reported[rid] = None
+                fresh.append(row)
+        while len(self._reported) > REPORTED_KEPT:
+            del self._reported[next(iter(self._reported))]
+        return fresh
 
     def _relay(self, i: int, e) -> None:
         if isinstance(e, Handoff):

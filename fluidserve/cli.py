@@ -47,6 +47,7 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     try:
         params = SamplingParams(
             max_tokens=g.max_tokens,
+            n=g.n,
             temperature=g.temperature,
             top_p=g.top_p,
             top_k=g.top_k,
@@ -66,17 +67,21 @@ def _cmd_generate(args: argparse.Namespace) -> int:
         t0 = time.perf_counter()
         outs = llm.generate(prompts, params, use_tqdm=len(prompts) > 1 and not g.json)
         elapsed = time.perf_counter() - t0
-        for prompt, out in zip(prompts, outs, strict=True):
+        samples = [(prompt, s) for prompt, out in zip(prompts, outs, strict=True)
+                   for s in out.outputs]
+        for prompt, out in samples:
             if g.json:
                 m = out.metrics
                 print(
                     json.dumps(
                         {
                             "prompt": prompt,
+                            **({"sample": out.index} if g.n > 1 else {}),
                             "text": out.text,
                             "token_ids": out.token_ids,
                             "num_prompt_tokens": len(out.prompt_token_ids),
                             "finish_reason": out.finish_reason,
+                            "stop_reason": out.stop_reason,
                             "error": out.error,
                             "ttft_s": m.ttft,
                             "tpot_s": m.tpot,
@@ -88,9 +93,10 @@ def _cmd_generate(args: argparse.Namespace) -> int:
                 print(prompt + out.text)
         if g.telemetry:
             llm.engine.telemetry.export_jsonl(g.telemetry)
-    n = sum(len(o.token_ids) for o in outs)
+    n = sum(len(o.token_ids) for _, o in samples)
+    each = f" x {g.n} samples" if g.n > 1 else ""
     print(
-        f"{len(outs)} prompt{'s' * (len(outs) != 1)}, {n} tokens in {elapsed:.2f}s"
+        f"{len(outs)} prompt{'s' * (len(outs) != 1)}{each}, {n} tokens in {elapsed:.2f}s"
         f" ({n / elapsed:.1f} tok/s)",
         file=sys.stderr,
     )

@@ -47,6 +47,18 @@ def test_generate_json_matches_offline_api(tiny_model_dir):
     assert all(r["finish_reason"] == "length" and r["ttft_s"] > 0 for r in rows)
 
 
+def test_generate_n_prints_each_sample_as_the_offline_api_draws_it(tiny_model_dir):
+    out = cli("generate", "--model", str(tiny_model_dir), "--prompt", "Hi", "--n", "3",
+              "--temperature", "1", "--sampling-seed", "5", "--max-tokens", "5", "--ignore-eos",
+              "--bad-words", "the", "--json")
+    rows = [json.loads(line) for line in out.stdout.splitlines()]
+    ref = LLM(model=str(tiny_model_dir)).generate("Hi", SamplingParams(
+        n=3, seed=5, max_tokens=5, temperature=1.0, ignore_eos=True, bad_words=("the",)))
+    assert [(r["sample"], r["token_ids"]) for r in rows] == [
+        (o.index, o.token_ids) for o in ref[0].outputs]
+    assert "1 prompt x 3 samples, 15 tokens" in out.stderr
+
+
 def test_help_lists_every_engine_knob():
     import dataclasses
 

@@ -171,6 +171,7 @@ class GenerateConfig:
     json: bool = knob(False, "One JSON object per prompt.")
     telemetry: str | None = knob(None, "Write per-iteration/per-token records (JSON lines).")
     max_tokens: int = knob(32, "Tokens to generate per prompt.")
+    n: int = knob(1, "Samples per prompt (sample j drawn with --sampling-seed + j).")
     temperature: float = knob(0.0, "0 = greedy.")
     top_p: float = knob(1.0, "Nucleus sampling mass.")
     top_k: int = knob(-1, "Sample from the k best (-1 = all).")

@@ -464,6 +464,52 @@ def test_chat_prompt_logprobs_are_the_rendered_prompts_once_per_response(srv, sc
         assert all("prompt_logprobs" not in x for x in s.iter_lines())
 
 
+def test_return_token_ids_gives_each_choices_and_the_prompts_ids(srv):
+    """vLLM's return_token_ids (RL trainers read it, not the text): each choice's token ids
+    (the stop token's too), the prompt's; streamed, each chunk's new ids and the prompt's in
+    each choice's first chunk."""
+    messages = [{"role": "user", "content": PROMPT}]
+    chat_ids = httpx.post(srv.url + "/tokenize", json={"messages": messages}).json()["tokens"]
+    ids = httpx.post(srv.url + "/tokenize", json={"prompt": PROMPT}).json()["tokens"]
+    body = {"prompt": PROMPT, "max_tokens": 5, "temperature": 0, "ignore_eos": True,
+            "logprobs": 0, "return_tokens_as_token_ids": True, "return_token_ids": True}
+
+    def logged(choice) -> list[int]:
+        return [int(t.removeprefix("token_id:")) for t in choice["logprobs"]["tokens"]]
+
+    r = post(srv, "/v1/completions", body | {"n": 2, "seed": 3, "temperature": 1}).json()
+    for c in r["choices"]:
+        assert c["token_ids"] == logged(c) and c["prompt_token_ids"] == ids
+    stop = logged(r["choices"][0])[2]
+    one = post(srv, "/v1/completions", body | {"stop_token_ids": [stop], "n": 1, "seed": 3,
+                                               "temperature": 1}).json()["choices"][0]
+    assert one["token_ids"][-1] == stop and one["stop_reason"] == stop
+    with httpx.stream("POST", srv.url + "/v1/completions", timeout=60,
+                      json=body | {"stream": True}) as s:
+        chunks = [json.loads(x[6:])["choices"][0] for x in s.iter_lines()
+                  if x.startswith("data: {")]
+    assert chunks[0]["prompt_token_ids"] == ids
+    assert all("prompt_token_ids" not in c for c in chunks[1:])
+    streamed = [t for c in chunks for t in c["token_ids"]]
+    assert streamed == post(srv, "/v1/completions", body).json()["choices"][0]["token_ids"]
+    chat = {"messages": messages, "max_tokens": 4, "temperature": 0, "ignore_eos": True,
+            "return_token_ids": True, "n": 2}
+    c = post(srv, "/v1/chat/completions", chat).json()
+    assert c["prompt_token_ids"] == chat_ids and all(len(x["token_ids"]) == 4
+                                                     for x in c["choices"])
+    with httpx.stream("POST", srv.url + "/v1/chat/completions", timeout=60,
+                      json=chat | {"stream": True}) as s:
+        chunks = [json.loads(x[6:]) for x in s.iter_lines() if x.startswith("data: {")]
+    firsts = [ch for ch in chunks if "role" in ch["choices"][0]["delta"]]
+    assert len(firsts) == 2 and all(ch["prompt_token_ids"] == chat_ids for ch in firsts)
+    for i in (0, 1):
+        got = [t for ch in chunks if ch["choices"][0]["index"] == i
+               for t in ch["choices"][0].get("token_ids", [])]
+        assert got == c["choices"][i]["token_ids"]
+    plain = post(srv, "/v1/completions", {"prompt": PROMPT, "max_tokens": 2}).json()
+    assert "token_ids" not in plain["choices"][0]
+
+
 def test_completion_logprobs_true_is_one_and_false_none(srv):
     """A client that sends chat's boolean logprobs to completions too (vLLM takes it)."""
     body = {"prompt": PROMPT, "max_tokens": 3, "temperature": 0}

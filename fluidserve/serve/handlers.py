@@ -282,9 +282,10 @@ def admit(state: ServerState, body, prompts: list[list[int]], chat: bool,
         raise ApiError(503, f"the engine is down: {e}", "service_unavailable") from None
     texts = handle.token_texts if state.prompts.tokenizer is not None else None
     created = R.now()
-    as_ids = bool(body.return_tokens_as_token_ids)
+    as_ids, ret = bool(body.return_tokens_as_token_ids), bool(body.return_token_ids)
     return handle, {child: R.Context(rid, state.model_name, created, len(ids), chat, texts,
-                                     index=k, sample=k % n, ids_as_text=as_ids)
+                                     index=k, sample=k % n, ids_as_text=as_ids,
+                                     prompt_ids=ids, return_ids=ret)
                     for k, (child, ids, _) in enumerate(children)}
 
 
@@ -354,7 +355,7 @@ async def _sse(handle: Handle, choices: dict[str, R.Context], body) -> AsyncIter
     try:  # a client gone at any yield (even before the first output) leaves nothing running
         for ctx in choices.values():
             if ctx.chat:
-                yield emit(ctx, R.chat_chunk(ctx, {"role": "assistant", "content": ""}, None))
+                yield emit(ctx, R.chat_role_chunk(ctx))
         for ctx in choices.values():  # (as vLLM: after every choice's role)
             if ctx.chat and ctx.echo:
                 yield emit(ctx, R.chat_chunk(ctx, {"content": ctx.echo}, None))

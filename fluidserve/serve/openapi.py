@@ -61,6 +61,9 @@ class CompletionChoice(BaseModel):
     finish_reason: Literal["stop", "length"] | None
     # vLLM's: the stop string, or the one of stop_token_ids, that ended it (else null)
     stop_reason: int | str | None = None
+    # only with return_token_ids (vLLM's): its token ids, and its prompt's
+    token_ids: list[int] | None = None
+    prompt_token_ids: list[int] | None = None
     # only with prompt_logprobs (vLLM's): null for the first prompt token
     prompt_logprobs: list[dict[str, PromptLogprob] | None] | None = None
 
@@ -101,6 +104,7 @@ class ChatChoice(BaseModel):
     finish_reason: Literal["stop", "length"] | None
     # vLLM's: the stop string, or the one of stop_token_ids, that ended it (else null)
     stop_reason: int | str | None = None
+    token_ids: list[int] | None = None  # only with return_token_ids (vLLM's)
 
 
 class ChatCompletionResponse(BaseModel):
@@ -113,6 +117,7 @@ class ChatCompletionResponse(BaseModel):
     metrics: ServerMetricsOut | None = None
     # only with prompt_logprobs (vLLM's): null for the rendered prompt's first token
     prompt_logprobs: list[dict[str, PromptLogprob] | None] | None = None
+    prompt_token_ids: list[int] | None = None  # only with return_token_ids (vLLM's)
 
 
 class CompletionStreamChoice(BaseModel):
@@ -122,6 +127,10 @@ class CompletionStreamChoice(BaseModel):
     finish_reason: Literal["stop", "length"] | None
     # vLLM's: the stop string, or the one of stop_token_ids, that ended it (else null)
     stop_reason: int | str | None = None
+    # only with return_token_ids (vLLM's): the chunk's new token ids, and in each choice's
+    # first chunk its prompt's
+    token_ids: list[int] | None = None
+    prompt_token_ids: list[int] | None = None
     prompt_logprobs: list[dict[str, PromptLogprob] | None] | None = None  # (first chunk)
 
 
@@ -147,6 +156,7 @@ class ChatStreamChoice(BaseModel):
     finish_reason: Literal["stop", "length"] | None
     # vLLM's: the stop string, or the one of stop_token_ids, that ended it (else null)
     stop_reason: int | str | None = None
+    token_ids: list[int] | None = None  # only with return_token_ids: the chunk's new ones
 
 
 class ChatCompletionChunk(BaseModel):
@@ -157,6 +167,8 @@ class ChatCompletionChunk(BaseModel):
     choices: list[ChatStreamChoice]
     usage: Usage | None = None
     metrics: ServerMetricsOut | None = None
+    # only with return_token_ids (vLLM's), in each choice's first chunk: the prompt's
+    prompt_token_ids: list[int] | None = None
 
 
 class ModelCard(BaseModel):

@@ -239,6 +239,10 @@ class _Common(BaseModel):
     truncate_prompt_tokens: Unsupported = Field(None, description=NOT_SUPPORTED)
     return_tokens_as_token_ids: bool | None = Field(
         None, description="Logprobs' tokens as 'token_id:{id}' strings, not their text.")
+    return_token_ids: bool | None = Field(
+        None, description="vLLM's: each choice's token_ids, and the prompt's"
+        " prompt_token_ids (completions: in each choice; chat: in the response). Streamed:"
+        " each chunk's new token ids, and the prompt's in each choice's first chunk.")
     logits_processors: Unsupported = Field(None, description=NOT_SUPPORTED)
     prompt_embeds: Unsupported = Field(None, description=NOT_SUPPORTED)
 

@@ -8,8 +8,8 @@ from dataclasses import dataclass, field
 from fluidserve.engine.output import RequestOutput
 from fluidserve.serve.protocol import new_id, now, usage
 
-__all__ = ["Context", "chat_chunk", "full_response", "model_list", "new_id", "now",
-           "stream_chunk", "total_usage", "usage", "usage_chunk"]
+__all__ = ["Context", "chat_chunk", "chat_role_chunk", "full_response", "model_list", "new_id",
+           "now", "stream_chunk", "total_usage", "usage", "usage_chunk"]
 
 
 @dataclass
@@ -50,6 +50,8 @@ class Context:
     vllm_prompt_logprobs: list | None = None
     _echoed: bool = False  # (streamed: the prompt goes in the choice's first chunk)
     ids_as_text: bool = False  # return_tokens_as_token_ids: a token is "token_id:{id}"
+    # vLLM's return_token_ids: each choice's token ids, and its prompt's (``prompt_ids``)
+    return_ids: bool = False
     score_only: bool = False  # echo with max_tokens 0: the token computed is not returned
 
     def add(self, out: RequestOutput) -> None:
@@ -158,8 +160,11 @@ def stream_chunk(ctx: Context, out: RequestOutput) -> dict:
         else None
     stop = out.stop_reason if out.finished and not ctx.score_only else None
     if ctx.chat:  # (content "" too, as vLLM: while text is held back, and at the end)
-        return chat_chunk(ctx, {"content": out.new_text}, reason,
-                          _chat_logprobs(ctx, ctx._new_logprobs), stop)
+        chunk = chat_chunk(ctx, {"content": out.new_text}, reason,
+                           _chat_logprobs(ctx, ctx._new_logprobs), stop)
+        if ctx.return_ids:
+            chunk["choices"][0]["token_ids"] = out.new_token_ids
+        return chunk
     text, entries, offset = ("" if ctx.score_only else out.new_text), ctx._new_logprobs, \
         ctx._offset
     first = not ctx._echoed
@@ -171,6 +176,10 @@ def stream_chunk(ctx: Context, out: RequestOutput) -> dict:
               "stop_reason": stop}
     if ctx.prompt_k is not None and first:
         choice["prompt_logprobs"] = ctx.vllm_prompt_logprobs
+    if ctx.return_ids:  # (as vLLM's: the prompt's in each choice's first chunk)
+        choice["token_ids"] = [] if ctx.score_only else out.new_token_ids
+        if first:
+            choice["prompt_token_ids"] = ctx.prompt_ids
     return _envelope(ctx, "text_completion", [choice], None)
 
 
@@ -179,6 +188,15 @@ def chat_chunk(ctx: Context, delta: dict, reason: str | None, logprobs: dict | N
     choice = {"index": ctx.index, "delta": delta, "logprobs": logprobs, "finish_reason": reason,
               "stop_reason": stop_reason}
     return _envelope(ctx, "chat.completion.chunk", [choice])
+
+
+def chat_role_chunk(ctx: Context) -> dict:
+    """A chat choice's first chunk: its role (with return_token_ids, as vLLM's, the prompt's
+    token ids beside it)."""
+    chunk = chat_chunk(ctx, {"role": "assistant", "content": ""}, None)
+    if ctx.return_ids:
+        chunk["prompt_token_ids"] = ctx.prompt_ids
+    return chunk
 
 
 def total_usage(choices: list[Context]) -> dict:
@@ -208,10 +226,12 @@ def full_response(choices: list[Context]) -> dict:
             "logprobs": _chat_logprobs(c, c.logprobs),
             "finish_reason": c.finish_reason,
             "stop_reason": c.stop_reason,
-        } for c in choices]
+        } | ({"token_ids": c.token_ids} if c.return_ids else {}) for c in choices]
         body = _envelope(first, "chat.completion", items, total_usage(choices))
         if first.prompt_k is not None:
             body["prompt_logprobs"] = first.vllm_prompt_logprobs
+        if first.return_ids:
+            body["prompt_token_ids"] = first.prompt_ids
         return body
     items = [{
         "index": c.index,
@@ -220,6 +240,8 @@ def full_response(choices: list[Context]) -> dict:
         "finish_reason": c.finish_reason,
         "stop_reason": c.stop_reason,
     } | ({"prompt_logprobs": c.vllm_prompt_logprobs} if c.prompt_k is not None else {})
+      | ({"token_ids": [] if c.score_only else c.token_ids, "prompt_token_ids": c.prompt_ids}
+         if c.return_ids else {})
         for c in choices]
     return _envelope(first, "text_completion", items, total_usage(choices))
 

@@ -21,9 +21,9 @@ class TokenLists:
     hold the whole vocabulary, ``bad_words_token_ids`` hundreds of thousands of tokens), each
     with the normalized list it was made from. ``dataclasses.replace`` hands it to the copy,
     which reuses every part whose list is still the same object: the n samples of a request,
-    copies with other seeds, neither rebuild nor pickle it n times (128 samples allowing
-    128k tokens and banning 256 words of 2000 tokens took 7.6 s on the event loop, and
-    581 MB to send, before)."""
+    copies with other seeds, neither rebuild nor pickle it n times (2-core Zen 4 EPYC: 128
+    copies allowing 128k tokens and banning 256 words of 2000 tokens took 7.6 s and pickled
+    to 581 MB when each rebuilt it, 1.4 ms and 4.6 MB sharing it)."""
 
     allowed: tuple[int, ...] | None = None
     allowed_array: array | None = None

@@ -107,7 +107,7 @@ class LLM:
                         reqs[rid] = eng.add_request(rid, first.prompt_token_ids,
                                                     first.params.sample(j))
                     else:
-                        reqs[rid] = eng.add_request(rid, prompt, p.sample(0))
+                        reqs[rid] = eng.add_request(rid, prompt, p.sample(0) if p.n > 1 else p)
                     group.append(rid)
                     texts[rid], logprobs[rid] = [], []
                 order.append(group)

@@ -156,7 +156,7 @@ def build_model_executor(config: EngineConfig):
 
     from fluidserve.model.builder import default_model_dir
     from fluidserve.model.runner import ModelExecutor
-    from fluidserve.model.worker import cuda_graph_batch
+    from fluidserve.model.worker import cuda_graph_batch, warmup_rows
 
     m, c, par = config.model, config.cache, config.parallel
     model_dir = str(m.model or default_model_dir())
@@ -191,5 +191,6 @@ def build_model_executor(config: EngineConfig):
         max_num_seqs=config.scheduler.max_num_seqs,
         watermark=c.watermark,
         async_scheduling=config.uses_async_scheduling(),
+        warmup_rows=warmup_rows(config),
     )
     return executor, model_dir

@@ -58,9 +58,12 @@ class ModelExecutor:
         max_num_seqs: int | None = None,
         watermark: float = 0.0,
         async_scheduling: bool = False,
+        warmup_rows: tuple[int, int] = (0, 0),
     ) -> None:
         """``max_num_seqs`` (and the admission ``watermark``): size a memory-sized cache to
-        no more than that many sequences of the context window can use."""
+        no more than that many sequences of the context window can use. ``warmup_rows``:
+        (tokens of a batch, the LM head's rows) up to which the oneDNN linears are warmed up
+        at load (``worker.warmup_rows``; (0, 0), the default here: not at all)."""
         arch = read_arch(model_dir)
         dtype = resolve_dtype(dtype, arch, device)
         max_len = resolve_max_model_len(arch, max_model_len)
@@ -69,7 +72,8 @@ class ModelExecutor:
                                                watermark=watermark)
         spec = WorkerSpec(str(model_dir), dtype, device, block_size, blocks, max_len,
                           attention_backend, linear_backend, panel_product, cuda_graph_max_batch,
-                          async_scheduling, max_num_seqs or WorkerSpec.max_num_seqs)
+                          async_scheduling, max_num_seqs or WorkerSpec.max_num_seqs,
+                          *warmup_rows)
         self.worker = Worker(spec)
         self.resolves_placeholders = async_scheduling
         self._rows: dict[str, int] = {}  # request id -> its row in the last batch's tokens

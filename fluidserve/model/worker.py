@@ -39,6 +39,7 @@ from fluidserve.model.linear import (
     tile_kind,
     tiles_cover_every_batch,
     tiles_supported,
+    warm_up_linears,
     widened,
 )
 from fluidserve.model.llama import Shard, TensorParallel
@@ -80,6 +81,10 @@ class WorkerSpec:
     # sampled tokens (``inputs.prepare_inputs``), of which there are at most max_num_seqs.
     async_scheduling: bool = False
     max_num_seqs: int = 256
+    # oneDNN linears: batches of up to ``warmup_rows`` tokens (the LM head's sampled rows: up
+    # to ``warmup_head_rows``) have their kernels built at load (linear.warm_up_linears).
+    warmup_rows: int = 0
+    warmup_head_rows: int = 0
 
     def packed_linear(self) -> bool:
         """Whether the workers run their linears prepacked (and pad a batch's rows as
@@ -134,8 +139,21 @@ def plan_workers(model_dir: str | Path, config) -> tuple[ArchConfig, WorkerSpec]
         p.pipeline_parallel_size, config.scheduler.max_num_seqs, max_len, c.watermark)
     spec = WorkerSpec(str(model_dir), dtype, m.device, c.block_size, blocks, max_len,
                       m.attention_backend, m.linear_backend, m.panel_product,
-                      cuda_graph_batch(config))
+                      cuda_graph_batch(config), *warmup_rows(config))
     return arch, spec
+
+
+def warmup_rows(config) -> tuple[int, int]:
+    """The batch sizes an EngineConfig's workers warm their oneDNN linears up to: (tokens of
+    an iteration, the LM head's sampled rows), each at most --warmup-max-rows; (0, 0) off."""
+    limit = config.model.warmup_max_rows
+    sc = config.scheduler
+    if not limit or not config.model.device.startswith("cpu"):
+        return 0, 0
+    from fluidserve.engine.budget import AUTO_MAX_BUDGET
+
+    tokens = min(limit, AUTO_MAX_BUDGET if sc.token_budget == "auto" else sc.token_budget)
+    return tokens, min(tokens, sc.max_num_seqs)
 
 
 def cuda_graph_batch(config) -> int:
@@ -173,6 +191,12 @@ class Worker:
         if self.packed_linear:
             pack_linear_layers(self.model, tiles=self.tile_linear, dot=self.dot_panels)
         log.info("linear layers: %s", self.linear_kernel())
+        if self.packed_linear and spec.warmup_rows:
+            start = time.perf_counter()
+            runs = warm_up_linears(self.model, spec.warmup_rows, spec.warmup_head_rows)
+            if runs:
+                log.info("oneDNN linears warmed up for batches of up to %d tokens: %d products"
+                         " in %.2f s", spec.warmup_rows, runs, time.perf_counter() - start)
         hkv = self.arch.num_kv_heads // shard.tp_size
         # One (key, value) pair of caches per layer of this stage (layouts: model/attention.py).
         self.kv_caches = [new_kv_cache(spec.num_blocks, spec.block_size, hkv, self.arch.head_dim,

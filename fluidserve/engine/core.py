@@ -26,7 +26,7 @@ from fluidserve.core.scheduler import (
     SchedulerOutput,
     make_scheduler,
 )
-from fluidserve.engine.budget import AUTO_MAX_BUDGET, learned_budget
+from fluidserve.engine.budget import learned_budget, max_iteration_tokens
 from fluidserve.engine.messages import (
     AbortRequests,
     AddRequest,
@@ -127,7 +127,7 @@ class EngineCore:
                                  executor.max_model_len)
         sc = config.scheduler
         auto = sc.token_budget == "auto"
-        limits = SchedulerLimits(AUTO_MAX_BUDGET if auto else sc.token_budget, sc.max_num_seqs,
+        limits = SchedulerLimits(max_iteration_tokens(sc), sc.max_num_seqs,
                                  self.max_model_len, sc.tile_size, sc.queue_policy,
                                  sc.queue_window)
         self.block_manager = make_block_manager(executor.num_blocks, executor.block_size,

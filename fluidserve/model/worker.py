@@ -150,9 +150,9 @@ def warmup_rows(config) -> tuple[int, int]:
     sc = config.scheduler
     if not limit or not config.model.device.startswith("cpu"):
         return 0, 0
-    from fluidserve.engine.budget import AUTO_MAX_BUDGET
+    from fluidserve.engine.budget import max_iteration_tokens
 
-    tokens = min(limit, AUTO_MAX_BUDGET if sc.token_budget == "auto" else sc.token_budget)
+    tokens = min(limit, max_iteration_tokens(sc))
     return tokens, min(tokens, sc.max_num_seqs)
 
 

@@ -10,6 +10,7 @@ import sys
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from fluidserve.kernels import build_error, cpu_flags, cpu_ops
 from fluidserve.model import attention as A
@@ -178,6 +179,50 @@ def test_long_runs_take_the_prefill_kernel_the_cpu_has():
     # The two paths round differently (P in bf16 in the kernels), so the outputs differ
     # exactly when a prefill kernel ran; both are checked against the reference above.
     assert torch.equal(outs[0], outs[1]) != bool(expected)
+
+
+@pytest.mark.parametrize("d", [32, 64, 128])
+def test_the_prefill_kernel_follows_scores_that_keep_rising(d):
+    """Scores that rise along the context, by a few units a 32-key chunk or by many: the AMX
+    kernel raises its running max only when a chunk passes it by more than 2^8 (and keeps its
+    output in tile registers up to head_dim 64), so both the stale max and the rescale must
+    give the reference's softmax; so must the panel kernels where the CPU has those."""
+    if ops.prefill_kernel() == "":
+        pytest.skip("no prefill kernel on this CPU")
+    h, hkv, bs = 8, 2, 16
+    lengths = [(64, 64), (200, 300), (33, 97)]
+    q, k, v, k_cache, v_cache, meta, tables = batch(h, hkv, d, bs, torch.bfloat16, seed=4,
+                                                    lengths=lengths)
+    g = torch.Generator().manual_seed(9)
+    u = F.normalize(torch.randn(hkv, d, generator=g), dim=-1)  # each kv head's direction
+    # per query head: the score gained per key (natural units), 0.02 to 0.4 (13 a chunk)
+    rise = torch.linspace(0.02, 0.4, h)
+    keys, values, slots = [], [], []
+    for (q0, n, ctx), table in zip(meta.runs, tables, strict=True):
+        pos = torch.arange(ctx, dtype=torch.float32)
+        noise = 0.05 * torch.randn(ctx, hkv, d, generator=g)
+        keys.append(pos[:, None, None] * u[None] + noise)
+        values.append(torch.randn(ctx, hkv, d, generator=g))
+        slots += [table[p // bs] * bs + p % bs for p in range(ctx)]
+        # q . k / sqrt(d) = rise x position for the group's direction
+        q[q0:q0 + n] = (rise[:, None] * d**0.5 * u.repeat_interleave(h // hkv, 0))[None].to(
+            q.dtype)
+    keys, values = torch.cat(keys).to(q.dtype), torch.cat(values).to(q.dtype)
+    A.write_kv(keys, values, k_cache, v_cache, torch.tensor(slots))
+    # the new tokens' keys and values: each run's last n positions
+    new = torch.cat([torch.arange(sum(r[2] for r in meta.runs[:i]) + ctx - n,
+                                  sum(r[2] for r in meta.runs[:i]) + ctx)
+                     for i, (_, n, ctx) in enumerate(meta.runs)])
+    out = torch.empty_like(q)
+    before = ops.use_prefill_kernel(True)
+    try:
+        ops.paged_attention(out, q, keys[new], values[new], k_cache, v_cache,
+                            meta.slot_mapping, meta.cu_q, meta.ctx_lens, meta.block_tables,
+                            d**-0.5, 1)
+    finally:
+        ops.use_prefill_kernel(before)
+    ref = reference(q, k_cache, v_cache, meta.runs, tables, d**-0.5)
+    assert (out.float() - ref.float()).abs().max() <= 3e-2
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

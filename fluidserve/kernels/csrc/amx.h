@@ -19,12 +19,24 @@ namespace {
 // these runs at ~0.35 TFLOP/s on a 2-core Sapphire Rapids VM).
 //
 // First, once per (run, kv head), the keys the run can see are copied key-major ([key, D])
-// and the values channel-major ([D, key]), zero up to a multiple of 32 keys. Then a work item
-// (run, kv head, up to kAmxQ query tokens) takes 16-token tiles and, for each query head of
-// the group and each 32-key chunk up to the tile's last position: S^T (two tiles), mask and
-// scale, running max and sum per query, P rounded to bf16 (as flash attention on GPUs does),
-// O^T = O^T * alpha + V^T P^T.
+// and the values channel-major within each 32-key chunk ([chunk][D][32 keys]: a V^T tile is
+// 1 KB in one piece; as [D, key] rows, 2048 keys put its 16 rows a power of two apart, all in
+// one cache set, and those loads took a fifth of the kernel's time), zero up to a multiple of
+// 32 keys. Then a work item (run, kv head, up to kAmxQ query tokens) takes 16-token tiles
+// and, for each query head of the group and each 32-key chunk up to the tile's last position:
+// S^T (two tiles, multiplied a chunk ahead, so that the matrix unit works while the vector
+// units take the softmax), mask and scale, running max and sum per query, P rounded to bf16
+// (as flash attention on GPUs does), O^T += V^T P^T. The running max is raised lazily
+// (kLazyRescale): O^T is rescaled only when a chunk passes it by far, and up to head_dim 64
+// accumulates in tile registers the whole way. Measured on a 2-core AMX Xeon VM against the
+// kernel before (an O^T rescale and store every chunk, [D, key] values):
+// 0.67-0.77x the time (`scripts/bench_attention.py --against`, race model shapes).
 constexpr int kAmxQ = 64;  // query tokens per work item
+// Tiles: 0 and 1 hold S^T, 2 to 5 O^T (kOTiles of 16 channels), 6 and 7 a product's
+// operands (the intrinsics take tile numbers as literals: macros, not constants).
+#define AMX_A 6
+#define AMX_B 7
+constexpr int kOTiles = 4;
 
 struct alignas(64) TileConfig {
   uint8_t palette = 1, start_row = 0;
@@ -48,7 +60,8 @@ struct AmxRun {
 };
 
 // Keys 0 .. keys - 1 of kv head g key-major into kp [padded, D] and values channel-major
-// into vt [D, padded], 16 x 16 blocks at a time; the padding is zero.
+// by 32-key chunks into vt [padded / 32, D, 32], 16 x 16 blocks at a time; the padding is
+// zero.
 void amx_pack(const Batch& b, const AmxRun& r, int g, int BS, const uint16_t* kc,
               const uint16_t* vc, uint16_t* kp, uint16_t* vt) {
   const int D = b.D;
@@ -67,13 +80,21 @@ void amx_pack(const Batch& b, const AmxRun& r, int g, int BS, const uint16_t* kc
       for (int j = 0; j < 16; ++j) x[j] = widen16(vb + j * D + d0);  // key key0 + j
       transpose16(x);
       for (int i = 0; i < 16; ++i)
-        narrow16(vt + static_cast<int64_t>(d0 + i) * r.padded + key0, x[i]);
+        narrow16(vt + (static_cast<int64_t>(key0 / 32) * D + d0 + i) * 32 + key0 % 32, x[i]);
     }
   }
   std::memset(kp + static_cast<int64_t>(r.keys) * D, 0, (r.padded - r.keys) * D * 2);
-  for (int d = 0; d < D; ++d)
-    std::memset(vt + static_cast<int64_t>(d) * r.padded + r.keys, 0, (r.padded - r.keys) * 2);
+  if (r.keys < r.padded)  // the padding: the end of the last chunk
+    for (int d = 0; d < D; ++d)
+      std::memset(vt + (static_cast<int64_t>(r.keys / 32) * D + d) * 32 + r.keys % 32, 0,
+                  (r.padded - r.keys) * 2);
 }
+
+// The running max of a query's scores (log2 units) is raised only when a chunk's max passes
+// it by more than this: until then P = 2^(s - m) <= 2^8 (no overflow in float32 sums, bf16
+// keeps its relative precision), and O needs no rescaling, so that on D <= 64 it stays in
+// tile registers from the first key to the last.
+constexpr float kLazyRescale = 8.0f;
 
 void amx_item(const LongItem& w, const std::vector<AmxRun>& runs, const Batch& b,
               const uint16_t* q, uint16_t* out, const uint16_t* packed) {
@@ -85,16 +106,37 @@ void amx_item(const LongItem& w, const std::vector<AmxRun>& runs, const Batch& b
   const uint16_t* kp = packed + r.offset + static_cast<int64_t>(w.kv_head) * 2 * r.padded * D;
   const uint16_t* vt = kp + static_cast<int64_t>(r.padded) * D;
   const float c = b.scale * 1.4426950408889634f;  // scores in log2 units
+  // O^T accumulates in tiles 2.. (one per 16 channels) where they fit beside S^T's two
+  // and the two operands; otherwise each chunk's product is added to ``ot`` in memory.
+  const bool resident = DB <= kOTiles;
 
   alignas(64) uint16_t qt[kMaxHeadDim / 32][16 * 32];  // Q^T, VNNI: [d pair][query][2]
-  alignas(64) float st[32 * 16];                       // S^T of one chunk: [key][query]
+  alignas(64) float st[2][32 * 16];  // S^T of this chunk and the next: [key][query]
   alignas(64) uint16_t pt[16 * 32];                    // P^T, VNNI: [key pair][query][2]
-  alignas(64) float cb[2][16 * 16];
+  alignas(64) float cb[16 * 16];
   alignas(64) float ot[kMaxHeadDim * 16];  // O^T: [channel][query]
   static const __m512i pair_idx = _mm512_set_epi16(
       31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8,
       23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
   const __m512i lanes = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
+  auto o_tiles_out = [&] {
+    _tile_stored(2, ot, 64);
+    if (DB > 1) _tile_stored(3, ot + 256, 64);
+    if (DB > 2) _tile_stored(4, ot + 512, 64);
+    if (DB > 3) _tile_stored(5, ot + 768, 64);
+  };
+  // O^T *= alpha, down each channel's 16 queries (in tiles: out to ``ot`` and back).
+  auto rescale = [&](__m512 alpha) {
+    if (resident) o_tiles_out();
+    for (int i = 0; i < D; ++i)
+      _mm512_store_ps(ot + 16 * i, _mm512_mul_ps(_mm512_load_ps(ot + 16 * i), alpha));
+    if (resident) {
+      _tile_loadd(2, ot, 64);
+      if (DB > 1) _tile_loadd(3, ot + 256, 64);
+      if (DB > 2) _tile_loadd(4, ot + 512, 64);
+      if (DB > 3) _tile_loadd(5, ot + 768, 64);
+    }
+  };
   for (int t0 = w.tok0; t0 < w.tok0 + w.toks; t0 += 16) {
     const int nt = std::min(16, w.tok0 + w.toks - t0);
     // Position of each query lane; padding lanes see every key (their output is dropped).
@@ -115,38 +157,60 @@ void amx_item(const LongItem& w, const std::vector<AmxRun>& runs, const Batch& b
         transpose16(y);
         for (int i = 0; i < 16; ++i) _mm512_store_ps(reinterpret_cast<float*>(qt[dc] + 32 * i), y[i]);
       }
-      __m512 m = _mm512_set1_ps(kNegInf), l = _mm512_setzero_ps();
-      std::fill(ot, ot + D * 16, 0.0f);
-      for (int ch = 0; ch < chunks; ++ch) {
-        const int key0 = 32 * ch;
+      __m512 m = _mm512_setzero_ps(), l = _mm512_setzero_ps();
+      if (resident) {
+        _tile_zero(2);
+        if (DB > 1) _tile_zero(3);
+        if (DB > 2) _tile_zero(4);
+        if (DB > 3) _tile_zero(5);
+      } else {
+        std::fill(ot, ot + D * 16, 0.0f);
+      }
+      // S^T of a chunk into tiles 0 and 1: issued a chunk ahead, the matrix unit multiplies
+      // the next chunk's scores while the vector units take this one's softmax.
+      auto scores = [&](int key0) {
         _tile_zero(0);
         _tile_zero(1);
         for (int dc = 0; dc < DC; ++dc) {
-          _tile_loadd(3, qt[dc], 64);
-          _tile_loadd(2, kp + static_cast<int64_t>(key0) * D + 32 * dc, D * 2);
-          _tile_dpbf16ps(0, 2, 3);
-          _tile_loadd(2, kp + static_cast<int64_t>(key0 + 16) * D + 32 * dc, D * 2);
-          _tile_dpbf16ps(1, 2, 3);
+          _tile_loadd(AMX_B, qt[dc], 64);
+          _tile_loadd(AMX_A, kp + static_cast<int64_t>(key0) * D + 32 * dc, D * 2);
+          _tile_dpbf16ps(0, AMX_A, AMX_B);
+          _tile_loadd(AMX_A, kp + static_cast<int64_t>(key0 + 16) * D + 32 * dc, D * 2);
+          _tile_dpbf16ps(1, AMX_A, AMX_B);
         }
-        _tile_stored(0, st, 64);
-        _tile_stored(1, st + 256, 64);
+      };
+      scores(0);
+      _tile_stored(0, st[0], 64);
+      _tile_stored(1, st[0] + 256, 64);
+      for (int ch = 0; ch < chunks; ++ch) {
+        const int key0 = 32 * ch;
+        const float* sc = st[ch & 1];
+        if (ch + 1 < chunks) scores(key0 + 32);
         __m512 x[32];
         const bool edge = key0 + 31 > min_pos;  // some key of the chunk is after some query
         __m512 mx = _mm512_set1_ps(kNegInf);
         for (int j = 0; j < 32; ++j) {
-          x[j] = _mm512_load_ps(st + 16 * j);
+          x[j] = _mm512_load_ps(sc + 16 * j);
           if (edge)
             x[j] = _mm512_mask_blend_ps(
                 _mm512_cmplt_epi32_mask(qpos, _mm512_set1_epi32(key0 + j)), x[j],
                 _mm512_set1_ps(kNegInf));
           mx = _mm512_max_ps(mx, x[j]);
         }
-        const __m512 m_new = _mm512_max_ps(m, _mm512_mul_ps(mx, _mm512_set1_ps(c)));
-        // m is -inf until a lane has seen a key: its alpha is then 0 (nothing to rescale).
-        const __m512 alpha = exp2_neg<true>(_mm512_sub_ps(m, m_new));
-        m = m_new;
-        const __m512 neg_m = _mm512_sub_ps(_mm512_setzero_ps(), m_new);
+        const __m512 m_chunk = _mm512_mul_ps(mx, _mm512_set1_ps(c));
+        if (ch == 0) {  // every query sees key 0: each lane's max is finite from here on
+          m = m_chunk;
+        } else if (_mm512_cmp_ps_mask(m_chunk, _mm512_add_ps(m, _mm512_set1_ps(kLazyRescale)),
+                                      _CMP_GT_OQ)) {
+          const __m512 m_new = _mm512_max_ps(m, m_chunk);
+          const __m512 alpha = exp2_neg<false>(_mm512_sub_ps(m, m_new));
+          rescale(alpha);
+          l = _mm512_mul_ps(l, alpha);
+          m = m_new;
+        }
+        const __m512 neg_m = _mm512_sub_ps(_mm512_setzero_ps(), m);
         __m512 sum = _mm512_setzero_ps();
+        // P = 2^(s - m) <= 2^kLazyRescale (exp2_neg holds there too).
         auto probabilities = [&](auto exp2) {
           for (int j = 0; j < 32; j += 2) {
             const __m512 p0 = exp2(_mm512_fmadd_ps(x[j], _mm512_set1_ps(c), neg_m));
@@ -160,27 +224,35 @@ void amx_item(const LongItem& w, const std::vector<AmxRun>& runs, const Batch& b
           probabilities([](__m512 t) { return exp2_neg<true>(t); });
         else
           probabilities([](__m512 t) { return exp2_neg<false>(t); });
-        l = _mm512_fmadd_ps(l, alpha, sum);
-        _tile_loadd(3, pt, 64);
+        l = _mm512_add_ps(l, sum);
+        _tile_loadd(AMX_B, pt, 64);
         for (int db = 0; db < DB; ++db) {
-          const int tile = db & 1;  // two accumulators in flight
-          if (tile == 0) {
-            _tile_zero(0);
-            _tile_loadd(2, vt + static_cast<int64_t>(16 * db) * r.padded + key0, r.padded * 2);
-            _tile_dpbf16ps(0, 2, 3);
-            _tile_stored(0, cb[0], 64);
+          const uint16_t* v_rows = vt + (static_cast<int64_t>(ch) * D + 16 * db) * 32;
+          if (resident) {
+            _tile_loadd(AMX_A, v_rows, 64);
+            switch (db) {  // tile numbers are immediates
+              case 0: _tile_dpbf16ps(2, AMX_A, AMX_B); break;
+              case 1: _tile_dpbf16ps(3, AMX_A, AMX_B); break;
+              case 2: _tile_dpbf16ps(4, AMX_A, AMX_B); break;
+              default: _tile_dpbf16ps(5, AMX_A, AMX_B); break;
+            }
           } else {
-            _tile_zero(1);
-            _tile_loadd(2, vt + static_cast<int64_t>(16 * db) * r.padded + key0, r.padded * 2);
-            _tile_dpbf16ps(1, 2, 3);
-            _tile_stored(1, cb[1], 64);
+            _tile_zero(2);
+            _tile_loadd(AMX_A, v_rows, 64);
+            _tile_dpbf16ps(2, AMX_A, AMX_B);
+            _tile_stored(2, cb, 64);
+            float* o = ot + 16 * db * 16;
+            for (int d = 0; d < 16; ++d)
+              _mm512_store_ps(o + 16 * d, _mm512_add_ps(_mm512_load_ps(o + 16 * d),
+                                                        _mm512_load_ps(cb + 16 * d)));
           }
-          float* o = ot + 16 * db * 16;
-          for (int d = 0; d < 16; ++d)
-            _mm512_store_ps(o + 16 * d, _mm512_fmadd_ps(_mm512_load_ps(o + 16 * d), alpha,
-                                                        _mm512_load_ps(cb[tile] + 16 * d)));
+        }
+        if (ch + 1 < chunks) {
+          _tile_stored(0, st[(ch + 1) & 1], 64);
+          _tile_stored(1, st[(ch + 1) & 1] + 256, 64);
         }
       }
+      if (resident) o_tiles_out();
       const __m512 inv = _mm512_div_ps(_mm512_set1_ps(1.0f), l);
       for (int d0 = 0; d0 < D; d0 += 16) {  // O^T rows d0 .. d0 + 15 become 16-channel rows
         __m512 y[16];
@@ -196,6 +268,9 @@ void amx_item(const LongItem& w, const std::vector<AmxRun>& runs, const Batch& b
     }
   }
 }
+
+#undef AMX_A
+#undef AMX_B
 
 // Runs flagged in ``long_run`` on AMX tiles; false when this batch cannot use them (then the
 // caller takes ATen's flash attention).
@@ -225,7 +300,7 @@ bool kernel_long_runs(const Batch& b, int64_t S, int BS, const std::vector<uint8
   const int threads = static_cast<int>(std::max<int64_t>(
       1, std::min<int64_t>(at::get_num_threads(), std::max(n, n_pack))));
   TileConfig cfg;
-  for (int t = 0; t < 4; ++t) {  // every tile used is 16 rows of 64 bytes
+  for (int t = 0; t < 8; ++t) {  // every tile is 16 rows of 64 bytes
     cfg.rows[t] = 16;
     cfg.colsb[t] = 64;
   }

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from concurrent.futures import Future
 
+import numpy as np
 import pytest
 
 from fluidserve.config import ConfigError, EngineConfig
@@ -319,7 +320,6 @@ def test_pipelined_auto_learns_the_wait_from_gaps_of_full_micro_batches_only():
 
 
 def test_simulated_pipelined_auto_meets_the_slo_in_micro_batches_no_larger_than_saturation():
-    import numpy as np
 
     from fluidserve.bench.workload import WorkloadSpec, build_workload
     from fluidserve.engine.budget import cost_model_budget
@@ -378,6 +378,27 @@ def test_learned_budget_plans_for_the_scatter_of_measured_iteration_times():
     # The noisy engine plans its iterations shorter by that factor.
     assert noisy.budget.target == pytest.approx(quiet.budget.target / noisy._budget_model.scatter,
                                                 rel=0.01)
+
+
+def test_the_scatter_is_that_of_the_iterations_the_slo_binds():
+    """A stall of a few ms doubles a 10 ms decode step and barely moves a 100 ms iteration:
+    the budget plans for the scatter of the iterations predicted near its target (where the
+    window holds enough of them), not for the small steps' (on a 2-core VM those set it at
+    1.5 and the iterations stopped well short of the SLO)."""
+    from fluidserve.engine.budget import NEAR_MIN, OnlineIterationModel
+
+    rng = np.random.default_rng(0)
+    pred = np.tile([0.01, 0.1], 128)
+    stalls = np.where(rng.random(256) < 0.1, 0.008, 0.0)  # every tenth iteration stalls 8 ms
+    y = pred * rng.uniform(0.99, 1.01, 256) + stalls
+    everything = OnlineIterationModel()._scatter(y, pred)
+    near = OnlineIterationModel(near=0.05)
+    assert everything > 1.7  # (10 + 8) / 10 ms
+    assert near._scatter(y, pred) == pytest.approx(1.09, abs=0.02)  # (100 + 8) / 100 ms
+    # Too few iterations near the target in the window: all of them count.
+    few = pred.copy()
+    few[1::2][NEAR_MIN - 8:] = 0.01
+    assert near._scatter(y, few) == pytest.approx(OnlineIterationModel()._scatter(y, few))
 
 
 @pytest.mark.parametrize("chunk", [0, 1, 16])

@@ -320,7 +320,6 @@ def test_pipelined_auto_learns_the_wait_from_gaps_of_full_micro_batches_only():
 
 
 def test_simulated_pipelined_auto_meets_the_slo_in_micro_batches_no_larger_than_saturation():
-
     from fluidserve.bench.workload import WorkloadSpec, build_workload
     from fluidserve.engine.budget import cost_model_budget
     from fluidserve.sim.cost_model import GPUCostModel

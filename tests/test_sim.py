@@ -318,23 +318,25 @@ def test_batched_prompts_in_a_profile_price_attention_apart_from_the_linears():
 
 
 def test_the_default_cpu_profile_is_the_one_taken_on_this_kind_of_cpu():
-    """The engine runs the AVX-512 panels on AVX-512 without AMX (with the bf16 dot product
-    on AMD's, the FMA on Intel's) and the AVX2 panels on AVX2: each has its shipped profile,
-    and the default is the one of this CPU's kind."""
+    """The engine runs AMX tiles and oneDNN's AMX matmuls where the CPU has AMX, the
+    AVX-512 panels on AVX-512 without AMX (with the bf16 dot product on AMD's, the FMA on
+    Intel's) and the AVX2 panels on AVX2: each has its shipped profile, and the default is
+    the one of this CPU's kind."""
     avx512 = "fpu sse2 avx2 fma avx512f avx512bw avx512_bf16"
     assert nearest_cpu_profile(avx512, "GenuineIntel") == "xeon-emr"
     assert nearest_cpu_profile(avx512, "AuthenticAMD") == "epyc-zen4"
     assert nearest_cpu_profile("avx2 fma avx512f avx512bw", "AuthenticAMD") == "xeon-emr"
     assert nearest_cpu_profile("avx2 fma", "AuthenticAMD") == "epyc-zen3"
     assert nearest_cpu_profile("avx2 fma avx512f avx512bw amx_tile amx_bf16",
-                               "GenuineIntel") == "epyc-zen3"
+                               "GenuineIntel") == "xeon-amx"
     assert load_cpu_profile(None) == load_cpu_profile(nearest_cpu_profile())
-    emr, zen3, zen4 = (CPUCostModel(load_cpu_profile(n))
-                       for n in ("xeon-emr", "epyc-zen3", "epyc-zen4"))
-    # The Xeon's AVX-512 prefill is about twice the EPYC's AVX2 one, and Zen 4's dot
-    # product faster again.
+    emr, zen3, zen4, amx = (CPUCostModel(load_cpu_profile(n))
+                            for n in ("xeon-emr", "epyc-zen3", "epyc-zen4", "xeon-amx"))
+    # The Xeon's AVX-512 prefill is about twice the EPYC's AVX2 one, Zen 4's dot product
+    # faster again, and the matrix unit's several times faster than any of them.
     assert emr.stage_times(_prefill(512))[0] < 0.7 * zen3.stage_times(_prefill(512))[0]
     assert zen4.stage_times(_prefill(512))[0] < 0.8 * emr.stage_times(_prefill(512))[0]
+    assert amx.stage_times(_prefill(512))[0] < 0.4 * zen4.stage_times(_prefill(512))[0]
 
 
 def _served(base: CPUCostModel, noise=lambda shape, rng: 1.0, n: int = 300,

@@ -29,8 +29,8 @@ class SimConfig:
     cpu_profile: str | None = knob(
         None, "profile.json (`fluidserve profile`) for the cpu cost model, or a shipped one"
         " of the 250M bf16 model: epyc-zen3 (2-core AMD EPYC, AVX2), epyc-zen4 (2-core AMD"
-        " EPYC, AVX-512 BF16) or xeon-emr (2-core Xeon, AVX-512 without AMX). Default: the"
-        " shipped one nearest this CPU.")
+        " EPYC, AVX-512 BF16), xeon-emr (2-core Xeon, AVX-512 without AMX) or xeon-amx"
+        " (2-core Xeon with AMX). Default: the shipped one nearest this CPU.")
     cpu_calibration: str | None = knob(
         None, "Comma-separated engine telemetry files (`fluidserve serve --telemetry-file`)"
         " to refit the cpu cost model on served iterations (served, as by default, on"

@@ -455,18 +455,22 @@ SHIPPED_CPU_PROFILES = {
     "epyc-zen3": "cpu_profile_250m_bf16.json",  # 2-core AMD EPYC (Zen 3): the AVX2 panels
     "epyc-zen4": "cpu_profile_250m_bf16_zen4.json",  # 2-core AMD EPYC (Zen 4): dot panels
     "xeon-emr": "cpu_profile_250m_bf16_avx512.json",  # 2-core Xeon, AVX-512 without AMX
+    "xeon-amx": "cpu_profile_250m_bf16_amx.json",  # 2-core Xeon with AMX: tiles and oneDNN
 }
 
 
 def nearest_cpu_profile(flags: str | None = None, vendor: str | None = None) -> str:
     """The shipped profile nearest this CPU (or one with these instruction-set ``flags`` and
-    ``vendor`` id): where the engine runs its AVX-512 panels (AVX-512 without AMX), epyc-zen4
-    on an AMD CPU with AVX-512 BF16 (whose bf16 dot product issues as fast as its FMA: the
+    ``vendor`` id): xeon-amx where the CPU has AMX (the tile kernels and oneDNN's AMX
+    matmuls); where the engine runs its AVX-512 panels (AVX-512 without AMX), epyc-zen4 on an
+    AMD CPU with AVX-512 BF16 (whose bf16 dot product issues as fast as its FMA: the
     dot-product panels), else xeon-emr (the FMA panels); elsewhere epyc-zen3 (the AVX2
     panels; also the stand-in for CPUs no profile was taken on)."""
     from fluidserve.kernels import cpu_flags, cpu_vendor
 
     f = set((cpu_flags() if flags is None else flags).split())
+    if {"amx_tile", "amx_bf16", "avx512f", "avx512bw"} <= f:
+        return "xeon-amx"
     if {"avx512f", "avx512bw"} <= f and not {"amx_tile", "amx_bf16"} <= f:
         amd = (cpu_vendor() if vendor is None else vendor) == "AuthenticAMD"
         return "epyc-zen4" if amd and "avx512_bf16" in f else "xeon-emr"

@@ -471,7 +471,7 @@ def nearest_cpu_profile(flags: str | None = None, vendor: str | None = None) -> 
     f = set((cpu_flags() if flags is None else flags).split())
     if {"amx_tile", "amx_bf16", "avx512f", "avx512bw"} <= f:
         return "xeon-amx"
-    if {"avx512f", "avx512bw"} <= f and not {"amx_tile", "amx_bf16"} <= f:
+    if {"avx512f", "avx512bw"} <= f:
         amd = (cpu_vendor() if vendor is None else vendor) == "AuthenticAMD"
         return "epyc-zen4" if amd and "avx512_bf16" in f else "xeon-emr"
     return "epyc-zen3"

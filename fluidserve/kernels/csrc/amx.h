@@ -30,7 +30,7 @@ namespace {
 // (kLazyRescale): O^T is rescaled only when a chunk passes it by far, and up to head_dim 64
 // accumulates in tile registers the whole way. Measured on a 2-core AMX Xeon VM against the
 // kernel before (an O^T rescale and store every chunk, [D, key] values):
-// 0.67-0.77x the time (`scripts/bench_attention.py --against`, race model shapes).
+// 0.61-0.78x the time (`scripts/bench_attention.py --against`, race model shapes).
 constexpr int kAmxQ = 64;  // query tokens per work item
 // Tiles: 0 and 1 hold S^T, 2 to 5 O^T (kOTiles of 16 channels), 6 and 7 a product's
 // operands (the intrinsics take tile numbers as literals: macros, not constants).

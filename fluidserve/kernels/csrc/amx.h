@@ -27,10 +27,12 @@ namespace {
 // S^T (two tiles, multiplied a chunk ahead, so that the matrix unit works while the vector
 // units take the softmax), mask and scale, running max and sum per query, P rounded to bf16
 // (as flash attention on GPUs does), O^T += V^T P^T. The running max is raised lazily
-// (kLazyRescale): O^T is rescaled only when a chunk passes it by far, and up to head_dim 64
-// accumulates in tile registers the whole way. Measured on a 2-core AMX Xeon VM against the
-// kernel before (an O^T rescale and store every chunk, [D, key] values):
-// 0.61-0.78x the time (`scripts/bench_attention.py --against`, race model shapes).
+// (kLazyRescale): O^T is rescaled only when a chunk passes it by far, and accumulates in tile
+// registers the whole way, 64 channels at a time (past head_dim 64, each further 64 in a pass
+// of its own over the probabilities kept from the first). Measured on a 2-core AMX Xeon VM
+// against the kernel before (an O^T rescale and store every chunk, [D, key] values):
+// 0.61-0.78x the time (`scripts/bench_attention.py --against`, race model shapes, head_dim
+// 64); one 1024-token prompt, one layer: head_dim 96 0.80x, 128 (32 heads, 8 kv) 0.81x, 256 0.73x.
 constexpr int kAmxQ = 64;  // query tokens per work item
 // Tiles: 0 and 1 hold S^T, 2 to 5 O^T (kOTiles of 16 channels), 6 and 7 a product's
 // operands (the intrinsics take tile numbers as literals: macros, not constants).
@@ -92,8 +94,8 @@ void amx_pack(const Batch& b, const AmxRun& r, int g, int BS, const uint16_t* kc
 
 // The running max of a query's scores (log2 units) is raised only when a chunk's max passes
 // it by more than this: until then P = 2^(s - m) <= 2^8 (no overflow in float32 sums, bf16
-// keeps its relative precision), and O needs no rescaling, so that on D <= 64 it stays in
-// tile registers from the first key to the last.
+// keeps its relative precision), and O needs no rescaling, so that it stays in tile
+// registers from the first key to the last.
 constexpr float kLazyRescale = 8.0f;
 
 void amx_item(const LongItem& w, const std::vector<AmxRun>& runs, const Batch& b,
@@ -106,35 +108,58 @@ void amx_item(const LongItem& w, const std::vector<AmxRun>& runs, const Batch& b
   const uint16_t* kp = packed + r.offset + static_cast<int64_t>(w.kv_head) * 2 * r.padded * D;
   const uint16_t* vt = kp + static_cast<int64_t>(r.padded) * D;
   const float c = b.scale * 1.4426950408889634f;  // scores in log2 units
-  // O^T accumulates in tiles 2.. (one per 16 channels) where they fit beside S^T's two
-  // and the two operands; otherwise each chunk's product is added to ``ot`` in memory.
-  const bool resident = DB <= kOTiles;
+  // O^T accumulates in tiles 2 to 5, 64 channels at a time: the first group's while the
+  // scores and probabilities are computed, each further group's in a pass of its own that
+  // takes the probabilities back from ``pbuf`` (1 KB a chunk) and replays the rescales.
+  const int groups = (DB + kOTiles - 1) / kOTiles;
+  const int max_chunks = (first_pos + w.tok0 + w.toks - 1) / 32 + 1;
+  thread_local std::vector<uint16_t> pbuf;
+  thread_local std::vector<int> event_chunk;  // chunks whose running max was raised
+  thread_local std::vector<float> event_alpha;  // and the rescale of each, 16 queries
+  if (groups > 1 && pbuf.size() < static_cast<size_t>(max_chunks) * 512)
+    pbuf.resize(static_cast<size_t>(max_chunks) * 512);
 
   alignas(64) uint16_t qt[kMaxHeadDim / 32][16 * 32];  // Q^T, VNNI: [d pair][query][2]
   alignas(64) float st[2][32 * 16];  // S^T of this chunk and the next: [key][query]
   alignas(64) uint16_t pt[16 * 32];                    // P^T, VNNI: [key pair][query][2]
-  alignas(64) float cb[16 * 16];
   alignas(64) float ot[kMaxHeadDim * 16];  // O^T: [channel][query]
   static const __m512i pair_idx = _mm512_set_epi16(
       31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8,
       23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
   const __m512i lanes = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
-  auto o_tiles_out = [&] {
-    _tile_stored(2, ot, 64);
-    if (DB > 1) _tile_stored(3, ot + 256, 64);
-    if (DB > 2) _tile_stored(4, ot + 512, 64);
-    if (DB > 3) _tile_stored(5, ot + 768, 64);
+  // The O^T tiles of channel group g (its first nb tiles of 16 channels) and ``ot``.
+  auto o_tiles_zero = [](int nb) {
+    _tile_zero(2);
+    if (nb > 1) _tile_zero(3);
+    if (nb > 2) _tile_zero(4);
+    if (nb > 3) _tile_zero(5);
   };
-  // O^T *= alpha, down each channel's 16 queries (in tiles: out to ``ot`` and back).
-  auto rescale = [&](__m512 alpha) {
-    if (resident) o_tiles_out();
-    for (int i = 0; i < D; ++i)
-      _mm512_store_ps(ot + 16 * i, _mm512_mul_ps(_mm512_load_ps(ot + 16 * i), alpha));
-    if (resident) {
-      _tile_loadd(2, ot, 64);
-      if (DB > 1) _tile_loadd(3, ot + 256, 64);
-      if (DB > 2) _tile_loadd(4, ot + 512, 64);
-      if (DB > 3) _tile_loadd(5, ot + 768, 64);
+  auto o_tiles_out = [](float* o, int nb) {
+    _tile_stored(2, o, 64);
+    if (nb > 1) _tile_stored(3, o + 256, 64);
+    if (nb > 2) _tile_stored(4, o + 512, 64);
+    if (nb > 3) _tile_stored(5, o + 768, 64);
+  };
+  // O^T *= alpha down each channel's 16 queries: out of the tiles and back.
+  auto rescale = [&](float* o, int nb, __m512 alpha) {
+    o_tiles_out(o, nb);
+    for (int i = 0; i < 16 * nb; ++i)
+      _mm512_store_ps(o + 16 * i, _mm512_mul_ps(_mm512_load_ps(o + 16 * i), alpha));
+    _tile_loadd(2, o, 64);
+    if (nb > 1) _tile_loadd(3, o + 256, 64);
+    if (nb > 2) _tile_loadd(4, o + 512, 64);
+    if (nb > 3) _tile_loadd(5, o + 768, 64);
+  };
+  // O^T += V^T P^T for chunk ch, channel group g (P^T already in AMX_B).
+  auto values = [&](int ch, int g, int nb) {
+    for (int i = 0; i < nb; ++i) {
+      _tile_loadd(AMX_A, vt + (static_cast<int64_t>(ch) * D + 64 * g + 16 * i) * 32, 64);
+      switch (i) {  // tile numbers are immediates
+        case 0: _tile_dpbf16ps(2, AMX_A, AMX_B); break;
+        case 1: _tile_dpbf16ps(3, AMX_A, AMX_B); break;
+        case 2: _tile_dpbf16ps(4, AMX_A, AMX_B); break;
+        default: _tile_dpbf16ps(5, AMX_A, AMX_B); break;
+      }
     }
   };
   for (int t0 = w.tok0; t0 < w.tok0 + w.toks; t0 += 16) {
@@ -158,14 +183,10 @@ void amx_item(const LongItem& w, const std::vector<AmxRun>& runs, const Batch& b
         for (int i = 0; i < 16; ++i) _mm512_store_ps(reinterpret_cast<float*>(qt[dc] + 32 * i), y[i]);
       }
       __m512 m = _mm512_setzero_ps(), l = _mm512_setzero_ps();
-      if (resident) {
-        _tile_zero(2);
-        if (DB > 1) _tile_zero(3);
-        if (DB > 2) _tile_zero(4);
-        if (DB > 3) _tile_zero(5);
-      } else {
-        std::fill(ot, ot + D * 16, 0.0f);
-      }
+      const int nb0 = std::min(DB, kOTiles);
+      o_tiles_zero(nb0);
+      event_chunk.clear();
+      event_alpha.clear();
       // S^T of a chunk into tiles 0 and 1: issued a chunk ahead, the matrix unit multiplies
       // the next chunk's scores while the vector units take this one's softmax.
       auto scores = [&](int key0) {
@@ -204,20 +225,26 @@ void amx_item(const LongItem& w, const std::vector<AmxRun>& runs, const Batch& b
                                       _CMP_GT_OQ)) {
           const __m512 m_new = _mm512_max_ps(m, m_chunk);
           const __m512 alpha = exp2_neg<false>(_mm512_sub_ps(m, m_new));
-          rescale(alpha);
+          rescale(ot, nb0, alpha);
+          if (groups > 1) {
+            event_chunk.push_back(ch);
+            event_alpha.resize(event_alpha.size() + 16);
+            _mm512_storeu_ps(event_alpha.data() + event_alpha.size() - 16, alpha);
+          }
           l = _mm512_mul_ps(l, alpha);
           m = m_new;
         }
         const __m512 neg_m = _mm512_sub_ps(_mm512_setzero_ps(), m);
         __m512 sum = _mm512_setzero_ps();
         // P = 2^(s - m) <= 2^kLazyRescale (exp2_neg holds there too).
+        uint16_t* pc = groups > 1 ? pbuf.data() + static_cast<int64_t>(ch) * 512 : pt;
         auto probabilities = [&](auto exp2) {
           for (int j = 0; j < 32; j += 2) {
             const __m512 p0 = exp2(_mm512_fmadd_ps(x[j], _mm512_set1_ps(c), neg_m));
             const __m512 p1 = exp2(_mm512_fmadd_ps(x[j + 1], _mm512_set1_ps(c), neg_m));
             sum = _mm512_add_ps(sum, _mm512_add_ps(p0, p1));
             const __m512i pb = (__m512i)_mm512_cvtne2ps_pbh(p1, p0);
-            _mm512_store_si512(pt + 16 * j, _mm512_permutexvar_epi16(pair_idx, pb));
+            _mm512_storeu_si512(pc + 16 * j, _mm512_permutexvar_epi16(pair_idx, pb));
           }
         };
         if (edge)  // masked scores are -inf
@@ -225,34 +252,39 @@ void amx_item(const LongItem& w, const std::vector<AmxRun>& runs, const Batch& b
         else
           probabilities([](__m512 t) { return exp2_neg<false>(t); });
         l = _mm512_add_ps(l, sum);
-        _tile_loadd(AMX_B, pt, 64);
-        for (int db = 0; db < DB; ++db) {
-          const uint16_t* v_rows = vt + (static_cast<int64_t>(ch) * D + 16 * db) * 32;
-          if (resident) {
-            _tile_loadd(AMX_A, v_rows, 64);
-            switch (db) {  // tile numbers are immediates
-              case 0: _tile_dpbf16ps(2, AMX_A, AMX_B); break;
-              case 1: _tile_dpbf16ps(3, AMX_A, AMX_B); break;
-              case 2: _tile_dpbf16ps(4, AMX_A, AMX_B); break;
-              default: _tile_dpbf16ps(5, AMX_A, AMX_B); break;
-            }
-          } else {
-            _tile_zero(2);
-            _tile_loadd(AMX_A, v_rows, 64);
-            _tile_dpbf16ps(2, AMX_A, AMX_B);
-            _tile_stored(2, cb, 64);
-            float* o = ot + 16 * db * 16;
-            for (int d = 0; d < 16; ++d)
-              _mm512_store_ps(o + 16 * d, _mm512_add_ps(_mm512_load_ps(o + 16 * d),
-                                                        _mm512_load_ps(cb + 16 * d)));
-          }
-        }
+        _tile_loadd(AMX_B, pc, 64);
+        values(ch, 0, nb0);
         if (ch + 1 < chunks) {
           _tile_stored(0, st[(ch + 1) & 1], 64);
           _tile_stored(1, st[(ch + 1) & 1] + 256, 64);
         }
       }
-      if (resident) o_tiles_out();
+      o_tiles_out(ot, nb0);
+      for (int g = 1; g < groups; ++g) {  // the further channel groups, replayed
+        const int nb = std::min(DB - kOTiles * g, kOTiles);
+        float* o = ot + 64 * 16 * g;
+        o_tiles_zero(nb);
+        size_t ev = 0;
+        for (int ch = 0; ch < chunks; ++ch) {
+          if (ev < event_chunk.size() && event_chunk[ev] == ch)
+            rescale(o, nb, _mm512_loadu_ps(event_alpha.data() + 16 * ev++));
+          _tile_loadd(AMX_B, pbuf.data() + static_cast<int64_t>(ch) * 512, 64);
+          // tiles 0 and 1 (no scores in these passes) take turns with AMX_A for V^T, so that a
+          // load need not wait for the product reading the tile before it
+          const uint16_t* vc = vt + (static_cast<int64_t>(ch) * D + 64 * g) * 32;
+          _tile_loadd(0, vc, 64);
+          if (nb > 1) _tile_loadd(1, vc + 512, 64);
+          if (nb > 2) _tile_loadd(AMX_A, vc + 1024, 64);
+          _tile_dpbf16ps(2, 0, AMX_B);
+          if (nb > 1) _tile_dpbf16ps(3, 1, AMX_B);
+          if (nb > 2) _tile_dpbf16ps(4, AMX_A, AMX_B);
+          if (nb > 3) {
+            _tile_loadd(0, vc + 1536, 64);
+            _tile_dpbf16ps(5, 0, AMX_B);
+          }
+        }
+        o_tiles_out(o, nb);
+      }
       const __m512 inv = _mm512_div_ps(_mm512_set1_ps(1.0f), l);
       for (int d0 = 0; d0 < D; d0 += 16) {  // O^T rows d0 .. d0 + 15 become 16-channel rows
         __m512 y[16];

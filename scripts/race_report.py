@@ -71,6 +71,10 @@ def report(result: dict, out: Path, commands: list[str]) -> str:
              g(v, "poisson", "output_throughput"), g(f, "poisson", "output_throughput"),
              "keeps up", "higher"),
     ]
+    if "long-prompt" in v or "long-prompt" in f:  # (races before 2026-12-07 ran none)
+        rows.append(_row(f"long prompt ({_sizes(result, 'long-prompt')['label']}, one at a"
+                         " time): median TTFT", "ms", g(v, "long-prompt", "median_ttft_ms"),
+                         g(f, "long-prompt", "median_ttft_ms"), "", "lower"))
     fb = lambda d, k: (d.get("poisson_fluidserve_bench") or {}).get(k)  # noqa: E731
     rate = "fluid_token_generation_rate"
     rows.append(_row("Poisson (fluidserve bench): fluid token rate", "tok/s", fb(v, rate),

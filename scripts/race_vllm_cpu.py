@@ -13,6 +13,7 @@ Workloads (seeded):
   decode-bs1   one request at a time, 128-token prompts, 128 output tokens: median ITL
   saturated    40 requests at once, 256-token prompts, 64 output tokens: total tokens/s
   poisson      50 requests, 512/64, Poisson 1 req/s: TTFT, ITL, output throughput
+  long-prompt  one request at a time, 1900-token prompts, 16 output tokens: median TTFT
   capacity     largest Poisson rate with P99 TBT <= 200 ms and median TTFT <= 2 s
                (`fluidserve capacity --delay-metric ttft`: vLLM reports no scheduling delay,
                so both engines are held to the TTFT, which bounds it from above),
@@ -60,6 +61,10 @@ WORKLOADS = {
     "saturated": dict(input_len=256, output_len=64, num_prompts=40, rate="inf", concurrency=None,
                       repeat=5),
     "poisson": dict(input_len=512, output_len=64, num_prompts=50, rate="1", concurrency=None),
+    # A document to summarize, one at a time: the prefill's time, attention's share of it
+    # growing with the prompt (not a target).
+    "long-prompt": dict(input_len=1900, output_len=16, num_prompts=6, rate="inf",
+                        concurrency=1),
 }
 
 
@@ -284,7 +289,8 @@ def main() -> int:
     ap.add_argument("--capacity-variants", default=";".join(CAPACITY_VARIANTS),
                     help="fluidserve configurations of the capacity part, 'TAG=FLAGS;...'"
                     " (TAG 'fluidserve' alone: --fluidserve-args).")
-    ap.add_argument("--skip-capacity", action="store_true", help="Only the three workloads.")
+    ap.add_argument("--skip-capacity", action="store_true",
+                    help="Only the workloads (no capacity).")
     ap.add_argument("--capacity-only", action="store_true",
                     help="Only the capacity part: keep the workload results of --out's"
                     " race.json, if any, and the capacity results already in it (an"

@@ -85,3 +85,25 @@ def test_capacity_served_figures_from_the_search_or_the_probes_on_disk(race, tmp
     (tmp_path / "fluidserve-auto-capacity" / "capacity.json").write_text(
         json.dumps({"probes": {"endpoint": probes}}))
     assert race_report._served("fluidserve-auto", old, tmp_path) == (1.65, True)
+
+
+def test_report_has_the_long_prompt_row_where_the_race_ran_it(race, tmp_path, tiny_model_dir):
+    """The long-prompt workload (a document to summarize, one at a time) gets a row of both
+    engines' median TTFT and their ratio; a race from before it, none."""
+    import race_report
+
+    def result(with_long: bool) -> dict:
+        engines = {e: {"decode-bs1": {"median_itl_ms": 20.0}} for e in ("vllm", "fluidserve")}
+        if with_long:
+            engines["vllm"]["long-prompt"] = {"median_ttft_ms": 650.0}
+            engines["fluidserve"]["long-prompt"] = {"median_ttft_ms": 520.0}
+        return {"engines": engines, "model": str(tiny_model_dir), "workloads": race.WORKLOADS,
+                "machine": {"cpu": "cpu", "cores": 2, "read_bandwidth_gb_s": 20.0,
+                            "torch": "t", "python": "p"},
+                "fluidserve_args": "--scheduler sarathi", "started": "now"}
+
+    rows = [r for r in race_report.report(result(True), tmp_path, ["cmd"]).splitlines()
+            if r.startswith("| long prompt")]
+    assert rows == ["| long prompt (6 x 1900/16, one at a time): median TTFT | ms | 650.0 |"
+                    " 520.0 | 0.80x |  | lower |"]
+    assert "| long prompt" not in race_report.report(result(False), tmp_path, ["cmd"])

@@ -270,19 +270,7 @@ void amx_item(const LongItem& w, const std::vector<AmxRun>& runs, const Batch& b
           if (ev < event_chunk.size() && event_chunk[ev] == ch)
             rescale(o, nb, _mm512_loadu_ps(event_alpha.data() + 16 * ev++));
           _tile_loadd(AMX_B, pbuf.data() + static_cast<int64_t>(ch) * 512, 64);
-          // tiles 0 and 1 (no scores in these passes) take turns with AMX_A for V^T, so that a
-          // load need not wait for the product reading the tile before it
-          const uint16_t* vc = vt + (static_cast<int64_t>(ch) * D + 64 * g) * 32;
-          _tile_loadd(0, vc, 64);
-          if (nb > 1) _tile_loadd(1, vc + 512, 64);
-          if (nb > 2) _tile_loadd(AMX_A, vc + 1024, 64);
-          _tile_dpbf16ps(2, 0, AMX_B);
-          if (nb > 1) _tile_dpbf16ps(3, 1, AMX_B);
-          if (nb > 2) _tile_dpbf16ps(4, AMX_A, AMX_B);
-          if (nb > 3) {
-            _tile_loadd(0, vc + 1536, 64);
-            _tile_dpbf16ps(5, 0, AMX_B);
-          }
+          values(ch, g, nb);
         }
         o_tiles_out(o, nb);
       }

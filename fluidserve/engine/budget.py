@@ -42,11 +42,6 @@ log = logging.getLogger(__name__)
 
 AUTO_MAX_BUDGET = 8192  # the largest budget `auto` may choose
 
-
-def max_iteration_tokens(scheduler) -> int:
-    """The most tokens one iteration can hold under a SchedulerConfig: its token budget, or
-    for `auto` the largest budget it may choose."""
-    return AUTO_MAX_BUDGET if scheduler.token_budget == "auto" else scheduler.token_budget
 # Token gaps teach the gap excess only from batches planned near the target (at least this
 # share of it): a small batch waiting behind a full one has a long gap relative to its own
 # pass, yet is far inside the SLO.
@@ -67,6 +62,12 @@ NEAR_SHARE, NEAR_MIN = 0.5, 32
 # multiple of this many tokens (or of the tile size) and takes the best prefill rate
 # (core.token_budget.efficient_chunk).
 EFFICIENT_STEP = 64
+
+
+def max_iteration_tokens(scheduler) -> int:
+    """The most tokens one iteration can hold under a SchedulerConfig: its token budget, or
+    for `auto` the largest budget it may choose."""
+    return AUTO_MAX_BUDGET if scheduler.token_budget == "auto" else scheduler.token_budget
 
 
 def plan_features(plan: SchedulerOutput) -> tuple[int, int, int, int, int]:

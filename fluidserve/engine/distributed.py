@@ -32,6 +32,7 @@ from fluidserve.config import ParallelConfig
 from fluidserve.core.scheduler.output import SchedulerOutput
 from fluidserve.engine.core import ExecutorDead
 from fluidserve.engine.core_proc import kill_unless_exited, wait_exit
+from fluidserve.model.host_env import spawning_with_huge_page_malloc
 from fluidserve.model.inputs import prepare_inputs
 from fluidserve.model.worker import WorkerSpec
 from fluidserve.net import die_with_parent, local_store, loopback_collectives, process_owner
@@ -246,24 +247,25 @@ class MultiprocExecutor(FailsInFlightOnDeath):
         self._stats_calls = 0
         self._lock = threading.Lock()
         try:  # an error or an interrupt at any point leaves no rank behind
-            for rank in range(world):
-                in_r, in_w = ctx.Pipe(duplex=False)
-                out_r, out_w = ctx.Pipe(duplex=False)
-                p = ctx.Process(target=rank_main, name=f"fluidserve-rank-{rank}", daemon=True,
-                                args=(rank, parallel, spec, init, threads, in_r, out_w,
-                                      os.getpid()))
-                started = process_owner().submit(p.start)  # see die_with_parent
-                try:
-                    started.result()
-                except BaseException:  # (an interrupt) a start under way is waited for
-                    if not started.cancel() and started.exception() is None:
-                        self.procs.append(p)  # it started: killed below
-                    raise
-                in_r.close()
-                out_w.close()
-                self.procs.append(p)
-                self.inboxes.append(in_w)
-                self.outboxes.append(out_r)
+            with spawning_with_huge_page_malloc():  # (oneDNN's packed weights on huge pages)
+                for rank in range(world):
+                    in_r, in_w = ctx.Pipe(duplex=False)
+                    out_r, out_w = ctx.Pipe(duplex=False)
+                    p = ctx.Process(target=rank_main, name=f"fluidserve-rank-{rank}", daemon=True,
+                                    args=(rank, parallel, spec, init, threads, in_r, out_w,
+                                          os.getpid()))
+                    started = process_owner().submit(p.start)  # see die_with_parent
+                    try:
+                        started.result()
+                    except BaseException:  # (an interrupt) a start under way is waited for
+                        if not started.cancel() and started.exception() is None:
+                            self.procs.append(p)  # it started: killed below
+                        raise
+                    in_r.close()
+                    out_w.close()
+                    self.procs.append(p)
+                    self.inboxes.append(in_w)
+                    self.outboxes.append(out_r)
             self._wait_ready(startup_timeout)
         except BaseException:
             self._kill()

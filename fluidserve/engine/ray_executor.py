@@ -25,6 +25,7 @@ from fluidserve.config import ParallelConfig
 from fluidserve.core.scheduler.output import SchedulerOutput
 from fluidserve.engine.core import ExecutorDead
 from fluidserve.engine.distributed import FailsInFlightOnDeath, RankRunner, rank_threads, settle
+from fluidserve.model.host_env import ray_actor_env
 from fluidserve.model.inputs import prepare_inputs
 from fluidserve.model.worker import WorkerSpec
 from fluidserve.net import free_port, process_owner
@@ -121,8 +122,8 @@ class RayExecutor(FailsInFlightOnDeath):
             self.actors = [
                 actor.options(num_cpus=threads, scheduling_strategy=(
                     PlacementGroupSchedulingStrategy(
-                        placement_group=self.pg, placement_group_bundle_index=r))).remote(
-                            r, parallel, spec, threads)
+                        placement_group=self.pg, placement_group_bundle_index=r)),
+                    **ray_actor_env()).remote(r, parallel, spec, threads)
                 for r in range(world)]
             host, port = ray.get(self.actors[0].address.remote(), timeout=startup_timeout)
             self.pids = ray.get([a.start.remote(f"tcp://{host}:{port}") for a in self.actors],

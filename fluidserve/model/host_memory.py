@@ -1,7 +1,8 @@
 """Host memory: the C allocator kept from handing large activations back to the kernel between
 iterations, the long-lived tensors a decode step streams through (the KV cache, the weights'
-tile copies) on transparent huge pages, and pinned staging for the small copies of each step's
-inputs to a GPU.
+tile copies) on transparent huge pages, the worker processes' C heaps (oneDNN's packed weights
+among them) on them too, and pinned staging for the small copies of each step's inputs to a
+GPU.
 
 glibc's malloc serves large blocks with a fresh ``mmap`` and returns them with ``munmap`` when
 freed (and trims the top of its heap once enough is free there). A forward pass allocates and
@@ -16,8 +17,6 @@ need again at the next iteration.
 
 from __future__ import annotations
 
-import ctypes
-import ctypes.util
 import logging
 import math
 import mmap
@@ -25,6 +24,8 @@ import os
 
 import numpy as np
 import torch
+
+from fluidserve.model.host_env import glibc, huge_pages_advisable
 
 log = logging.getLogger(__name__)
 
@@ -41,7 +42,7 @@ def keep_freed_memory(mmap_threshold: int = 1 << 30, trim_threshold: int = (1 <<
         return True
     if os.environ.get("FLUIDSERVE_NO_MALLOPT"):
         return False
-    mallopt = _glibc("mallopt")
+    mallopt = glibc("mallopt")
     if mallopt is None:
         return False  # not glibc (musl, macOS): nothing to tune
     ok = mallopt(M_MMAP_THRESHOLD, mmap_threshold) == 1 and mallopt(
@@ -53,23 +54,6 @@ def keep_freed_memory(mmap_threshold: int = 1 << 30, trim_threshold: int = (1 <<
 
 
 HUGE_PAGE = 2 << 20
-THP_ENABLED = "/sys/kernel/mm/transparent_hugepage/enabled"
-
-
-def huge_pages_advisable() -> bool:
-    """Whether this process may ask for transparent huge pages: Linux with THP in ``madvise``
-    or ``always`` mode (``never``: the advice changes nothing), and no
-    ``FLUIDSERVE_NO_HUGE_PAGES`` in the environment."""
-    if os.environ.get("FLUIDSERVE_NO_HUGE_PAGES") or not hasattr(mmap, "MADV_HUGEPAGE"):
-        return False
-    try:
-        with open(THP_ENABLED) as f:
-            mode = f.read()
-    except OSError:
-        return False
-    return "[never]" not in mode
-
-
 def huge_page_empty(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     """A CPU tensor on its own 2 MB-aligned anonymous mapping advised for transparent huge
     pages (``MADV_HUGEPAGE``), zero until written; a plain ``torch.empty`` where that cannot
@@ -117,17 +101,9 @@ def release_freed_memory() -> None:
     activations, and so also what loading a model leaves behind: its weights as read, the
     packed copies replaced by their huge-page ones (the race model: ~470 MB of 2.9 GB
     resident, 37 ms to return). Called once the model is in place."""
-    malloc_trim = _glibc("malloc_trim")
+    malloc_trim = glibc("malloc_trim")
     if malloc_trim is not None:  # (not glibc: nothing held to hand back this way)
         malloc_trim(0)
-
-
-def _glibc(function: str):
-    """The C library's ``function``, or None where the C library has none (not glibc)."""
-    try:
-        return getattr(ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6"), function)
-    except (OSError, AttributeError):
-        return None
 
 
 def to_device(values: np.ndarray | list, device: torch.device, dtype: torch.dtype | None = None

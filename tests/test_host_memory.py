@@ -257,3 +257,39 @@ def test_the_engine_core_process_starts_with_malloc_on_huge_pages(tiny_model_dir
     expected = [f"GLIBC_TUNABLES={v}".encode() for v in huge_page_malloc_env().values()]
     assert [e for e in environ if e.startswith(b"GLIBC_TUNABLES=")] == expected
     assert "GLIBC_TUNABLES" not in os.environ
+
+
+def test_engines_started_from_several_threads_leave_the_environment_as_it_was(monkeypatch):
+    """Servers started together enter the spawn context from several threads, in any order:
+    the first sets the variable, the last to leave restores the environment (before, one
+    thread restored what another had set, and every later child of the process inherited
+    it)."""
+    import threading
+
+    from fluidserve.model.host_env import huge_page_malloc_env, spawning_with_huge_page_malloc
+
+    monkeypatch.delenv("FLUIDSERVE_NO_HUGE_PAGES", raising=False)
+    monkeypatch.delenv("GLIBC_TUNABLES", raising=False)
+    first_in, second_in, first_out = threading.Event(), threading.Event(), threading.Event()
+    seen = []
+
+    def first():
+        with spawning_with_huge_page_malloc():
+            first_in.set()
+            second_in.wait(5)
+        first_out.set()
+
+    def second():
+        first_in.wait(5)
+        with spawning_with_huge_page_malloc():
+            second_in.set()
+            first_out.wait(5)
+            seen.append(os.environ.get("GLIBC_TUNABLES"))
+
+    threads = [threading.Thread(target=f) for f in (first, second)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(10)
+    assert seen == [huge_page_malloc_env({}).get("GLIBC_TUNABLES")]
+    assert "GLIBC_TUNABLES" not in os.environ

@@ -198,7 +198,7 @@ class OnlineIterationModel:
         it is one in 100 f of theirs, so the scatter is their excess at that level, weighted
         by their gaps (at least SCATTER_LEVEL_MIN). A 1.1B model on that VM, 0.25 req/s of
         512-token prompts: the near iterations ended a quarter of the gaps, and their 99th
-        percentile, 1.39, held them at ~130 ms and the P99 TBT at 0.166 s."""
+        percentile over the run, 1.39, held them at ~140 ms and the P99 TBT at 0.166 s."""
         r = (y / pred)[-self.scatter_window:]
         if len(r) <= self.recent:
             return self.scatter

@@ -9,6 +9,7 @@ import ctypes
 import ctypes.util
 import mmap
 import os
+import threading
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 
@@ -60,23 +61,36 @@ def huge_page_malloc_env(env: Mapping[str, str] | None = None) -> dict[str, str]
             else MALLOC_ON_HUGE_PAGES}
 
 
+# Engines may start their processes from several threads at once (servers started
+# together): the variables are set by the first to enter and restored by the last to leave.
+_spawning = threading.Lock()
+_spawners = 0
+_saved: dict[str, str | None] = {}
+
+
 @contextmanager
 def spawning_with_huge_page_malloc() -> Iterator[None]:
     """Around starting worker processes by ``multiprocessing``'s spawn (a fresh interpreter
     that takes this process's environment): they start with ``huge_page_malloc_env``, and
-    this process's environment is as it was afterwards."""
-    extra = huge_page_malloc_env()
-    saved = {key: os.environ.get(key) for key in extra}
-    os.environ.update(extra)
+    this process's environment is as it was once no thread is starting any."""
+    global _spawners, _saved
+    with _spawning:
+        if _spawners == 0:
+            extra = huge_page_malloc_env()
+            _saved = {key: os.environ.get(key) for key in extra}
+            os.environ.update(extra)
+        _spawners += 1
     try:
         yield
     finally:
-        for key, value in saved.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value
-
+        with _spawning:
+            _spawners -= 1
+            if _spawners == 0:
+                for key, value in _saved.items():
+                    if value is None:
+                        os.environ.pop(key, None)
+                    else:
+                        os.environ[key] = value
 
 
 def ray_actor_env() -> dict:
@@ -84,6 +98,7 @@ def ray_actor_env() -> dict:
     (a ``runtime_env`` of those variables; none where there are none)."""
     env = huge_page_malloc_env()
     return {"runtime_env": {"env_vars": env}} if env else {}
+
 
 def glibc(function: str):
     """The C library's ``function``, or None where the C library has none (not glibc)."""

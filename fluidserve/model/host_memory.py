@@ -54,6 +54,8 @@ def keep_freed_memory(mmap_threshold: int = 1 << 30, trim_threshold: int = (1 <<
 
 
 HUGE_PAGE = 2 << 20
+
+
 def huge_page_empty(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     """A CPU tensor on its own 2 MB-aligned anonymous mapping advised for transparent huge
     pages (``MADV_HUGEPAGE``), zero until written; a plain ``torch.empty`` where that cannot

@@ -47,10 +47,11 @@ def test_large_activations_are_not_faulted_in_again_at_every_iteration():
     assert after < 500  # the freed block is reused as it is
 
 
-def _mapping_fields(ptr: int) -> dict[str, str]:
-    """The /proc/self/smaps fields of the mapping holding address ``ptr``."""
+def _mapping_fields(ptr: int, smaps: str | None = None) -> dict[str, str]:
+    """The smaps fields of the mapping holding address ``ptr``: of this process, or of the
+    ``smaps`` text another one printed."""
     fields, inside = {}, False
-    for line in open("/proc/self/smaps").read().splitlines():
+    for line in (smaps or open("/proc/self/smaps").read()).splitlines():
         head = line.split()[0] if line.split() else ""
         if "-" in head and all(c in "0123456789abcdef-" for c in head):
             lo, hi = (int(x, 16) for x in head.split("-"))
@@ -206,15 +207,8 @@ if sys.argv[1] == "heap":
     keep_freed_memory()  # (large blocks from the heap, as in a worker; else mmap'd)
 x = torch.empty(64 << 20, dtype=torch.uint8)
 x.fill_(1)
-p, inside, eligible = x.data_ptr(), False, None
-for line in open("/proc/self/smaps"):
-    head = line.split()[0] if line.split() else ""
-    if "-" in head and all(c in "0123456789abcdef-" for c in head):
-        lo, hi = (int(v, 16) for v in head.split("-"))
-        inside = lo <= p < hi
-    elif inside and line.startswith("THPeligible"):
-        eligible = line.split()[1]
-print(eligible)
+print(x.data_ptr())
+print(open("/proc/self/smaps").read())
 """
 
 
@@ -230,8 +224,10 @@ def test_a_process_started_so_mallocs_on_huge_pages(where, monkeypatch):
     monkeypatch.delenv("GLIBC_TUNABLES", raising=False)
 
     def eligible(extra: dict[str, str]) -> str:
-        return subprocess.run([sys.executable, "-c", MALLOC_CHILD, where], capture_output=True,
-                              text=True, check=True, env=os.environ | extra).stdout.strip()
+        ptr, _, smaps = subprocess.run(
+            [sys.executable, "-c", MALLOC_CHILD, where], capture_output=True, text=True,
+            check=True, env=os.environ | extra).stdout.partition("\n")
+        return _mapping_fields(int(ptr), smaps)["THPeligible"]
 
     assert eligible(huge_page_malloc_env()) == "1"
     if "[madvise]" in THP.read_text():

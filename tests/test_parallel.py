@@ -19,6 +19,7 @@ from fluidserve.config import SCHEDULERS, EngineConfig
 from fluidserve.engine.engine import LLMEngine
 from fluidserve.engine.llm import LLM
 from fluidserve.model.linear import packed_linear_supported
+from fluidserve.model.step_delta import StepEncoder
 from fluidserve.model.tokenizer import Tokenizer
 from fluidserve.sampling_params import SamplingParams
 
@@ -175,7 +176,7 @@ def test_ranks_outlive_the_thread_that_started_them_and_a_dying_sampler_says_how
         engine.shutdown()
 
 
-def test_a_batch_submitted_as_a_rank_dies_fails_instead_of_waiting_for_ever(monkeypatch):
+def test_a_batch_submitted_as_a_rank_dies_fails_instead_of_waiting_for_ever():
     # The reader declared the executor dead between submit's check and its queueing the
     # batch: the batch landed in a queue nobody would fail again.
     import threading
@@ -188,20 +189,20 @@ def test_a_batch_submitted_as_a_rank_dies_fails_instead_of_waiting_for_ever(monk
     ex.dead, ex._closing, ex._lock, ex._pending = None, False, threading.Lock(), deque()
     ex.block_size, ex.inboxes = 16, []
     ex._kill = lambda: None
-    real = distributed.prepare_inputs
 
-    def dies_meanwhile(plan, block_size):
-        ex._die("worker rank 1 died (exit code -9)")
-        return real(plan, block_size)
+    class DiesMeanwhile(StepEncoder):
+        def encode(self, plan):
+            ex._die("worker rank 1 died (exit code -9)")
+            return super().encode(plan)
 
-    monkeypatch.setattr(distributed, "prepare_inputs", dies_meanwhile)
+    ex._encoder = DiesMeanwhile()
     plan = bad_plan()
     with pytest.raises(ExecutorDead, match="rank 1 died"):
         ex.submit(plan)
     assert not ex._pending
 
 
-def test_an_interrupted_send_leaves_the_executor_dead_not_out_of_step(monkeypatch):
+def test_an_interrupted_send_leaves_the_executor_dead_not_out_of_step():
     # Ctrl-C while a step's bytes go to the ranks: some may have it and others not, and the
     # next step would wait for ever on a rank that never got the last one.
     import threading
@@ -222,6 +223,7 @@ def test_an_interrupted_send_leaves_the_executor_dead_not_out_of_step(monkeypatc
     ex.dead, ex._closing, ex._lock, ex._pending = None, False, threading.Lock(), deque()
     ex.block_size, ex.inboxes = 16, [Pipe(False), Pipe(True)]
     ex._kill = lambda: None
+    ex._encoder = StepEncoder()
     with pytest.raises(KeyboardInterrupt):
         ex.submit(bad_plan())
     assert "interrupted" in ex.dead and not ex._pending

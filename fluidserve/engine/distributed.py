@@ -34,6 +34,7 @@ from fluidserve.engine.core import ExecutorDead
 from fluidserve.engine.core_proc import kill_unless_exited, wait_exit
 from fluidserve.model.host_env import spawning_with_huge_page_malloc
 from fluidserve.model.inputs import prepare_inputs
+from fluidserve.model.step_delta import StepDecoder, StepEncoder
 from fluidserve.model.worker import WorkerSpec
 from fluidserve.net import die_with_parent, local_store, loopback_collectives, process_owner
 
@@ -112,12 +113,16 @@ class RankRunner:
         shard = Shard(rank % tp, tp, rank // tp, pp)
         self.samples = shard.last and shard.tp_rank == 0
         self.worker = Worker(spec, shard, groups[shard.pp_rank] if tp > 1 else None)
+        self.block_size = spec.block_size
+        self.decoder = StepDecoder()  # this rank's mirror of the requests it runs
         self.busy = 0.0
         self.started = time.monotonic()
 
     def step(self, payload: bytes):
+        """Run one step: ``payload`` is a pickled ``StepDelta``."""
         t0 = time.perf_counter()
-        out = self.worker.execute(pickle.loads(payload))
+        plan = self.decoder.decode(pickle.loads(payload))
+        out = self.worker.execute(prepare_inputs(plan, self.block_size))
         dt = time.perf_counter() - t0
         self.busy += dt - self.worker.comm_wait  # computing, not waiting on another stage
         return (out, dt) if out is not None else None
@@ -246,6 +251,7 @@ class MultiprocExecutor(FailsInFlightOnDeath):
         self._stats: deque = deque()  # (call, statistics) from the sampling rank
         self._stats_calls = 0
         self._lock = threading.Lock()
+        self._encoder = StepEncoder()
         try:  # an error or an interrupt at any point leaves no rank behind
             with spawning_with_huge_page_malloc():  # (oneDNN's packed weights on huge pages)
                 for rank in range(world):
@@ -300,13 +306,13 @@ class MultiprocExecutor(FailsInFlightOnDeath):
     def submit(self, plan: SchedulerOutput) -> Future:
         if self.dead is not None:
             raise ExecutorDead(self.dead)
-        inputs = prepare_inputs(plan, self.block_size)
-        payload = pickle.dumps(("step", pickle.dumps(inputs)), protocol=pickle.HIGHEST_PROTOCOL)
+        delta = pickle.dumps(self._encoder.encode(plan), protocol=pickle.HIGHEST_PROTOCOL)
+        payload = pickle.dumps(("step", delta), protocol=pickle.HIGHEST_PROTOCOL)
         fut: Future = Future()
         with self._lock:  # a rank may have died since the check above: _die holds this lock
             if self.dead is not None:
                 raise ExecutorDead(self.dead)
-            self._pending.append((fut, inputs.sampling.request_ids))
+            self._pending.append((fut, plan.sampled_request_ids))
         try:
             for conn in self.inboxes:
                 conn.send_bytes(payload)

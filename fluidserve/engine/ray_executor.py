@@ -26,7 +26,7 @@ from fluidserve.core.scheduler.output import SchedulerOutput
 from fluidserve.engine.core import ExecutorDead
 from fluidserve.engine.distributed import FailsInFlightOnDeath, RankRunner, rank_threads, settle
 from fluidserve.model.host_env import ray_actor_env
-from fluidserve.model.inputs import prepare_inputs
+from fluidserve.model.step_delta import StepEncoder
 from fluidserve.model.worker import WorkerSpec
 from fluidserve.net import free_port, process_owner
 
@@ -136,6 +136,7 @@ class RayExecutor(FailsInFlightOnDeath):
         self._lock = threading.Lock()
         self._pending: deque[Future] = deque()
         self._watch: list = []  # refs of every rank's steps, checked for failures
+        self._encoder = StepEncoder()
         threading.Thread(target=self._monitor, name="fluidserve-ray-monitor", daemon=True).start()
 
     def submit(self, plan: SchedulerOutput) -> Future:
@@ -143,11 +144,10 @@ class RayExecutor(FailsInFlightOnDeath):
             raise ExecutorDead(self.dead)
         from fluidserve.model.runner import runner_output
 
-        inputs = prepare_inputs(plan, self.block_size)
-        payload = pickle.dumps(inputs, protocol=pickle.HIGHEST_PROTOCOL)
+        payload = pickle.dumps(self._encoder.encode(plan), protocol=pickle.HIGHEST_PROTOCOL)
         refs = [a.step.remote(payload) for a in self.actors]
         fut: Future = Future()
-        rids = inputs.sampling.request_ids
+        rids = plan.sampled_request_ids
 
         def done(rf: Future) -> None:
             with self._lock:

@@ -1,8 +1,9 @@
 """A scheduler plan flattened into model inputs, once, by the driver.
 
-``StepInputs`` holds numpy arrays and plain values only: it is built once per iteration and
-sent as it is (pickled: a few KB for a hundred decodes) to every worker process of a tensor- or
-pipeline-parallel executor, which turn the arrays into tensors without copying.
+``StepInputs`` holds numpy arrays and plain values only, which the worker turns into tensors
+without copying. The single-process executor builds it from the scheduler's plan; each rank of a
+tensor- or pipeline-parallel executor from the plan it rebuilds from what changed
+(``step_delta``).
 """
 
 from __future__ import annotations

@@ -150,6 +150,7 @@ class Scheduler(ABC):
         self.num_preemptions = 0
         self._busy: frozenset[str] = frozenset()
         self.async_scheduling = False
+        self._released: list[str] = []  # since the last plan: its ``released``
 
     # ------------------------------------------------------------------ requests in/out
     def add_request(self, req: Request) -> None:
@@ -176,6 +177,7 @@ class Scheduler(ABC):
             self.running.remove(req)
         self.bm.free(req.request_id)
         self.requests.pop(req.request_id, None)
+        self._released.append(req.request_id)
 
     def find(self, request_id: str) -> Request | None:
         """The request, wherever this scheduler holds it (``finish`` ends it there)."""
@@ -219,7 +221,8 @@ class Scheduler(ABC):
                 if c.samples:
                     req.output_token_ids.append(PLACEHOLDER)
         budget = batch.budget if math.isfinite(batch.budget) else None
-        return SchedulerOutput(self.iteration, chunks, self._preempted, budget)
+        released, self._released = self._released, []
+        return SchedulerOutput(self.iteration, chunks, self._preempted, budget, released)
 
     def update(self, output: SchedulerOutput, result: RunnerOutput, now: float) -> list[Request]:
         """Advance state after an iteration; returns requests that got a token or finished."""

@@ -70,6 +70,7 @@ class PrefillOnlyScheduler(Scheduler):
         if req is not None:
             self.bm.free(request_id)
             self.requests.pop(request_id, None)
+            self._released.append(request_id)
         return req
 
     def finish(self, req: Request, status: RequestStatus, now: float | None = None) -> None:

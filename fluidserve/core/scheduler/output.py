@@ -74,6 +74,10 @@ class SchedulerOutput:
     chunks: list[ScheduledChunk] = field(default_factory=list)
     preempted: list[str] = field(default_factory=list)
     token_budget: int | None = None  # the budget this iteration was built under
+    # Requests whose blocks the scheduler gave up for good since its last plan (finished,
+    # aborted, handed to another instance): an executor that mirrors requests in other
+    # processes forgets them (``preempted`` ones too) before it runs this plan's chunks.
+    released: list[str] = field(default_factory=list)
 
     # Computed once: a plan is not modified after the scheduler returns it.
     @cached_property
@@ -97,6 +101,11 @@ class SchedulerOutput:
                 sq += n * n
                 prefix += n * c.start
         return AttentionWork(sq, prefix, ctx_sum, ctx_max, singles)
+
+    @property
+    def sampled_request_ids(self) -> list[str]:
+        """The requests whose chunks sample, in the plan's order (the sampled rows')."""
+        return [c.request_id for c in self.chunks if c.samples]
 
     @property
     def num_prefill_tokens(self) -> int:

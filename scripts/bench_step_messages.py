@@ -82,10 +82,9 @@ def main() -> None:
         r = rows.setdefault(kind, {k: [] for k in (
             "whole_bytes", "whole_driver_s", "whole_rank_s",
             "delta_bytes", "delta_driver_s", "delta_rank_s")})
-        ways = [("whole", lambda: whole(plan, bs)),
-                ("delta", lambda: delta(plan, bs, enc, dec))]
-        for name, run in ways if step % 2 else ways[::-1]:  # (alternated plan by plan)
-            payload, driver_s, rank_s = run()
+        ways = [("whole", (bs,)), ("delta", (bs, enc, dec))]
+        for name, extra in ways if step % 2 else ways[::-1]:  # (alternated plan by plan)
+            payload, driver_s, rank_s = (whole if name == "whole" else delta)(plan, *extra)
             r[f"{name}_bytes"].append(len(payload))
             r[f"{name}_driver_s"].append(driver_s)
             r[f"{name}_rank_s"].append(rank_s)

@@ -102,6 +102,32 @@ def test_pipeline_keeps_micro_batches_in_flight(tiny_model_dir):
         engine.shutdown()
 
 
+def test_ranks_follow_preemptions_and_penalties_to_one_process_tokens(tiny_model_dir):
+    """More requests than the KV cache holds: the scheduler preempts and re-admits them with
+    new block tables, which the ranks' mirrors must follow, as they follow the penalized
+    requests' counted tokens (greedy with a repetition penalty: one process's tokens)."""
+    prompts = [p + " " + q for p in PROMPTS for q in PROMPTS[:2]]
+    params = [SamplingParams(max_tokens=200, temperature=0.0, ignore_eos=True,
+                             repetition_penalty=1.3 if i % 2 else 1.0,
+                             presence_penalty=0.4 if i % 3 else 0.0)
+              for i in range(len(prompts))]
+    outs = {}
+    for tp, pp in [(1, 1), (2, 2)]:
+        engine = LLMEngine(EngineConfig.create(**knobs(
+            tiny_model_dir, tensor_parallel_size=tp, pipeline_parallel_size=pp,
+            token_budget=64)))
+        try:
+            reqs = [engine.add_request(f"r{i}", p, q)
+                    for i, (p, q) in enumerate(zip(prompts, params, strict=True))]
+            while engine.has_unfinished():
+                engine.step()
+            outs[tp, pp] = [r.output_token_ids for r in reqs]
+            assert engine.core.scheduler.num_preemptions > 0
+        finally:
+            engine.shutdown()
+    assert outs[2, 2] == outs[1, 1]
+
+
 def test_ray_backend_on_a_local_instance(tiny_model_dir, reference):
     pytest.importorskip("ray")
     with LLM(**knobs(tiny_model_dir, tensor_parallel_size=2,

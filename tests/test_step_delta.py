@@ -5,13 +5,19 @@ from __future__ import annotations
 
 import pickle
 import random
-from dataclasses import fields
+import threading
+from concurrent.futures import Future
+from dataclasses import fields, replace
 
 import numpy as np
 import pytest
 
+from fluidserve.config import EngineConfig
 from fluidserve.core.block_manager import BlockManager
 from fluidserve.core.scheduler import RunnerOutput, SchedulerLimits, make_scheduler
+from fluidserve.engine.core import EngineCore, VirtualClock
+from fluidserve.engine.messages import AddRequest
+from fluidserve.engine.telemetry import Telemetry
 from fluidserve.model.inputs import prepare_inputs
 from fluidserve.model.step_delta import StepDecoder, StepEncoder
 from fluidserve.request import Request
@@ -153,3 +159,61 @@ def test_engines_sharing_the_ranks_one_after_the_other_reuse_ids_safely():
                                 BLOCK))
             sched.update(plan, RunnerOutput({"a": 9 + step}, 0.01), step + 1.0)
             step += 1
+
+
+class Ranks:
+    """An executor of ``depth`` stages whose one rank checks every step it gets: its inputs
+    are the driver's."""
+
+    num_blocks, block_size, max_model_len = 64, BLOCK, 4096
+
+    def __init__(self, depth: int) -> None:
+        self.depth = depth
+        self.enc, self.dec = StepEncoder(), StepDecoder()
+
+    def submit(self, plan):
+        theirs = self.dec.decode(pickle.loads(self.enc.payload(plan)))
+        same(prepare_inputs(plan, BLOCK), prepare_inputs(theirs, BLOCK))
+        done = Future()
+        done.set_result(RunnerOutput({c.request_id: 7 for c in plan.chunks if c.samples}, 0.01))
+        return done
+
+    def shutdown(self) -> None:
+        pass
+
+
+def test_what_plans_never_submitted_release_is_forgotten_all_the_same():
+    """Two micro-batches in flight: the first's request ends while the second runs, and the
+    plan scheduled then is empty (the second's request is busy) and never submitted; its
+    release reaches the ranks with the next. Request ids come back, with one parameters
+    object and seed (penalized: the ranks count their outputs)."""
+    ranks = Ranks(depth=2)
+    core = EngineCore(EngineConfig.create(scheduler="sarathi", token_budget=256), ranks,
+                      VirtualClock(), Telemetry(max_records=0))
+    short = SamplingParams(max_tokens=2, ignore_eos=True, presence_penalty=0.5, seed=1)
+    long = SamplingParams(max_tokens=4, ignore_eos=True)
+    for i in range(30):
+        core.add(AddRequest(f"a{i % 3}", [5] * (8 + i % 5 * 8), short))  # (ids come back)
+        core.fill()
+        core.add(AddRequest(f"b{i}", [5] * 8, long))
+        while core.has_unfinished():
+            core.step()
+    # At most the last round's requests: their release waits for a plan
+    assert set(ranks.dec.held) <= {"a2", "b29"} and set(ranks.enc.sent) == set(ranks.dec.held)
+
+
+def test_a_step_that_fails_to_encode_starts_the_mirrors_afresh():
+    ranks = Ranks(depth=1)
+    sched = make_scheduler("sarathi", SchedulerLimits(64, 4, 256, 1, "fcfs"),
+                           BlockManager(64, BLOCK, 0.0))
+    sched.add_request(Request("a", [1, 2, 3], SamplingParams(max_tokens=6), 0.0))
+    for step in range(5):
+        plan = sched.schedule(float(step))
+        if step == 2:  # (it gains a block) a ban that cannot be pickled: the step never
+            # reaches a rank, after the driver took note of the new block
+            unpicklable = [replace(c, banned=(threading.Lock(),)) for c in plan.chunks]
+            with pytest.raises(TypeError, match="pickle"):
+                ranks.enc.payload(replace(plan, chunks=unpicklable))
+        else:
+            ranks.submit(plan)
+        sched.update(plan, RunnerOutput({"a": 9}, 0.01), step + 1.0)

@@ -282,6 +282,7 @@ class EngineCore:
                 if self.in_flight else frozenset()
             plan = self.scheduler.schedule(start, busy)
             if plan.is_empty:
+                self.scheduler.not_submitted(plan)
                 self._changed = False
                 return
             try:
@@ -290,6 +291,7 @@ class EngineCore:
             except ExecutorDead:
                 raise
             except Exception as e:
+                self.scheduler.not_submitted(plan)
                 fut = Future()
                 fut.set_exception(e)
             self.in_flight.append((plan, fut, start))

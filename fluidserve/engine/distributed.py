@@ -306,8 +306,8 @@ class MultiprocExecutor(FailsInFlightOnDeath):
     def submit(self, plan: SchedulerOutput) -> Future:
         if self.dead is not None:
             raise ExecutorDead(self.dead)
-        delta = pickle.dumps(self._encoder.encode(plan), protocol=pickle.HIGHEST_PROTOCOL)
-        payload = pickle.dumps(("step", delta), protocol=pickle.HIGHEST_PROTOCOL)
+        payload = pickle.dumps(("step", self._encoder.payload(plan)),
+                               protocol=pickle.HIGHEST_PROTOCOL)
         fut: Future = Future()
         with self._lock:  # a rank may have died since the check above: _die holds this lock
             if self.dead is not None:

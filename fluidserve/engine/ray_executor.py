@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import logging
 import os
-import pickle
 import re
 import threading
 from collections import deque
@@ -144,7 +143,7 @@ class RayExecutor(FailsInFlightOnDeath):
             raise ExecutorDead(self.dead)
         from fluidserve.model.runner import runner_output
 
-        payload = pickle.dumps(self._encoder.encode(plan), protocol=pickle.HIGHEST_PROTOCOL)
+        payload = self._encoder.payload(plan)
         refs = [a.step.remote(payload) for a in self.actors]
         fut: Future = Future()
         rids = plan.sampled_request_ids

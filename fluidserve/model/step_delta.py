@@ -12,13 +12,18 @@ So a step of 128 decodes with 2000 tokens of context and a repetition penalty se
 tokens and a handful of new blocks, not 128 block tables and 128 x 2000 counted tokens.
 
 Ranks run steps in the order the driver submits them, so a mirror is always as of the step
-being run. The plan says which requests to forget (``released``, ``preempted``); a request id
-the driver still tracks is sent anew all the same if its ``SamplingParams`` object or its
-preemption count changed, or its table shrank.
+being run. The plans say which requests to forget (``released``, ``preempted``; a plan the
+executor never gets hands them to the next, ``Scheduler.not_submitted``). A request id the
+driver still tracks is sent anew all the same if its ``SamplingParams`` object, seed or
+preemption count changed, or its table or counted output shrank. The mirrors start afresh
+(``reset``) with the first step, after a step that failed to encode, and with a plan of
+another scheduler (its iteration not after the last one's: engines sharing the executor one
+after the other, or a plan made by hand).
 """
 
 from __future__ import annotations
 
+import pickle
 from array import array
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -43,6 +48,7 @@ class NewRequest:
 @dataclass
 class StepDelta:
     iteration: int
+    reset: bool  # the ranks drop every request first
     forget: list[str]  # requests the ranks drop first
     new: list[NewRequest]
     # One entry per chunk of the plan, in its order:
@@ -68,6 +74,7 @@ class _Sent:
     """What the ranks hold of a request, as the driver tracks it."""
 
     params: SamplingParams
+    seed: int
     epoch: int
     blocks: int
     prompt: Sequence[int] | None = None  # the penalty prompt sent (by identity)
@@ -79,27 +86,41 @@ class StepEncoder:
 
     def __init__(self) -> None:
         self.sent: dict[str, _Sent] = {}
+        self._reset = True
+        self._iteration = 0
+
+    def payload(self, plan: SchedulerOutput) -> bytes:
+        """``plan``'s delta, pickled. If that fails, the ranks never get this step, and the
+        next starts their mirrors afresh."""
+        try:
+            return pickle.dumps(self.encode(plan), protocol=pickle.HIGHEST_PROTOCOL)
+        except BaseException:
+            self._reset = True
+            raise
 
     def encode(self, plan: SchedulerOutput) -> StepDelta:
         sent = self.sent
-        if plan.iteration == 1:  # a scheduler's first plan: nothing held before continues
-            forget = list(sent)  # (executors shared by engines one after the other)
+        reset = self._reset or plan.iteration <= self._iteration
+        self._reset, self._iteration = False, plan.iteration
+        if reset:
             sent.clear()
-        else:
-            forget = [rid for rid in chain(plan.released, plan.preempted)
-                      if sent.pop(rid, None) is not None]
+        forget = [] if reset else [rid for rid in chain(plan.released, plan.preempted)
+                                   if sent.pop(rid, None) is not None]
         chunks = plan.chunks
-        d = StepDelta(plan.iteration, forget, [], [c.request_id for c in chunks],
+        d = StepDelta(plan.iteration, reset, forget, [], [c.request_id for c in chunks],
                       [c.start for c in chunks], [len(c.token_ids) for c in chunks],
                       bytes(c.samples | c.is_decode << 1 for c in chunks),
                       [c.output_index for c in chunks],
                       array("q", chain.from_iterable(c.token_ids for c in chunks)))
         for i, c in enumerate(chunks):
             rid, table = c.request_id, c.block_table
+            if c.banned_if:  # (asynchronous scheduling: the single-process executor only)
+                raise ValueError("bans on a token in flight do not cross to worker ranks")
             st = sent.get(rid)
-            if (st is None or st.params is not c.params or st.epoch != c.epoch
-                    or len(table) < st.blocks):
-                st = sent[rid] = _Sent(c.params, c.epoch, len(table))
+            if (st is None or st.params is not c.params or st.seed != c.seed
+                    or st.epoch != c.epoch or len(table) < st.blocks
+                    or (c.penalized is not None and len(c.penalized[1]) < st.output)):
+                st = sent[rid] = _Sent(c.params, c.seed, c.epoch, len(table))
                 d.new.append(NewRequest(rid, c.params, c.seed, table))
             elif len(table) > st.blocks:  # (tables only grow within an admission)
                 d.blocks[rid] = table[st.blocks:]
@@ -136,6 +157,8 @@ class StepDecoder:
 
     def decode(self, d: StepDelta) -> SchedulerOutput:
         held = self.held
+        if d.reset:
+            held.clear()
         for rid in d.forget:
             held.pop(rid, None)
         for n in d.new:

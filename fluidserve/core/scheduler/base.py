@@ -224,6 +224,12 @@ class Scheduler(ABC):
         released, self._released = self._released, []
         return SchedulerOutput(self.iteration, chunks, self._preempted, budget, released)
 
+    def not_submitted(self, plan: SchedulerOutput) -> None:
+        """``plan`` never reached the executor (it was empty, or failed on the way): the
+        next plan releases what it released and preempted, so that an executor mirroring
+        requests forgets them all the same."""
+        self._released[:0] = [*plan.released, *plan.preempted]
+
     def update(self, output: SchedulerOutput, result: RunnerOutput, now: float) -> list[Request]:
         """Advance state after an iteration; returns requests that got a token or finished."""
         touched = []

@@ -74,9 +74,10 @@ class SchedulerOutput:
     chunks: list[ScheduledChunk] = field(default_factory=list)
     preempted: list[str] = field(default_factory=list)
     token_budget: int | None = None  # the budget this iteration was built under
-    # Requests whose blocks the scheduler gave up for good since its last plan (finished,
-    # aborted, handed to another instance): an executor that mirrors requests in other
-    # processes forgets them (``preempted`` ones too) before it runs this plan's chunks.
+    # Requests whose blocks the scheduler gave up for good since its last plan that reached
+    # the executor (finished, aborted, handed to another instance; ``not_submitted``): an
+    # executor that mirrors requests in other processes forgets them (``preempted`` ones
+    # too) before it runs this plan's chunks.
     released: list[str] = field(default_factory=list)
 
     # Computed once: a plan is not modified after the scheduler returns it.

@@ -1,8 +1,9 @@
 """What a tensor- or pipeline-parallel step sends to its ranks, and what building it costs:
 the whole prepared inputs (``prepare_inputs``, as the ranks got them before) against what
 changed (``step_delta``: the driver encodes, each rank decodes and prepares). No model: a
-real scheduler plans a saturated workload (every request at once, ``--penalty`` on each),
-a fake sampler answers, and both ways run on the same plans, alternated plan by plan.
+real scheduler plans a saturated workload (every request at once, each with the logit
+rules ``--rules`` names: penalties, or allowed tokens, every other one of 32000), a fake
+sampler answers, and both ways run on the same plans, alternated plan by plan.
 
 Per plan kind (decode-only / with prefill tokens): the median bytes a rank receives, the
 driver's time (build + pickle), and a rank's time (unpickle, and for the delta decode +
@@ -10,7 +11,7 @@ prepare). JSON: one line per kind, then a summary line.
 
     python scripts/bench_step_messages.py
     python scripts/bench_step_messages.py --requests 128 --prompt 2000 --output 512 \
-        --penalty repetition
+        --rules repetition
 """
 
 from __future__ import annotations
@@ -29,10 +30,11 @@ from fluidserve.model.step_delta import StepDecoder, StepEncoder
 from fluidserve.request import Request
 from fluidserve.sampling_params import SamplingParams
 
-PENALTIES = {
+RULES = {
     "none": {},
     "presence": {"presence_penalty": 0.5, "frequency_penalty": 0.3},
     "repetition": {"repetition_penalty": 1.1, "presence_penalty": 0.5},
+    "allowed": {"allowed_token_ids": list(range(0, 32000, 2))},
 }
 HIGHEST = pickle.HIGHEST_PROTOCOL
 
@@ -59,7 +61,8 @@ def main() -> None:
     ap.add_argument("--requests", type=int, default=64)
     ap.add_argument("--prompt", type=int, default=1000, help="prompt tokens of each request")
     ap.add_argument("--output", type=int, default=256, help="output tokens of each request")
-    ap.add_argument("--penalty", choices=list(PENALTIES), default="presence")
+    ap.add_argument("--rules", choices=list(RULES), default="presence",
+                    help="the logit rules of every request")
     ap.add_argument("--budget", type=int, default=512, help="sarathi's token budget")
     ap.add_argument("--block-size", type=int, default=16)
     args = ap.parse_args()
@@ -68,11 +71,13 @@ def main() -> None:
     ctx = args.prompt + args.output
     sched = make_scheduler("sarathi", SchedulerLimits(args.budget, n, ctx, 1, "fcfs"),
                            BlockManager(n * -(-ctx // bs), bs, 0.0))
-    params = SamplingParams(max_tokens=args.output, ignore_eos=True, **PENALTIES[args.penalty])
     rng = random.Random(0)
     for i in range(n):
         sched.add_request(Request(f"cmpl-{i:08x}", [rng.randrange(32000)
-                                                    for _ in range(args.prompt)], params, 0.0))
+                                                    for _ in range(args.prompt)],
+                                  # (each its own, as a server's requests have)
+                                  SamplingParams(max_tokens=args.output, ignore_eos=True,
+                                                 **RULES[args.rules]), 0.0))
     enc, dec = StepEncoder(), StepDecoder()
     rows: dict[str, dict[str, list[float]]] = {}
     step = 0
@@ -99,7 +104,7 @@ def main() -> None:
             total[k] = total.get(k, 0.0) + sum(v)
         print(json.dumps(line))
     print(json.dumps({"requests": n, "prompt": args.prompt, "output": args.output,
-                      "penalty": args.penalty, "budget": args.budget, "plans": step,
+                      "rules": args.rules, "budget": args.budget, "plans": step,
                       "total": total,
                       "bytes_ratio": total["delta_bytes"] / total["whole_bytes"]}))
 

@@ -1,4 +1,4 @@
-"""A scheduler plan flattened into model inputs, once, by the driver.
+"""A scheduler plan flattened into model inputs.
 
 ``StepInputs`` holds numpy arrays and plain values only, which the worker turns into tensors
 without copying. The single-process executor builds it from the scheduler's plan; each rank of a

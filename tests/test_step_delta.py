@@ -49,8 +49,6 @@ def same(a, b, path="inputs") -> None:
         assert len(a) == len(b), path
         for i, (x, y) in enumerate(zip(a, b, strict=True)):
             same(x, y, f"{path}[{i}]")
-    elif isinstance(a, SamplingParams):
-        assert a == b, path
     else:
         assert a == b, f"{path}: {a!r} != {b!r}"
 

@@ -1,5 +1,6 @@
 """Pipeline and tensor parallelism on this machine: throughput, and pipeline bubbles measured
-beside the simulator's prediction. A benchmark program (JSON on stdout, report with --doc).
+beside the simulator's prediction. A benchmark program (JSON on stdout; --doc rewrites the
+measured part of the doc, up to its "Reading the numbers").
 
     python scripts/bench_parallel.py --out runs/parallel --doc docs/parallelism.md
 
@@ -144,58 +145,21 @@ def report(res: dict, command: str) -> str:
                   mean(by["vllm"], "stage_idle_simulated"))
         lines += ["", f"At this load the stages idle {sm:.0%} of the time on average with sarathi"
                   f" and {vm:.0%} with vllm ({vm - sm:+.0%} for vllm); the simulator predicts"
-                  f" {ss:.0%} and {vs:.0%} ({vs - ss:+.0%}). Measured, the first stage idles"
-                  " more than the last (the last also runs the LM head and sampling); the cost"
-                  " model splits the layers' time evenly and has no such asymmetry."]
-    lines += ["", SETUP]
+                  f" {ss:.0%} and {vs:.0%} ({vs - ss:+.0%}). The cost model splits the layers'"
+                  " time evenly between the stages; the last stage also runs the LM head and"
+                  " sampling."]
     return "\n".join(lines)
 
 
-SETUP = """## Reading the numbers
+MEASURED_END = "## Reading the numbers"  # what --doc replaces: the doc up to this heading
 
-Sarathi-Serve's claim for pipeline parallelism (OSDI'24, Falcon-180B on 2 nodes, TP4-PP2):
-uniform, stall-free micro-batches leave fewer pipeline bubbles than vLLM's mix of long
-prefill-only and short decode-only micro-batches, for up to 5.6x the capacity. The measured
-idle fractions above come from each rank's own clock (time computing a step, excluding the
-time blocked on a neighbouring stage); the simulated ones from the same scheduler code and
-arrivals on the CPU cost model, calibrated on a one-process, one-thread run of the same
-workload and split into two stages of half the layers.
 
-On this 2-core machine every rank gets one core, so -pp 2 and -tp 2 run on the same silicon
-as one process with two threads: the throughput comparison shows what the process boundary
-and the collectives cost (or save: two single-threaded processes avoid OpenMP barriers on a
-shared core), not a speed-up from more hardware.
-
-## How it runs
-
-`-tp N -pp M` starts N x M worker processes (ranks). Rank r is pipeline stage r // N and
-tensor-parallel rank r % N; stage s holds layers [L*s/M, L*(s+1)/M), the first stage the
-embedding and the last the final norm and LM head; each tensor-parallel rank holds 1/N of the
-query heads, KV heads and MLP columns of its layers and all-reduces after attention and MLP.
-The engine core flattens each scheduled batch once into arrays and sends them to every rank;
-stages pass hidden states point-to-point (torch.distributed: gloo on CPU, NCCL on CUDA); the
-last stage's first rank samples. With M stages, M micro-batches are in flight, each scheduled
-without the requests still in the pipeline. A rank that dies fails the batches in flight with
-an error the client sees, the other ranks are stopped, and the server reports unhealthy and
-exits non-zero.
-
-## Two nodes with Ray
-
-```bash
-pip install 'fluidserve[ray]'                        # on both nodes
-node-a$ ray start --head --port 6379                 # prints the address to join
-node-b$ ray start --address NODE_A_IP:6379
-node-a$ fluidserve serve --model /shared/models/m -tp 2 -pp 2 \\
-            --distributed-executor-backend ray --num-threads 8
-```
-
-The executor joins the running cluster (or `RAY_ADDRESS`), reserves one placement-group
-bundle per rank (`--num-threads` CPUs each; the PACK strategy fills as few nodes as it can,
-so when a node has room for one stage's ranks, that stage's all-reduces stay inside the
-node), and the ranks rendezvous over TCP at the first rank's node. The model directory must
-be at the same path on every node. Without a cluster, `--distributed-executor-backend ray`
-starts a local Ray instance bound to 127.0.0.1 (the tests do this).
-"""
+def write_doc(path: Path, measured: str) -> None:
+    """Replace the measured part of ``path`` (all before ``MEASURED_END``), keeping its
+    prose; a doc without that heading gets the measured part on top."""
+    old = path.read_text() if path.exists() else ""
+    at = old.find(MEASURED_END)
+    path.write_text(measured + "\n\n" + (old[at:] if at >= 0 else old))
 
 
 def main() -> int:
@@ -219,7 +183,7 @@ def main() -> int:
     out.mkdir(parents=True, exist_ok=True)
     (out / "parallel.json").write_text(json.dumps(res, indent=1))
     if args.doc:
-        Path(args.doc).write_text(report(res, "python scripts/bench_parallel.py "
+        write_doc(Path(args.doc), report(res, "python scripts/bench_parallel.py "
                                          + " ".join(sys.argv[1:])))
     print(json.dumps(res))
     return 0

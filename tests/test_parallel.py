@@ -81,8 +81,19 @@ def test_greedy_outputs_equal_one_process_for_every_scheduler(tiny_model_dir, re
             assert generate(engine) == reference, policy
         stats = first.executor.stats()
         assert len(stats) == tp * pp and all(s["busy_s"] > 0 for s in stats)
+        # Ranks of a tensor-parallel group on one host all-reduce through shared memory
+        assert {s["all_reduce"] for s in stats} == {"shared memory" if tp > 1 else None}
     finally:
         first.shutdown()
+
+
+def test_tensor_parallel_ranks_through_gloo_give_the_same_tokens(tiny_model_dir, reference):
+    """--disable-custom-all-reduce: the all-reduce over loopback TCP, the fallback."""
+    with LLM(**knobs(tiny_model_dir, tensor_parallel_size=2,
+                     disable_custom_all_reduce=True)) as llm:
+        outs = llm.generate(PROMPTS, [greedy(i) for i in range(4)])
+        assert {s["all_reduce"] for s in llm.engine.executor.stats()} == {"gloo"}
+    assert [o.token_ids for o in outs] == reference
 
 
 def test_pipeline_keeps_micro_batches_in_flight(tiny_model_dir):

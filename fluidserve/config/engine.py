@@ -215,6 +215,10 @@ class ParallelConfig:
         " --disaggregate: mp (local processes) or ray (Ray actors on an existing cluster, or a"
         " local one; pip install fluidserve[ray]).",
         choices=EXECUTOR_BACKENDS)
+    disable_custom_all_reduce: bool = knob(
+        False, "CPU: tensor-parallel ranks on one host all-reduce through gloo (loopback TCP)"
+        " instead of a shared-memory mapping (by default they use one where every rank of the"
+        " group is on this host and /dev/shm holds it).")
 
     def __post_init__(self) -> None:
         require_positive("tensor_parallel_size", self.tensor_parallel_size)

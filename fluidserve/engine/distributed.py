@@ -112,7 +112,17 @@ class RankRunner:
         groups = [dist.new_group(list(range(s * tp, (s + 1) * tp))) for s in range(pp)]
         shard = Shard(rank % tp, tp, rank // tp, pp)
         self.samples = shard.last and shard.tp_rank == 0
-        self.worker = Worker(spec, shard, groups[shard.pp_rank] if tp > 1 else None)
+        group = groups[shard.pp_rank] if tp > 1 else None
+        host = None
+        if group is not None and not cuda and not parallel.disable_custom_all_reduce:
+            from fluidserve.model.host_all_reduce import HostAllReduce
+
+            host = HostAllReduce.create(group)
+        # (what its tensor-parallel group all-reduces through: None without one)
+        self.all_reduce = None if group is None else "gloo" if host is None else "shared memory"
+        if group is not None:
+            log.info("tensor-parallel all-reduce: %s", self.all_reduce)
+        self.worker = Worker(spec, shard, group, host)
         self.block_size = spec.block_size
         self.decoder = StepDecoder()  # this rank's mirror of the requests it runs
         self.busy = 0.0
@@ -128,7 +138,8 @@ class RankRunner:
         return (out, dt) if out is not None else None
 
     def stats(self) -> dict:
-        return {"rank": self.rank, "busy_s": self.busy, "wall_s": time.monotonic() - self.started}
+        return {"rank": self.rank, "busy_s": self.busy, "wall_s": time.monotonic() - self.started,
+                "all_reduce": self.all_reduce}
 
     def close(self) -> None:
         import torch.distributed as dist

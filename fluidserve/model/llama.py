@@ -126,12 +126,15 @@ class Shard:
 
 
 class TensorParallel:
-    """The all-reduce of row-parallel layers over this stage's tensor-parallel group."""
+    """The all-reduce of row-parallel layers over this stage's tensor-parallel group (through
+    ``host``, a ``HostAllReduce`` of ranks on one host, where there is one)."""
 
-    def __init__(self, size: int = 1, group=None) -> None:
-        self.size, self.group = size, group
+    def __init__(self, size: int = 1, group=None, host=None) -> None:
+        self.size, self.group, self.host = size, group, host
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        if self.host is not None:
+            return self.host.all_reduce(x)
         if self.size > 1:
             torch.distributed.all_reduce(x, group=self.group)
         return x

@@ -165,7 +165,8 @@ def cuda_graph_batch(config) -> int:
 
 
 class Worker:
-    def __init__(self, spec: WorkerSpec, shard: Shard | None = None, tp_group=None) -> None:
+    def __init__(self, spec: WorkerSpec, shard: Shard | None = None, tp_group=None,
+                 host_all_reduce=None) -> None:
         shard = shard or Shard()
         self.spec, self.shard = spec, shard
         self.device = torch.device(spec.device)
@@ -176,7 +177,7 @@ class Worker:
                              f" {torch.cuda.device_count()} CUDA device(s)")
         if self.device.type == "cpu":
             keep_freed_memory()  # no page faults on every iteration's activations
-        tp = TensorParallel(shard.tp_size, tp_group)
+        tp = TensorParallel(shard.tp_size, tp_group, host_all_reduce)
         self.arch, self.model = load_model(spec.model_dir, spec.dtype, spec.device,
                                            spec.max_model_len, shard, tp)
         dtype = DTYPES[spec.dtype]

@@ -23,6 +23,7 @@ import socket
 import tempfile
 import time
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -39,10 +40,13 @@ class HostAllReduce:
         self.mapping, self.index, self.world = mapping, index, world
         self.slot_bytes, self.group = slot_bytes, group
         raw = torch.frombuffer(mapping, dtype=torch.uint8)
-        self.seqs = raw[: LINE * world].view(torch.int64)[:: LINE // 8]  # [world]
+        # [world]: each rank's sequence number (numpy: a scalar read or write is ~0.1 us)
+        self.seqs = np.frombuffer(mapping, dtype=np.int64, count=LINE * world // 8)[:: LINE // 8]
         base = LINE * world
         self.slots = [[raw[base + (2 * r + b) * slot_bytes: base + (2 * r + b + 1) * slot_bytes]
                        for b in range(2)] for r in range(world)]
+        self.others = [r for r in range(world) if r != index]
+        self._views: dict = {}  # (buffer, shape, dtype) -> every rank's slot, as such a tensor
         self.seq = 0
 
     @classmethod
@@ -84,12 +88,18 @@ class HostAllReduce:
             dist.all_reduce(x, group=self.group)
             return x
         self.seq += 1
-        seq, buf, n = self.seq, self.seq & 1, x.numel() * x.element_size()
-        flat = x.view(-1).view(torch.uint8)
-        self.slots[self.index][buf][:n].copy_(flat)
+        seq, buf = self.seq, self.seq & 1
+        key = (buf, x.shape, x.dtype)
+        parts = self._views.get(key)
+        if parts is None:
+            if len(self._views) >= 1024:  # (a step's shape is its token count: bounded)
+                self._views.clear()
+            n = x.numel() * x.element_size()
+            parts = self._views[key] = [s[buf][:n].view(x.dtype).view(x.shape)
+                                        for s in self.slots]
+        parts[self.index].copy_(x)
         self.seqs[self.index] = seq  # (x86 stores are seen in order: the slot, then this)
         self._wait(seq)
-        parts = [s[buf][:n].view(x.dtype).view(x.shape) for s in self.slots]
         torch.add(parts[0], parts[1], out=x)
         for p in parts[2:]:
             x.add_(p)
@@ -97,13 +107,14 @@ class HostAllReduce:
 
     def _wait(self, seq: int) -> None:
         seqs, deadline = self.seqs, None
-        while bool((seqs < seq).any()):
-            os.sched_yield()  # (more ranks than cores: let the one being waited for run)
-            if deadline is None:
-                deadline = time.monotonic() + TIMEOUT_S
-            elif time.monotonic() > deadline:
-                raise RuntimeError(f"shared-memory all-reduce: ranks {(seqs < seq).nonzero()}"
-                                   f" did not arrive in {TIMEOUT_S:.0f} s")
+        for r in self.others:
+            while seqs[r] < seq:
+                os.sched_yield()  # (more ranks than cores: let the one waited for run)
+                if deadline is None:
+                    deadline = time.monotonic() + TIMEOUT_S
+                elif time.monotonic() > deadline:
+                    raise RuntimeError(f"shared-memory all-reduce: rank {r} of the group did"
+                                       f" not arrive in {TIMEOUT_S:.0f} s")
 
 
 def host_identity() -> tuple[str, str]:

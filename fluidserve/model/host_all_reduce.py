@@ -19,6 +19,7 @@ from __future__ import annotations
 import logging
 import mmap
 import os
+import platform
 import socket
 import tempfile
 import time
@@ -32,6 +33,10 @@ log = logging.getLogger(__name__)
 LINE = 64  # bytes per rank's sequence number (its own cache line)
 SLOT_BYTES = 8 << 20  # per rank and buffer: 2048 rows of a 1024-wide float32 activation
 TIMEOUT_S = 600.0  # a rank that never arrives (it died: the executor stops the others)
+# A rank publishes its slot by storing its sequence number after the slot's bytes, with no
+# fence: others see them in that order only where the CPU keeps stores in order (x86's TSO;
+# an Arm CPU may not), so elsewhere the group keeps gloo.
+STORES_IN_ORDER = platform.machine().lower() in ("x86_64", "amd64", "i386", "i686")
 
 
 class HostAllReduce:
@@ -57,7 +62,7 @@ class HostAllReduce:
         world, index = dist.get_world_size(group), dist.get_rank(group)
         hosts: list = [None] * world
         dist.all_gather_object(hosts, host_identity(), group=group)
-        if len(set(hosts)) != 1:
+        if len(set(hosts)) != 1 or not STORES_IN_ORDER:
             return None
         size = LINE * world + 2 * world * slot_bytes
         path = [_new_mapping_file(size) if index == 0 else None]

@@ -173,8 +173,11 @@ def main() -> int:
     from fluidserve.model.builder import cached_model_dir
 
     model = str(cached_model_dir("200m-gqa", "bfloat16"))
-    cpu = next((ln.split(":", 1)[1].strip() for ln in open("/proc/cpuinfo")
-                if ln.startswith("model name")), "?")
+    info = {k.strip(): v.strip() for k, _, v in (ln.partition(":") for ln in
+                                                 open("/proc/cpuinfo").read().split("\n\n")[0]
+                                                 .splitlines())}
+    cpu = f"{info.get('model name', '?')}, family {info.get('cpu family', '?')} model" \
+        f" {info.get('model', '?')}"
     res = {"started": time.strftime("%Y-%m-%d %H:%M"), "cpu": cpu, "model": model,
            "saturated_n": args.saturated_n, "poisson_n": args.poisson_n, "rate": args.rate}
     res["throughput"] = throughput(model, args)

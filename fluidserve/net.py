@@ -1,6 +1,6 @@
 """Localhost helpers shared by the launchers, benchmarks and tests: a free port, a
 rendezvous store and collective sockets that stay on the loopback interface, waiting until a
-server process answers ``/health``, and stopping it."""
+server process answers ``/health``, and stopping it; this boot of the host's kernel."""
 
 from __future__ import annotations
 
@@ -9,7 +9,20 @@ import socket
 import subprocess
 import threading
 import time
+import uuid
 from concurrent.futures import ThreadPoolExecutor
+from functools import cache
+
+
+@cache
+def boot_id() -> str:
+    """This boot of the kernel: processes that share it share the host's clock and memory.
+    Not Linux: an id of this process's own (nothing is taken to be shared)."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            return f.read().strip()
+    except OSError:
+        return uuid.uuid4().hex
 
 
 def free_port() -> int:

@@ -28,11 +28,10 @@ and, once it holds nothing, sends it ``SetRole``.
 from __future__ import annotations
 
 import time
-import uuid
 from dataclasses import dataclass
-from functools import cache
 
 from fluidserve.disagg.dispatch import DecodeLoad
+from fluidserve.net import boot_id
 from fluidserve.request import Request
 
 # A request's timestamps are its instance's monotonic clock. Instances that share a kernel
@@ -43,22 +42,13 @@ from fluidserve.request import Request
 ClockStamp = tuple[str, float]  # (kernel boot id, monotonic time when sent)
 
 
-@cache
-def _boot_id() -> str:
-    try:
-        with open("/proc/sys/kernel/random/boot_id") as f:
-            return f.read().strip()
-    except OSError:  # not Linux: a clock of this process's own
-        return uuid.uuid4().hex
-
-
 def clock_stamp() -> ClockStamp:
-    return _boot_id(), time.monotonic()
+    return boot_id(), time.monotonic()
 
 
 def clock_offset(stamp: ClockStamp | None) -> float:
     """What to add to the sender's times to put them on this process's clock."""
-    if stamp is None or stamp[0] == _boot_id():
+    if stamp is None or stamp[0] == boot_id():
         return 0.0
     return time.monotonic() - stamp[1]
 

@@ -28,6 +28,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from fluidserve.net import boot_id
+
 log = logging.getLogger(__name__)
 
 LINE = 64  # bytes per rank's sequence number (its own cache line)
@@ -124,13 +126,9 @@ class HostAllReduce:
 
 def host_identity() -> tuple[str, str]:
     """This host, as ranks on it see it: its name and this boot's id (containers on one
-    machine may share a name without sharing /dev/shm)."""
-    try:
-        with open("/proc/sys/kernel/random/boot_id") as f:
-            boot = f.read().strip()
-    except OSError:
-        boot = ""
-    return socket.gethostname(), boot
+    machine share the boot and may share a name without sharing /dev/shm: those find the
+    mapping missing)."""
+    return socket.gethostname(), boot_id()
 
 
 def _new_mapping_file(size: int) -> str | None:
